@@ -1,0 +1,98 @@
+"""End to end: dataset files -> plan file, and plan file (+ dataset) -> violations.
+
+What the CLI's ``build`` and ``validate`` do, as library calls.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from batchplan.config import PlanConfig
+from batchplan.errors import ConfigError
+from batchplan.lengths import find_parquet_files, read_lengths
+
+__all__ = ["Progress", "build_plan_file", "validate_plan_file"]
+
+PathLike = str | os.PathLike
+
+
+class Progress(Protocol):
+    """Receives progress: ``stage`` starts a stage and returns its ``advance(n)``."""
+
+    def stage(self, description: str, total: int | None) -> Callable[[int], None]: ...
+
+
+def build_plan_file(
+    dataset: PathLike | Sequence[PathLike],
+    output: PathLike,
+    config: PlanConfig,
+    *,
+    length_column: str = "length",
+    tokens_column: str = "input_ids",
+    loss_tokens_column: str | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Read lengths, plan every epoch, write the plan atomically; return its metadata."""
+    from batchplan.plan_file import write_plan
+    from batchplan.planner import build_plan
+
+    output = Path(output)
+    files = find_parquet_files(dataset)
+    _check_output(output, files)
+    advance = _stage(progress, "reading lengths", len(files))
+    lengths = read_lengths(
+        files, length_column=length_column, tokens_column=tokens_column, loss_tokens_column=loss_tokens_column
+    )
+    advance(len(files))
+    advance = _stage(progress, "planning epochs", config.epochs)
+    plan = build_plan(lengths.lengths, config, loss_tokens=lengths.loss_tokens, on_epoch=lambda _: advance(1))
+    advance = _stage(progress, "writing plan", config.epochs * config.world_size)
+    source = {
+        "files": [[path, rows] for path, rows in lengths.files],
+        "length_column": lengths.column,
+        "loss_tokens_column": loss_tokens_column,
+    }
+    return write_plan(
+        plan, output, dataset=source, lengths_fingerprint=lengths.fingerprint(), on_batch=lambda _: advance(1)
+    )
+
+
+def validate_plan_file(plan_path: PathLike, dataset: PathLike | Sequence[PathLike] | None = None):
+    """Open a plan and check every guarantee, against the dataset when given.
+
+    Returns:
+        ``(violations, description)``: the list of `Violation` and what was checked.
+    """
+    from batchplan.plan_file import open_plan
+    from batchplan.validate import validate_plan
+
+    plan = open_plan(plan_path)
+    if not dataset:
+        return validate_plan(plan), f"{plan.num_epochs} epoch(s), {plan.world_size} rank(s)"
+    source = plan.metadata.get("dataset") or {}
+    column = source.get("length_column", "length")  # the column actually used: integer or list
+    lengths = read_lengths(
+        dataset, length_column=column, tokens_column=column, loss_tokens_column=source.get("loss_tokens_column")
+    )
+    violations = validate_plan(plan, lengths.lengths, lengths.loss_tokens)
+    return violations, f"{plan.num_epochs} epoch(s), {plan.world_size} rank(s), {lengths.num_samples:,} samples"
+
+
+def _check_output(output: Path, inputs: list[Path]) -> None:
+    if not output.parent.is_dir():
+        raise ConfigError(f"output directory {output.parent} does not exist; create it or choose another -o")
+    if output.is_dir():
+        raise ConfigError(f"output {output} is a directory; give a file path such as {output / 'plan.arrow'}")
+    resolved = output.resolve()
+    for path in inputs:
+        if path.resolve() == resolved:
+            raise ConfigError(f"output {output} is also an input file; choose another -o")
+
+
+def _stage(progress: Progress | None, description: str, total: int | None) -> Callable[[int], None]:
+    if progress is None:
+        return lambda _n: None
+    return progress.stage(description, total)

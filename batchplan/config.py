@@ -1,0 +1,139 @@
+"""The build configuration: one frozen, keyword-only dataclass that checks itself.
+
+The CLI builds it, library users build it, and the plan file stores it (``to_dict``),
+so a plan always says exactly how it was made. ``fingerprint`` is stable across
+processes and machines (canonical JSON, SHA-256).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Literal
+
+from batchplan.errors import ConfigError
+
+__all__ = ["MODES", "OVERSIZE_POLICIES", "PlanConfig"]
+
+MODES = ("pack", "pad")
+OVERSIZE_POLICIES = ("error", "drop", "truncate", "split")
+BALANCE_MODES = ("tokens",)
+
+# Pad mode sorts lengths inside windows of this many samples: large enough that
+# neighbours in a window have near-equal lengths (padding < 1 % on the shared data),
+# small enough that each window is a random slice of the epoch.
+DEFAULT_SHUFFLE_WINDOW = 16_384
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """How to turn sample lengths into a plan.
+
+    Attributes:
+        max_tokens: token cap of one micro-batch (pack: sum of lengths; pad: count x longest).
+        mode: ``"pack"`` (samples concatenated) or ``"pad"`` (samples padded to the longest).
+        world_size: number of data-parallel ranks.
+        epochs: number of epochs to plan.
+        seed: root of all randomness (``SeedSequence([seed, epoch, stream])``).
+        micro_batches: micro-batches per rank per step (default 1 unless ``tokens_per_step``).
+        tokens_per_step: global token target per step; micro-batches per step then vary.
+        oversize: what to do with samples longer than ``max_tokens``.
+        drop_empty: drop samples of length 0 (or null) instead of failing.
+        drop_last: drop an epoch's incomplete final step instead of completing it.
+        shuffle_window: pad mode: samples sorted by length inside windows of this size.
+        batch_multiple: pad mode: keep samples per micro-batch a multiple of this.
+        balance: what ranks are balanced on within a step.
+    """
+
+    max_tokens: int
+    mode: Literal["pack", "pad"] = "pack"
+    world_size: int = 1
+    epochs: int = 1
+    seed: int = 0
+    micro_batches: int | None = None
+    tokens_per_step: int | None = None
+    oversize: Literal["error", "drop", "truncate", "split"] = "error"
+    drop_empty: bool = False
+    drop_last: bool = False
+    shuffle_window: int = DEFAULT_SHUFFLE_WINDOW
+    batch_multiple: int = 1
+    balance: Literal["tokens"] = "tokens"
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, minimum=1, flag="--max-tokens")
+        _check_int("world_size", self.world_size, minimum=1, flag="--world-size")
+        _check_int("epochs", self.epochs, minimum=1, flag="--epochs")
+        _check_int("seed", self.seed, minimum=0, flag="--seed")
+        _check_int("shuffle_window", self.shuffle_window, minimum=1, flag="--shuffle-window")
+        _check_int("batch_multiple", self.batch_multiple, minimum=1, flag="--batch-multiple")
+        _check_choice("mode", self.mode, MODES)
+        _check_choice("oversize", self.oversize, OVERSIZE_POLICIES)
+        _check_choice("balance", self.balance, BALANCE_MODES)
+        if self.micro_batches is not None and self.tokens_per_step is not None:
+            raise ConfigError(
+                "--micro-batches and --tokens-per-step were both given; steps are sized "
+                "either by a fixed count of micro-batches per rank or by a global token "
+                "target, pass only one"
+            )
+        if self.micro_batches is not None:
+            _check_int("micro_batches", self.micro_batches, minimum=1, flag="--micro-batches")
+        if self.tokens_per_step is not None:
+            _check_int("tokens_per_step", self.tokens_per_step, minimum=1, flag="--tokens-per-step")
+            smallest = self.world_size * self.max_tokens
+            if self.tokens_per_step < smallest:
+                raise ConfigError(
+                    f"--tokens-per-step {self.tokens_per_step:,} is smaller than one micro-batch "
+                    f"per rank (world_size {self.world_size} x max_tokens {self.max_tokens:,} = "
+                    f"{smallest:,}); raise --tokens-per-step or use --micro-batches"
+                )
+        if self.batch_multiple > 1 and self.mode != "pad":
+            raise ConfigError(
+                f"--batch-multiple {self.batch_multiple} only applies to --mode pad "
+                f"(mode is {self.mode!r}); drop it or use --mode pad"
+            )
+        if self.batch_multiple > self.max_tokens:
+            raise ConfigError(
+                f"--batch-multiple {self.batch_multiple:,} cannot fit: a micro-batch of "
+                f"{self.batch_multiple:,} samples of length >= 1 exceeds max_tokens "
+                f"{self.max_tokens:,}; lower --batch-multiple"
+            )
+
+    @property
+    def micro_batches_per_step(self) -> int | None:
+        """Micro-batches per rank per step, or None when steps are sized by tokens."""
+        if self.tokens_per_step is not None:
+            return None
+        return 1 if self.micro_batches is None else self.micro_batches
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as plain JSON-able values."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> PlanConfig:
+        """Inverse of `to_dict`; unknown keys are an error (a newer plan's config)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown config keys {unknown}: the plan was made by a newer batchplan; upgrade it"
+            )
+        return cls(**values)
+
+    def fingerprint(self) -> str:
+        """SHA-256 (hex, 16 chars) of the canonical JSON of `to_dict`."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _check_int(name: str, value: object, *, minimum: int, flag: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{flag} must be >= {minimum}, got {value:,}")
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

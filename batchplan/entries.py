@@ -1,0 +1,129 @@
+"""Apply the empty and oversize policies: samples in, plan entries out.
+
+An entry is what a micro-batch holds: a sample, or a span of one when samples are
+truncated or split. The policies are the same for every epoch, so this runs once.
+Nothing is lost silently: each dropped sample is listed under its reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from numpy.typing import NDArray
+
+from batchplan.config import PlanConfig
+from batchplan.errors import DatasetError
+
+__all__ = ["Entries", "make_entries"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entries:
+    """The units the planner places.
+
+    Attributes:
+        sample: dataset row of each entry (int64).
+        start: first token of each entry within its sample, or None when every
+            entry is a whole sample.
+        length: tokens of each entry (int32).
+        loss_tokens: tokens carrying a label in each entry (int32).
+        dropped: reason -> sample indices left out of every epoch.
+    """
+
+    sample: NDArray[np.int64]
+    start: NDArray[np.int64] | None
+    length: NDArray[np.int32]
+    loss_tokens: NDArray[np.int32]
+    dropped: dict[str, NDArray[np.int64]]
+
+    @property
+    def num_entries(self) -> int:
+        return int(self.sample.shape[0])
+
+    @property
+    def has_spans(self) -> bool:
+        return self.start is not None
+
+
+def make_entries(
+    lengths: NDArray[np.integer],
+    config: PlanConfig,
+    loss_tokens: NDArray[np.integer] | None = None,
+) -> Entries:
+    """Turn sample lengths into entries under ``config.oversize`` and ``config.drop_empty``.
+
+    Raises:
+        DatasetError: empty samples without ``drop_empty``; oversize samples under
+            ``oversize="error"``; truncating or splitting when a loss-token column
+            is given (where the labelled tokens lie inside a sample is unknown).
+    """
+    lengths = np.asarray(lengths)
+    dropped: dict[str, NDArray[np.int64]] = {}
+    keep = np.ones(lengths.shape[0], dtype=bool)
+
+    empty = np.flatnonzero(lengths <= 0)
+    if empty.size:
+        if not config.drop_empty:
+            raise DatasetError(
+                f"{empty.size:,} samples are empty (length 0 or null; first: sample "
+                f"{int(empty[0]):,}); pass --drop-empty to leave them out"
+            )
+        dropped["empty"] = empty.astype(np.int64)
+        keep[empty] = False
+
+    oversize = np.flatnonzero(lengths > config.max_tokens)
+    if oversize.size:
+        _check_oversize(lengths, oversize, config, loss_tokens is not None)
+        if config.oversize == "drop":
+            dropped["oversize"] = oversize.astype(np.int64)
+            keep[oversize] = False
+
+    sample = np.flatnonzero(keep).astype(np.int64)
+    kept_lengths = lengths[sample].astype(np.int64)
+    if loss_tokens is None:
+        kept_loss = None
+    else:
+        kept_loss = np.asarray(loss_tokens)[sample].astype(np.int32)
+
+    if oversize.size and config.oversize in ("truncate", "split"):
+        return _spans(sample, kept_lengths, config, dropped)
+    loss = kept_loss if kept_loss is not None else (kept_lengths - 1).astype(np.int32)
+    return Entries(sample, None, kept_lengths.astype(np.int32), loss, dropped)
+
+
+def _check_oversize(lengths, oversize, config: PlanConfig, has_loss_column: bool) -> None:
+    longest = int(lengths[oversize].max())
+    first = int(oversize[0])
+    if config.oversize == "error":
+        raise DatasetError(
+            f"{oversize.size:,} samples are longer than max_tokens {config.max_tokens:,} "
+            f"(longest: {longest:,} tokens; first: sample {first:,} with "
+            f"{int(lengths[first]):,}); raise --max-tokens or pass --oversize "
+            "drop|truncate|split"
+        )
+    if has_loss_column and config.oversize in ("truncate", "split"):
+        raise DatasetError(
+            f"--oversize {config.oversize} cannot keep an exact loss-token count with a "
+            f"loss-tokens column: {oversize.size:,} samples exceed max_tokens "
+            f"{config.max_tokens:,} and where their labelled tokens lie is unknown; "
+            "use --oversize drop or raise --max-tokens"
+        )
+
+
+def _spans(sample, lengths, config: PlanConfig, dropped) -> Entries:
+    """Cut samples into spans of at most max_tokens (split) or keep the first (truncate)."""
+    cap = config.max_tokens
+    if config.oversize == "truncate":
+        pieces = np.ones(sample.shape[0], dtype=np.int64)
+    else:
+        pieces = (lengths + cap - 1) // cap
+    entry_sample = np.repeat(sample, pieces)
+    first_piece = np.cumsum(pieces) - pieces
+    # shape (entries,): index of each piece within its sample
+    piece = np.arange(entry_sample.shape[0], dtype=np.int64) - np.repeat(first_piece, pieces)
+    start = piece * cap
+    length = np.minimum(cap, np.repeat(lengths, pieces) - start)
+    # Each span is trained as its own sequence: its first token has no target.
+    loss = (length - 1).astype(np.int32)
+    return Entries(entry_sample, start, length.astype(np.int32), loss, dropped)

@@ -1,0 +1,80 @@
+"""Segment helpers: group items by label into CSR form, and per-segment reductions.
+
+A CSR grouping is ``(offsets, members)``: segment ``s`` holds
+``members[offsets[s]:offsets[s + 1]]``. All O(n), stable (items keep their order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["group_by_label", "segment_max", "segment_sum", "sum_by_label", "take_segments"]
+
+
+@njit(cache=True)
+def group_by_label(labels, num_labels):
+    """Stable counting sort of item indices by label (labels in 0..num_labels-1)."""
+    offsets = np.zeros(num_labels + 1, dtype=np.int64)
+    for label in labels:
+        offsets[label + 1] += 1
+    for label in range(num_labels):
+        offsets[label + 1] += offsets[label]
+    cursor = offsets[:-1].copy()
+    members = np.empty(labels.shape[0], dtype=np.int64)
+    for item in range(labels.shape[0]):
+        label = labels[item]
+        members[cursor[label]] = item
+        cursor[label] += 1
+    return offsets, members
+
+
+@njit(cache=True)
+def segment_sum(values, offsets):
+    """Sum of ``values`` over each segment ``[offsets[s], offsets[s + 1])`` as int64."""
+    num_segments = offsets.shape[0] - 1
+    out = np.zeros(num_segments, dtype=np.int64)
+    for segment in range(num_segments):
+        total = 0
+        for i in range(offsets[segment], offsets[segment + 1]):
+            total += values[i]
+        out[segment] = total
+    return out
+
+
+@njit(cache=True)
+def segment_max(values, offsets):
+    """Largest value of each segment; 0 for an empty segment."""
+    num_segments = offsets.shape[0] - 1
+    out = np.zeros(num_segments, dtype=np.int64)
+    for segment in range(num_segments):
+        best = 0
+        for i in range(offsets[segment], offsets[segment + 1]):
+            if values[i] > best:
+                best = values[i]
+        out[segment] = best
+    return out
+
+
+@njit(cache=True)
+def sum_by_label(labels, values, num_labels):
+    """Sum of ``values`` per label as int64."""
+    out = np.zeros(num_labels, dtype=np.int64)
+    for i in range(labels.shape[0]):
+        out[labels[i]] += values[i]
+    return out
+
+
+@njit(cache=True)
+def take_segments(offsets, members, order):
+    """Reorder segments: new segment ``i`` is old segment ``order[i]``."""
+    num_segments = order.shape[0]
+    new_offsets = np.zeros(num_segments + 1, dtype=np.int64)
+    for i in range(num_segments):
+        old = order[i]
+        new_offsets[i + 1] = new_offsets[i] + offsets[old + 1] - offsets[old]
+    new_members = np.empty(new_offsets[num_segments], dtype=members.dtype)
+    for i in range(num_segments):
+        old = order[i]
+        new_members[new_offsets[i] : new_offsets[i + 1]] = members[offsets[old] : offsets[old + 1]]
+    return new_offsets, new_members

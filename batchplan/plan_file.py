@@ -1,0 +1,337 @@
+"""The plan file: Arrow IPC (file format), one record batch per (epoch, rank).
+
+Batch ``epoch * world_size + rank`` holds that rank's micro-batches of that epoch in
+(step, micro) order, so a rank reads only its rows, through a memory map, in O(its
+rows). Schema metadata key ``batchplan`` holds JSON: format version, config, input
+fingerprint, what was dropped and why, versions, and a hash of the content that
+`PlanFile.verify` recomputes. Files are written to a temporary name and renamed, so
+an interrupted write never leaves a partial plan. See docs/plan-format.md.
+
+This module never imports numba: the runtime reads plans through it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+from numpy.typing import NDArray
+
+from batchplan.errors import PlanFormatError
+
+if TYPE_CHECKING:
+    from batchplan.planner import EpochPlan, Plan
+
+__all__ = ["FORMAT_VERSION", "METADATA_KEY", "PlanFile", "open_plan", "plan_metadata", "write_plan"]
+
+FORMAT_VERSION = 1
+METADATA_KEY = b"batchplan"
+REQUIRED_COLUMNS = (
+    "epoch", "step", "rank", "micro", "samples", "tokens", "loss_tokens", "step_loss_tokens",
+)  # fmt: skip
+_INT32_LIMIT = 2**31
+
+
+def plan_schema(num_samples: int, has_spans: bool, metadata: dict[str, Any] | None = None) -> pa.Schema:
+    """The schema of a plan; ``samples`` holds int32 below 2^31 samples, else int64."""
+    index = pa.int32() if num_samples < _INT32_LIMIT else pa.int64()
+    fields = [
+        pa.field("epoch", pa.int32(), nullable=False),
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("rank", pa.int32(), nullable=False),
+        pa.field("micro", pa.int32(), nullable=False),
+        pa.field("num_micro", pa.int32(), nullable=False),
+        pa.field("samples", pa.list_(pa.field("item", index, nullable=False)), nullable=False),
+        pa.field("tokens", pa.int64(), nullable=False),
+        pa.field("loss_tokens", pa.int64(), nullable=False),
+        pa.field("padded_tokens", pa.int64(), nullable=False),
+        pa.field("step_tokens", pa.int64(), nullable=False),
+        pa.field("step_loss_tokens", pa.int64(), nullable=False),
+        pa.field("tokens_before_step", pa.int64(), nullable=False),
+    ]
+    if has_spans:
+        fields.append(pa.field("starts", pa.list_(pa.field("item", pa.int64(), nullable=False)), nullable=False))
+        fields.append(pa.field("lengths", pa.list_(pa.field("item", pa.int32(), nullable=False)), nullable=False))
+    encoded = None if metadata is None else {METADATA_KEY: _dump_json(metadata)}
+    return pa.schema(fields, metadata=encoded)
+
+
+def write_plan(
+    plan: Plan,
+    path: str | os.PathLike,
+    *,
+    dataset: dict[str, Any] | None = None,
+    lengths_fingerprint: str | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Write ``plan`` atomically to ``path``; return the metadata written.
+
+    Args:
+        plan: the plan to write.
+        path: destination; its directory must exist. An existing file is replaced
+            only once the new one is complete.
+        dataset: description of the input (files, column), stored in the metadata.
+        lengths_fingerprint: fingerprint of the input lengths (`fingerprint_lengths`).
+        on_batch: called after each record batch is built (progress bars).
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise PlanFormatError(f"{path}: directory {path.parent} does not exist; create it first")
+    batches = list(_record_batches(plan, on_batch))
+    metadata = plan_metadata(plan, dataset=dataset, lengths_fingerprint=lengths_fingerprint)
+    metadata["content_hash"] = _content_hash(batches)
+    schema = plan_schema(plan.num_samples, plan.entries.has_spans, metadata)
+    with _atomic_path(path) as temporary:
+        with pa.OSFile(str(temporary), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+            for batch in batches:
+                writer.write_batch(batch.replace_schema_metadata(schema.metadata))
+    return metadata
+
+
+def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None) -> dict[str, Any]:
+    """The JSON metadata of a plan (everything but the content hash)."""
+    import numba
+
+    from batchplan import __version__
+
+    config = plan.config
+    dropped: dict[str, Any] = {reason: samples.tolist() for reason, samples in plan.entries.dropped.items()}
+    last = {str(e.epoch): _dropped_samples(plan, e) for e in plan.epochs if e.dropped_entries.size}
+    if last:
+        dropped["drop_last"] = last
+    return {
+        "format_version": FORMAT_VERSION,
+        "num_samples": plan.num_samples,
+        "num_entries": plan.entries.num_entries,
+        "world_size": config.world_size,
+        "max_tokens": config.max_tokens,
+        "mode": config.mode,
+        "epochs": config.epochs,
+        "seed": config.seed,
+        "config": config.to_dict(),
+        "config_fingerprint": config.fingerprint(),
+        "lengths_fingerprint": lengths_fingerprint,
+        "dataset": dataset,
+        "has_spans": plan.entries.has_spans,
+        "steps_per_epoch": [e.num_steps for e in plan.epochs],
+        "rows_per_rank": [e.rows_per_rank for e in plan.epochs],
+        "dropped": dropped,
+        "versions": {
+            "batchplan": __version__,
+            "numpy": np.__version__,
+            "numba": numba.__version__,
+            "pyarrow": pa.__version__,
+        },
+    }
+
+
+def _dropped_samples(plan: Plan, epoch: EpochPlan) -> list[int]:
+    return np.unique(plan.entries.sample[epoch.dropped_entries]).tolist()
+
+
+def _record_batches(plan: Plan, on_batch) -> Iterator[pa.RecordBatch]:
+    schema = plan_schema(plan.num_samples, plan.entries.has_spans)
+    step_base = 0
+    tokens_base = 0
+    for epoch in plan.epochs:
+        # shape (num_steps,): global tokens before each step, counting across epochs
+        before = tokens_base + np.cumsum(epoch.step_tokens) - epoch.step_tokens
+        for rank in range(epoch.world_size):
+            rows = slice(rank * epoch.rows_per_rank, (rank + 1) * epoch.rows_per_rank)
+            yield _rank_batch(schema, plan, epoch, rows, step_base, before)
+            if on_batch is not None:
+                on_batch(epoch.epoch * epoch.world_size + rank)
+        step_base += epoch.num_steps
+        tokens_base += int(epoch.step_tokens.sum())
+
+
+def _rank_batch(schema, plan, epoch: EpochPlan, rows: slice, step_base: int, before) -> pa.RecordBatch:
+    local_step = epoch.step[rows]
+    offsets = epoch.offsets[rows.start : rows.stop + 1]
+    members = epoch.members[offsets[0] : offsets[-1]]
+    list_offsets = offsets - offsets[0]
+    if list_offsets[-1] >= _INT32_LIMIT:
+        raise PlanFormatError("one rank's epoch holds more than 2^31 entries; raise world_size")
+    list_offsets = pa.array(list_offsets.astype(np.int32))
+    index_type = schema.field("samples").type.value_type
+    columns = {
+        "epoch": np.full(local_step.shape[0], epoch.epoch, dtype=np.int32),
+        "step": local_step + step_base,
+        "rank": epoch.rank[rows],
+        "micro": epoch.micro[rows],
+        "num_micro": epoch.num_micro[rows],
+        "samples": _list_array(list_offsets, plan.entries.sample[members], index_type),
+        "tokens": epoch.tokens[rows],
+        "loss_tokens": epoch.loss_tokens[rows],
+        "padded_tokens": epoch.padded_tokens[rows],
+        "step_tokens": epoch.step_tokens[local_step],
+        "step_loss_tokens": epoch.step_loss_tokens[local_step],
+        "tokens_before_step": before[local_step],
+    }
+    if plan.entries.has_spans:
+        columns["starts"] = _list_array(list_offsets, plan.entries.start[members], pa.int64())
+        columns["lengths"] = _list_array(list_offsets, plan.entries.length[members], pa.int32())
+    arrays = [pa.array(columns[f.name], type=f.type) if f.name not in ("samples", "starts", "lengths")
+              else columns[f.name] for f in schema]  # fmt: skip
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def _list_array(offsets: pa.Array, values: NDArray, value_type: pa.DataType) -> pa.ListArray:
+    return pa.ListArray.from_arrays(offsets, pa.array(values, type=value_type))
+
+
+def _content_hash(batches) -> str:
+    """BLAKE2b over the logical values of every column of every batch, in order."""
+    digest = hashlib.blake2b(digest_size=16)
+    for batch in batches:
+        for column in batch.columns:
+            if pa.types.is_list(column.type):
+                offsets = column.offsets.to_numpy()
+                digest.update((offsets - offsets[0]).astype("<i8").tobytes())
+                values = column.values.slice(offsets[0], offsets[-1] - offsets[0])
+                digest.update(values.to_numpy().astype(f"<i{values.type.bit_width // 8}").tobytes())
+            else:
+                digest.update(column.to_numpy().tobytes())
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _atomic_path(path: Path) -> Iterator[Path]:
+    """A temporary path beside ``path``, renamed onto it on success, removed on failure."""
+    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(handle)
+    temporary = Path(name)
+    try:
+        yield temporary
+        with open(temporary, "rb+") as written:
+            os.fsync(written.fileno())
+        os.chmod(temporary, 0o666 & ~_current_umask())  # mkstemp made it 0600
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _dump_json(metadata: dict[str, Any]) -> bytes:
+    return json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode()
+
+
+class PlanFile:
+    """A plan opened by memory map; reading one rank's epoch touches only its rows.
+
+    Attributes:
+        path: the file.
+        metadata: the decoded ``batchplan`` metadata.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        try:
+            self._source = pa.memory_map(str(self.path), "r")
+            self._reader = pa.ipc.open_file(self._source)
+        except FileNotFoundError as error:
+            raise PlanFormatError(f"{self.path}: no such plan file") from error
+        except (pa.ArrowException, OSError) as error:
+            raise PlanFormatError(f"{self.path}: not a batchplan plan (not an Arrow IPC file: {error})") from error
+        self.metadata = self._decode_metadata()
+        self._check_schema()
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._reader.schema
+
+    @property
+    def world_size(self) -> int:
+        return int(self.metadata["world_size"])
+
+    @property
+    def num_epochs(self) -> int:
+        return int(self.metadata["epochs"])
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.metadata["num_samples"])
+
+    @property
+    def num_steps(self) -> int:
+        return int(sum(self.metadata["steps_per_epoch"]))
+
+    def read_rank(self, epoch: int, rank: int) -> pa.RecordBatch:
+        """This rank's micro-batches of this epoch, in (step, micro) order."""
+        if not 0 <= epoch < self.num_epochs:
+            raise PlanFormatError(f"{self.path}: epoch {epoch} is outside the plan's 0..{self.num_epochs - 1}")
+        if not 0 <= rank < self.world_size:
+            raise PlanFormatError(f"{self.path}: rank {rank} is outside the plan's 0..{self.world_size - 1}")
+        try:
+            return self._reader.get_batch(epoch * self.world_size + rank)
+        except (pa.ArrowException, OSError) as error:
+            raise PlanFormatError(f"{self.path}: cannot read epoch {epoch} rank {rank} ({error})") from error
+
+    def read_epoch(self, epoch: int) -> pa.Table:
+        """Every rank's micro-batches of one epoch, rank-major."""
+        return pa.Table.from_batches([self.read_rank(epoch, r) for r in range(self.world_size)], self.schema)
+
+    def read_all(self) -> pa.Table:
+        """The whole plan as one table (epoch-major, then rank)."""
+        try:
+            return self._reader.read_all()
+        except (pa.ArrowException, OSError) as error:
+            raise PlanFormatError(f"{self.path}: cannot read the plan ({error})") from error
+
+    def verify(self) -> None:
+        """Recompute the content hash; raise `PlanFormatError` if the file was altered."""
+        batches = [self._reader.get_batch(i) for i in range(self._reader.num_record_batches)]
+        found = _content_hash(batches)
+        if found != self.metadata.get("content_hash"):
+            raise PlanFormatError(
+                f"{self.path}: content hash {found} does not match the recorded "
+                f"{self.metadata.get('content_hash')}; the file is corrupt, rebuild it"
+            )
+
+    def _decode_metadata(self) -> dict[str, Any]:
+        raw = (self._reader.schema.metadata or {}).get(METADATA_KEY)
+        if raw is None:
+            raise PlanFormatError(f"{self.path}: Arrow file without batchplan metadata; not a plan")
+        try:
+            metadata = json.loads(raw)
+        except ValueError as error:
+            raise PlanFormatError(f"{self.path}: batchplan metadata is not valid JSON ({error})") from error
+        version = metadata.get("format_version") if isinstance(metadata, dict) else None
+        if not isinstance(version, int):
+            raise PlanFormatError(f"{self.path}: batchplan metadata has no format_version")
+        if version > FORMAT_VERSION:
+            raise PlanFormatError(
+                f"{self.path}: plan format version {version} is newer than this batchplan "
+                f"reads ({FORMAT_VERSION}); upgrade batchplan"
+            )
+        return metadata
+
+    def _check_schema(self) -> None:
+        missing = [name for name in REQUIRED_COLUMNS if name not in self.schema.names]
+        if missing:
+            raise PlanFormatError(f"{self.path}: required column(s) {missing} missing; not a valid plan")
+        expected = self.num_epochs * self.world_size
+        if self._reader.num_record_batches != expected:
+            raise PlanFormatError(
+                f"{self.path}: {self._reader.num_record_batches} record batches, expected "
+                f"{expected} (epochs {self.num_epochs} x world_size {self.world_size})"
+            )
+
+
+def open_plan(path: str | os.PathLike) -> PlanFile:
+    """Open a plan file by memory map (see `PlanFile`)."""
+    return PlanFile(path)

@@ -1,0 +1,244 @@
+"""Plan every epoch: shuffle, form micro-batches, group them into steps, assign ranks.
+
+Per epoch, with randomness only from ``SeedSequence([seed, epoch, stream])``:
+
+1. micro-batches: ``pack`` = best-fit decreasing with seeded tie-breaking;
+   ``pad`` = seeded shuffle, sort inside windows, greedy cut (count x longest <= cap);
+2. their order is shuffled;
+3. consecutive groups of ``world_size`` micro-batches ("chunks") form steps: a fixed
+   number of chunks per step, or as many as bring the step closest to a token target.
+   An incomplete final chunk is completed by splitting micro-batches, then with
+   empty micro-batches (zero-weight dummies at run time), or dropped (``drop_last``);
+4. inside each step, micro-batches go to ranks (equal counts, balanced tokens).
+
+Rows come out ordered by (rank, step, micro), so one rank's rows of an epoch are
+contiguous. Cost: O(n log C) to pack, O(n) for the rest, per epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+from numpy.typing import NDArray
+
+from batchplan.config import PlanConfig
+from batchplan.entries import Entries, make_entries
+from batchplan.errors import DatasetError
+from batchplan.kernels.balance import assign_ranks
+from batchplan.kernels.pack import pack_items
+from batchplan.kernels.pad import cut_padded
+from batchplan.kernels.segments import (
+    group_by_label,
+    segment_max,
+    segment_sum,
+    sum_by_label,
+    take_segments,
+)
+from batchplan.kernels.steps import steps_by_tokens
+
+__all__ = ["EpochPlan", "Plan", "build_plan", "epoch_rng", "plan_epoch"]
+
+# Independent random streams of one epoch.
+STREAM_ENTRY_ORDER = 0
+STREAM_MICRO_BATCH_ORDER = 1
+
+
+def epoch_rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
+    """The only source of randomness in batchplan."""
+    return np.random.default_rng(np.random.SeedSequence([seed, epoch, stream]))
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochPlan:
+    """One epoch's micro-batches, rows ordered by (rank, step, micro).
+
+    Every rank has the same number of rows (``rows_per_rank``); rank ``r`` holds rows
+    ``r * rows_per_rank`` to ``(r + 1) * rows_per_rank``. Row ``i`` holds entries
+    ``members[offsets[i]:offsets[i + 1]]`` (indices into `Entries`).
+    """
+
+    epoch: int
+    world_size: int
+    offsets: NDArray[np.int64]
+    members: NDArray[np.int64]
+    step: NDArray[np.int64]  # epoch-local step of each row
+    rank: NDArray[np.int32]
+    micro: NDArray[np.int32]
+    num_micro: NDArray[np.int32]  # micro-batches per rank in the row's step
+    tokens: NDArray[np.int64]
+    loss_tokens: NDArray[np.int64]
+    padded_tokens: NDArray[np.int64]  # count x longest in pad mode, tokens in pack mode
+    step_tokens: NDArray[np.int64]  # per epoch-local step, all ranks
+    step_loss_tokens: NDArray[np.int64]
+    dropped_entries: NDArray[np.int64]  # entries left out by drop_last
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.step_tokens.shape[0])
+
+    @property
+    def rows_per_rank(self) -> int:
+        return self.num_rows // self.world_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A whole plan in memory: the config, the entries, and every epoch."""
+
+    config: PlanConfig
+    num_samples: int
+    entries: Entries
+    epochs: tuple[EpochPlan, ...]
+
+    @property
+    def num_steps(self) -> int:
+        return sum(epoch.num_steps for epoch in self.epochs)
+
+
+def build_plan(
+    lengths: NDArray[np.integer],
+    config: PlanConfig,
+    *,
+    loss_tokens: NDArray[np.integer] | None = None,
+    on_epoch: Callable[[int], None] | None = None,
+) -> Plan:
+    """Plan all epochs of ``config`` for samples of the given lengths.
+
+    Args:
+        lengths: tokens of each sample, in dataset row order.
+        config: the build configuration.
+        loss_tokens: tokens carrying a label per sample (default: length - 1).
+        on_epoch: called with each epoch index once it is planned (progress bars).
+
+    Raises:
+        DatasetError: the lengths break a policy of ``config``, or nothing is left.
+    """
+    lengths = np.asarray(lengths)
+    entries = make_entries(lengths, config, loss_tokens)
+    if entries.num_entries == 0:
+        dropped = ", ".join(f"{v.size:,} {k}" for k, v in entries.dropped.items())
+        raise DatasetError(f"no samples left to plan after dropping {dropped or 'none'}")
+    epochs = []
+    for epoch in range(config.epochs):
+        epochs.append(plan_epoch(entries, config, epoch))
+        if on_epoch is not None:
+            on_epoch(epoch)
+    return Plan(config=config, num_samples=int(lengths.shape[0]), entries=entries, epochs=tuple(epochs))
+
+
+def plan_epoch(entries: Entries, config: PlanConfig, epoch: int) -> EpochPlan:
+    """Plan one epoch (see the module docstring)."""
+    offsets, members = _form_micro_batches(entries, config, epoch_rng(config.seed, epoch, STREAM_ENTRY_ORDER))
+    shuffle = epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER).permutation(offsets.shape[0] - 1)
+    offsets, members = take_segments(offsets, members, shuffle)
+    offsets, members, dropped = _fill_last_chunk(offsets, members, entries.length, config)
+    tokens = segment_sum(entries.length[members], offsets)
+    step_offsets = _step_offsets(tokens, config)
+    rank, micro = assign_ranks(tokens, step_offsets, config.world_size)
+    return _assemble(entries, config, epoch, offsets, members, tokens, step_offsets, rank, micro, dropped)
+
+
+def _form_micro_batches(entries: Entries, config: PlanConfig, rng: np.random.Generator):
+    order = rng.permutation(entries.num_entries)
+    if config.mode == "pack":
+        bins = pack_items(entries.length, order, config.max_tokens)
+        return group_by_label(bins, int(bins.max()) + 1)
+    return cut_padded(entries.length, order, config.shuffle_window, config.max_tokens, config.batch_multiple)
+
+
+def _fill_last_chunk(offsets, members, entry_lengths, config: PlanConfig):
+    """Make the micro-batch count a multiple of world_size, or drop the remainder.
+
+    Returns the new CSR and the entries dropped (``drop_last``).
+    """
+    world_size = config.world_size
+    count = offsets.shape[0] - 1
+    no_drop = np.zeros(0, dtype=np.int64)
+    if config.drop_last:
+        per_step = world_size * (config.micro_batches_per_step or 1)
+        keep = count - count % per_step
+        return offsets[: keep + 1], members[: offsets[keep]], members[offsets[keep] :].copy()
+    partial = count % world_size
+    if partial == 0:
+        return offsets, members, no_drop
+    full = count - partial
+    # The last chunk: split its largest micro-batches in two, then add empties.
+    batches = [members[offsets[i] : offsets[i + 1]] for i in range(full, count)]
+    while len(batches) < world_size:
+        splittable = [i for i, b in enumerate(batches) if b.shape[0] > 1]
+        if not splittable:
+            break
+        largest = max(splittable, key=lambda i: int(entry_lengths[batches[i]].sum()))
+        batches.extend(_halve(batches.pop(largest), entry_lengths))
+    batches.extend(np.zeros(0, dtype=np.int64) for _ in range(world_size - len(batches)))
+    sizes = np.array([b.shape[0] for b in batches], dtype=np.int64)
+    new_offsets = np.concatenate([offsets[: full + 1], offsets[full] + np.cumsum(sizes)])
+    new_members = np.concatenate([members[: offsets[full]], *batches])
+    return new_offsets, new_members, no_drop
+
+
+def _halve(batch: NDArray[np.int64], entry_lengths) -> list[NDArray[np.int64]]:
+    """Split a micro-batch into a prefix and suffix of about equal tokens (both non-empty)."""
+    cumulative = np.cumsum(entry_lengths[batch])
+    cut = int(np.searchsorted(cumulative, cumulative[-1] / 2))
+    cut = min(max(cut, 1), batch.shape[0] - 1)
+    return [batch[:cut], batch[cut:]]
+
+
+def _step_offsets(tokens: NDArray[np.int64], config: PlanConfig) -> NDArray[np.int64]:
+    """Step boundaries over the (shuffled) micro-batches; each step a whole number of chunks."""
+    world_size = config.world_size
+    num_chunks = tokens.shape[0] // world_size
+    per_step = config.micro_batches_per_step
+    if per_step is not None:
+        chunk_offsets = np.append(np.arange(0, num_chunks, per_step), num_chunks)
+        if num_chunks == 0:
+            chunk_offsets = np.zeros(1, dtype=np.int64)
+    else:
+        # shape (num_chunks, world_size): one micro-batch per rank in each chunk
+        chunk_tokens = tokens.reshape(num_chunks, world_size).sum(axis=1)
+        chunk_offsets = steps_by_tokens(chunk_tokens, config.tokens_per_step)
+    return chunk_offsets.astype(np.int64) * world_size
+
+
+def _assemble(entries, config, epoch, offsets, members, tokens, step_offsets, rank, micro, dropped) -> EpochPlan:
+    """Reorder micro-batches by (rank, step, micro) and compute the per-row columns."""
+    world_size = config.world_size
+    num_steps = step_offsets.shape[0] - 1
+    per_rank = np.diff(step_offsets) // world_size  # micro-batches per rank, each step
+    before = np.concatenate([[0], np.cumsum(per_rank)])  # per rank, rows before each step
+    rows_per_rank = int(before[-1])
+    step = np.repeat(np.arange(num_steps, dtype=np.int64), np.diff(step_offsets))
+    row = rank * rows_per_rank + before[step] + micro
+    by_row = np.empty_like(row)
+    by_row[row] = np.arange(row.shape[0], dtype=np.int64)
+    offsets, members = take_segments(offsets, members, by_row)
+    tokens = tokens[by_row]
+    step = step[by_row]
+    loss_tokens = segment_sum(entries.loss_tokens[members], offsets)
+    if config.mode == "pad":
+        padded = np.diff(offsets) * segment_max(entries.length[members], offsets)
+    else:
+        padded = tokens
+    return EpochPlan(
+        epoch=epoch,
+        world_size=world_size,
+        offsets=offsets,
+        members=members,
+        step=step,
+        rank=rank[by_row].astype(np.int32),
+        micro=micro[by_row].astype(np.int32),
+        num_micro=per_rank[step].astype(np.int32),
+        tokens=tokens,
+        loss_tokens=loss_tokens,
+        padded_tokens=padded,
+        step_tokens=sum_by_label(step, tokens, num_steps),
+        step_loss_tokens=sum_by_label(step, loss_tokens, num_steps),
+        dropped_entries=dropped,
+    )

@@ -1,0 +1,91 @@
+"""Summary statistics of a plan, for `batchplan inspect` and for library users.
+
+All numbers come from the plan file alone (no dataset needed). Definitions:
+- ``fill``: real tokens / (micro-batches x max_tokens), over all steps but each
+  epoch's last (which may hold split or empty micro-batches): packing efficiency.
+- ``padding_fraction``: padding / (count x longest) over all micro-batches (pad mode;
+  0 in pack mode).
+- ``token_imbalance``: mean over steps of (max rank tokens / mean rank tokens - 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from batchplan.plan_file import PlanFile
+
+__all__ = ["summarize_plan"]
+
+
+def summarize_plan(plan: PlanFile) -> dict[str, Any]:
+    """Key numbers of a plan as a JSON-able dict."""
+    meta = plan.metadata
+    table = plan.read_all()
+    world_size = plan.world_size
+    step = table.column("step").to_numpy()
+    rank = table.column("rank").to_numpy()
+    tokens = table.column("tokens").to_numpy()
+    padded = table.column("padded_tokens").to_numpy()
+    counts = np.diff(table.column("samples").combine_chunks().offsets.to_numpy())
+    num_steps = plan.num_steps
+
+    last_steps = np.cumsum(meta["steps_per_epoch"]) - 1
+    not_last = ~np.isin(step, last_steps)
+    capacity = int(not_last.sum()) * plan.metadata["max_tokens"]
+    # shape (num_steps, world_size): tokens of each rank in each step
+    rank_tokens = np.bincount(step * world_size + rank, weights=tokens, minlength=num_steps * world_size)
+    rank_tokens = rank_tokens.reshape(num_steps, world_size)
+    imbalance = _imbalance(rank_tokens)
+    step_tokens = rank_tokens.sum(axis=1)
+    micro_per_step = np.bincount(step, minlength=num_steps) // world_size
+    dropped = meta.get("dropped", {})
+    return {
+        "num_samples": plan.num_samples,
+        "num_epochs": plan.num_epochs,
+        "num_steps": num_steps,
+        "world_size": world_size,
+        "mode": meta["mode"],
+        "max_tokens": meta["max_tokens"],
+        "micro_batches": int(tokens.shape[0]),
+        "empty_micro_batches": int((counts == 0).sum()),
+        "tokens": int(tokens.sum()),
+        "loss_tokens": int(table.column("loss_tokens").to_numpy().sum()),
+        "fill": float(tokens[not_last].sum() / capacity) if capacity else 0.0,
+        "padding_fraction": float(1.0 - tokens.sum() / padded.sum()) if padded.sum() else 0.0,
+        "token_imbalance": float(imbalance.mean()) if imbalance.size else 0.0,
+        "token_imbalance_p99": float(np.percentile(imbalance, 99)) if imbalance.size else 0.0,
+        "tokens_per_step": _spread(step_tokens),
+        "micro_batches_per_rank_per_step": _spread(micro_per_step),
+        "steps_per_epoch": meta["steps_per_epoch"],
+        "dropped_samples": _count_dropped(dropped),
+        "dropped": {reason: _count_dropped({reason: v}) for reason, v in dropped.items()},
+    }
+
+
+def _imbalance(rank_tokens: np.ndarray) -> np.ndarray:
+    mean = rank_tokens.mean(axis=1)
+    busy = mean > 0
+    return rank_tokens[busy].max(axis=1) / mean[busy] - 1.0
+
+
+def _spread(values: np.ndarray) -> dict[str, float]:
+    if values.size == 0:
+        return {"mean": 0.0, "min": 0, "max": 0, "std": 0.0}
+    return {
+        "mean": float(values.mean()),
+        "min": int(values.min()),
+        "max": int(values.max()),
+        "std": float(values.std()),
+    }
+
+
+def _count_dropped(dropped: dict[str, Any]) -> int:
+    total = 0
+    for value in dropped.values():
+        if isinstance(value, dict):  # drop_last: epoch -> samples
+            total += sum(len(samples) for samples in value.values())
+        else:
+            total += len(value)
+    return total

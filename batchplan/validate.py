@@ -1,0 +1,275 @@
+"""Re-check every guarantee of a plan file, independently of how it was built.
+
+Checks (each violation names its guarantee):
+- ``integrity``: the content hash matches; metadata agrees with the rows.
+- ``dataset``: the plan was built for these lengths (count and fingerprint).
+- ``coverage``: every epoch holds every sample exactly once (split samples: their
+  pieces tile the sample), except samples the plan lists as dropped, for a reason
+  that holds.
+- ``max_tokens``: pack: sum of lengths <= max_tokens; pad: count x longest <= max_tokens.
+- ``equal_micro_batches``: every rank runs the same number of micro-batches in every
+  step, numbered 0..m-1.
+- ``counts``: tokens, loss tokens and the per-step sums (the loss normaliser) are exact.
+
+Vectorised numpy: a plan of the 16 M-sample Wikipedia file checks in seconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from numpy.typing import NDArray
+
+from batchplan.errors import PlanFormatError
+from batchplan.lengths import fingerprint_lengths
+from batchplan.plan_file import PlanFile
+
+__all__ = ["Violation", "validate_plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Violation:
+    """One broken guarantee."""
+
+    guarantee: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"[{self.guarantee}] {self.message}"
+
+
+def validate_plan(
+    plan: PlanFile,
+    lengths: NDArray[np.integer] | None = None,
+    loss_tokens: NDArray[np.integer] | None = None,
+) -> list[Violation]:
+    """Every violated guarantee of ``plan`` (an empty list when the plan is sound).
+
+    Args:
+        plan: the opened plan.
+        lengths: the dataset's sample lengths; without them the checks that need
+            the dataset (coverage by length, exact token counts) use the plan alone.
+        loss_tokens: the dataset's loss-token column, if the plan was built with one.
+    """
+    found: list[Violation] = []
+    try:
+        plan.verify()
+    except PlanFormatError as error:
+        found.append(Violation("integrity", str(error)))
+    if lengths is not None:
+        lengths = np.asarray(lengths)
+        found += _check_dataset(plan, lengths, loss_tokens)
+        if any(v.guarantee == "dataset" for v in found):
+            return found
+        found += _check_dropped_reasons(plan, lengths)
+    step_base, tokens_base = 0, 0
+    for epoch in range(plan.num_epochs):
+        checker = _EpochChecker(plan, epoch, lengths, loss_tokens, step_base, tokens_base)
+        found += checker.run()
+        step_base += plan.metadata["steps_per_epoch"][epoch]
+        tokens_base += checker.total_tokens
+    return found
+
+
+def _check_dataset(plan: PlanFile, lengths, loss_tokens) -> list[Violation]:
+    if lengths.shape[0] != plan.num_samples:
+        return [Violation("dataset", f"plan is for {plan.num_samples:,} samples, the dataset has {lengths.shape[0]:,}")]
+    recorded = plan.metadata.get("lengths_fingerprint")
+    actual = fingerprint_lengths(lengths, loss_tokens)
+    if recorded is not None and recorded != actual:
+        return [Violation("dataset", f"lengths fingerprint {actual} differs from the plan's {recorded}; "
+                          "the plan was built for other data (or another loss-tokens column)")]  # fmt: skip
+    return []
+
+
+def _check_dropped_reasons(plan: PlanFile, lengths) -> list[Violation]:
+    found = []
+    dropped = plan.metadata.get("dropped", {})
+    max_tokens = plan.metadata["max_tokens"]
+    rules = {"empty": lambda x: x <= 0, "oversize": lambda x: x > max_tokens}
+    for reason, rule in rules.items():
+        samples = np.asarray(dropped.get(reason, []), dtype=np.int64)
+        if samples.size and not rule(lengths[samples]).all():
+            found.append(Violation("coverage", f"samples listed as dropped for {reason!r} do not meet that reason"))
+    return found
+
+
+class _EpochChecker:
+    """The checks of one epoch; each method returns its violations."""
+
+    def __init__(self, plan, epoch, lengths, loss_tokens, step_base, tokens_base):
+        self.plan, self.epoch, self.lengths = plan, epoch, lengths
+        self.loss_column = loss_tokens
+        self.step_base, self.tokens_base = step_base, tokens_base
+        self.meta = plan.metadata
+        self.batches = [plan.read_rank(epoch, r) for r in range(plan.world_size)]
+        table = plan.read_epoch(epoch)
+        self.col = {name: table.column(name).combine_chunks() for name in table.column_names}
+        samples = self.col["samples"]
+        self.offsets = samples.offsets.to_numpy().astype(np.int64)
+        self.samples = samples.values.to_numpy().astype(np.int64)
+        self.tokens = self.col["tokens"].to_numpy()
+        self.total_tokens = int(self.tokens.sum())
+
+    def fail(self, guarantee: str, message: str) -> list[Violation]:
+        return [Violation(guarantee, f"epoch {self.epoch}: {message}")]
+
+    def run(self) -> list[Violation]:
+        found = self.check_ranks()
+        if found:  # the rest assumes a well-formed layout
+            return found
+        if self.samples.size and (self.samples.min() < 0 or self.samples.max() >= self.plan.num_samples):
+            return self.fail("integrity", "a sample index is outside the dataset")
+        return self.check_caps() + self.check_counts() + self.check_coverage()
+
+    def check_ranks(self) -> list[Violation]:
+        steps = [b.column("step").to_numpy() for b in self.batches]
+        for rank, batch in enumerate(self.batches):
+            if not (batch.column("rank").to_numpy() == rank).all():
+                return self.fail("integrity", f"rows of rank {rank} are stored under another rank")
+            if not (batch.column("epoch").to_numpy() == self.epoch).all():
+                return self.fail("integrity", f"rank {rank} holds rows of another epoch")
+            if not np.array_equal(steps[rank], steps[0]):
+                return self.fail("equal_micro_batches", f"rank {rank} runs other micro-batch counts per step than rank 0")
+        num_steps = self.meta["steps_per_epoch"][self.epoch]
+        step = steps[0] - self.step_base
+        if step.size and (np.any(np.diff(step) < 0) or step[0] != 0 or step[-1] != num_steps - 1):
+            return self.fail("integrity", f"steps are not {self.step_base}..{self.step_base + num_steps - 1} in order")
+        per_step = np.bincount(step, minlength=num_steps) if step.size else np.zeros(0, np.int64)
+        if num_steps and (per_step == 0).any():
+            return self.fail("integrity", "a step has no micro-batches")
+        first = np.concatenate([[0], np.cumsum(per_step)[:-1]])
+        expected_micro = np.arange(step.size) - first[step] if step.size else step
+        for rank, batch in enumerate(self.batches):
+            micro = batch.column("micro").to_numpy()
+            if not np.array_equal(micro, expected_micro):
+                return self.fail("equal_micro_batches", f"rank {rank}'s micro indices are not 0..m-1 per step")
+            if not np.array_equal(batch.column("num_micro").to_numpy(), per_step[step]):
+                return self.fail("equal_micro_batches", f"rank {rank}'s num_micro disagrees with its rows")
+        return []
+
+    def entry_lengths(self) -> NDArray[np.int64] | None:
+        if "lengths" in self.col:
+            return self.col["lengths"].values.to_numpy().astype(np.int64)
+        if self.lengths is not None:
+            return self.lengths[self.samples].astype(np.int64)
+        return None
+
+    def check_caps(self) -> list[Violation]:
+        cap = self.meta["max_tokens"]
+        counts = np.diff(self.offsets)
+        lengths = self.entry_lengths()
+        if self.meta["mode"] == "pad":
+            longest = _segment_max(lengths, self.offsets) if lengths is not None else None
+            load = self.col["padded_tokens"].to_numpy() if longest is None else counts * longest
+        else:
+            load = _segment_sum(lengths, self.offsets) if lengths is not None else self.tokens
+        over = np.flatnonzero(load > cap)
+        if over.size:
+            what = "count x longest" if self.meta["mode"] == "pad" else "tokens"
+            return self.fail("max_tokens", f"{over.size:,} micro-batches exceed max_tokens {cap:,} "
+                             f"({what} up to {int(load[over].max()):,})")  # fmt: skip
+        return []
+
+    def check_counts(self) -> list[Violation]:
+        found = []
+        lengths = self.entry_lengths()
+        if lengths is not None:
+            if not np.array_equal(_segment_sum(lengths, self.offsets), self.tokens):
+                found += self.fail("counts", "a micro-batch's tokens differ from the sum of its samples' lengths")
+            if self.meta["mode"] == "pad":
+                padded = np.diff(self.offsets) * _segment_max(lengths, self.offsets)
+                if not np.array_equal(padded, self.col["padded_tokens"].to_numpy()):
+                    found += self.fail("counts", "padded_tokens differs from count x longest")
+            loss = self.col["loss_tokens"].to_numpy()
+            if self.loss_column is not None and "lengths" not in self.col:
+                per_entry = np.asarray(self.loss_column)[self.samples].astype(np.int64)
+            else:
+                per_entry = lengths - 1
+            if not np.array_equal(_segment_sum(per_entry, self.offsets), loss):
+                found += self.fail("counts", "a micro-batch's loss_tokens differ from its samples' loss tokens")
+        found += self.check_step_sums()
+        return found
+
+    def check_step_sums(self) -> list[Violation]:
+        step = self.col["step"].to_numpy() - self.step_base
+        num_steps = self.meta["steps_per_epoch"][self.epoch]
+        found = []
+        for name, per_row in (("step_tokens", self.tokens), ("step_loss_tokens", self.col["loss_tokens"].to_numpy())):
+            sums = np.zeros(num_steps, dtype=np.int64)
+            np.add.at(sums, step, per_row)
+            if not np.array_equal(sums[step], self.col[name].to_numpy()):
+                found += self.fail("counts", f"{name} is not the sum over all ranks of the step")
+        sums = np.zeros(num_steps, dtype=np.int64)
+        np.add.at(sums, step, self.tokens)
+        before = self.tokens_base + np.cumsum(sums) - sums
+        if not np.array_equal(before[step], self.col["tokens_before_step"].to_numpy()):
+            found += self.fail("counts", "tokens_before_step is not the running total of step tokens")
+        return found
+
+    def check_coverage(self) -> list[Violation]:
+        num_samples = self.plan.num_samples
+        dropped = self.meta.get("dropped", {})
+        always = np.concatenate([np.asarray(dropped.get(r, []), dtype=np.int64) for r in ("empty", "oversize")])
+        last = np.asarray(dropped.get("drop_last", {}).get(str(self.epoch), []), dtype=np.int64)
+        seen = np.bincount(self.samples, minlength=num_samples) if self.samples.size else np.zeros(num_samples, np.int64)
+        if (seen[always] > 0).any():
+            return self.fail("coverage", "a sample listed as dropped is in the plan")
+        expected = np.ones(num_samples, dtype=bool)
+        expected[always] = False
+        expected[last] = False
+        if "starts" in self.col:
+            return self.check_spans(expected, last)
+        wrong = np.flatnonzero((seen != 1) & expected)
+        if wrong.size:
+            first = int(wrong[0])
+            return self.fail("coverage", f"{wrong.size:,} samples are not planned exactly once "
+                             f"(sample {first:,} appears {int(seen[first])} times)")  # fmt: skip
+        if (seen[last] > 0).any():
+            return self.fail("coverage", "a sample dropped by drop_last is in the plan")
+        return []
+
+    def check_spans(self, expected, last) -> list[Violation]:
+        """Split or truncated samples: pieces never overlap and tile the kept tokens."""
+        starts = self.col["starts"].values.to_numpy().astype(np.int64)
+        lengths = self.col["lengths"].values.to_numpy().astype(np.int64)
+        order = np.lexsort((starts, self.samples))
+        sample, start, length = self.samples[order], starts[order], lengths[order]
+        same = sample[1:] == sample[:-1]
+        if (same & (start[1:] < start[:-1] + length[:-1])).any():
+            return self.fail("coverage", "two pieces of a sample overlap")
+        covered = np.zeros(self.plan.num_samples, dtype=np.int64)
+        np.add.at(covered, sample, length)
+        if self.lengths is not None:
+            want = self.lengths.astype(np.int64)
+            if self.meta["config"]["oversize"] == "truncate":
+                want = np.minimum(want, self.meta["max_tokens"])
+            complete = (covered == want) & (np.bincount(sample, weights=None, minlength=covered.size) > 0)
+            # A whole sample is one contiguous run from token 0 (no gaps: total matches).
+            if (start + length > want[sample]).any():
+                return self.fail("coverage", "a piece reaches past the end of its sample")
+            first_piece = np.ones(sample.size, dtype=bool)
+            first_piece[1:] = ~same
+            if (start[first_piece] != 0).any():
+                return self.fail("coverage", "a sample's first piece does not start at token 0")
+            wrong = np.flatnonzero(expected & ~complete)
+            if wrong.size:
+                return self.fail("coverage", f"{wrong.size:,} samples are not covered exactly once "
+                                 f"(sample {int(wrong[0]):,})")  # fmt: skip
+        elif ((covered > 0) != expected)[~np.isin(np.arange(covered.size), last)].any():
+            return self.fail("coverage", "the set of planned samples differs from the plan's own drop list")
+        return []
+
+
+def _segment_sum(values: NDArray[np.int64], offsets: NDArray[np.int64]) -> NDArray[np.int64]:
+    total = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+    return total[offsets[1:]] - total[offsets[:-1]]
+
+
+def _segment_max(values: NDArray[np.int64], offsets: NDArray[np.int64]) -> NDArray[np.int64]:
+    out = np.zeros(offsets.shape[0] - 1, dtype=np.int64)
+    nonempty = np.flatnonzero(np.diff(offsets) > 0)
+    if nonempty.size:
+        out[nonempty] = np.maximum.reduceat(values, offsets[nonempty])
+    return out
