@@ -19,7 +19,7 @@ class BuildProgress:
             MofNCompleteColumn(),
             TimeElapsedColumn(),
             console=Console(stderr=True),
-            transient=False,
+            transient=True,
         )
 
     def __enter__(self) -> BuildProgress:
