@@ -13,6 +13,7 @@ This module never imports numba: the runtime reads plans through it.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -206,7 +207,8 @@ def _content_hash(batches) -> str:
 @contextlib.contextmanager
 def _atomic_path(path: Path) -> Iterator[Path]:
     """A temporary path beside ``path``, renamed onto it on success, removed on failure."""
-    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    _remove_stale_temporaries(path)
+    handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     os.close(handle)
     temporary = Path(name)
     try:
@@ -218,6 +220,24 @@ def _atomic_path(path: Path) -> Iterator[Path]:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Delete temporaries of earlier writes to ``path`` whose process is gone (a kill -9)."""
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = stale.name[len(path.name) + 2 :].split(".", 1)[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            stale.unlink(missing_ok=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def _current_umask() -> int:

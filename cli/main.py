@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -33,12 +34,15 @@ def _fail_cleanly(command):
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except BatchPlanError as error:
+        except (BatchPlanError, OSError) as error:
+            # OSError: the environment (permissions, a full disk), not a bug; one line too.
             if os.environ.get("BATCHPLAN_DEBUG"):
                 raise
             from rich.console import Console
+            from rich.text import Text
 
-            Console(stderr=True).print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+            line = Text.assemble(("error: ", "bold red"), str(error))
+            Console(stderr=True).print(line, highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
 
     return wrapper
@@ -67,6 +71,8 @@ def build(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")] = False,
 ) -> None:
     """Read sample lengths and write a plan for every epoch."""
+    # SIGTERM unwinds like Ctrl-C, so the half-written temporary file is removed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from batchplan.build import build_plan_file
     from batchplan.config import DEFAULT_SHUFFLE_WINDOW, PlanConfig
 

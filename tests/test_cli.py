@@ -138,3 +138,31 @@ def test_help_does_not_import_numba():
     subprocess.run([sys.executable, "-c", code], check=True)
     result = subprocess.run([sys.executable, "-m", "batchplan_cli.main", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "build" in result.stdout
+
+
+def test_interrupted_build_leaves_no_partial_plan_and_keeps_the_old_one(tmp_path):
+    """SIGTERM mid-build: the previous plan is intact and no temporary file stays behind."""
+    import signal
+    import time
+
+    plan = tmp_path / "plan.arrow"
+    assert run("build", SQUAD, "-o", plan, "--max-tokens", 512, "-q").exit_code == 0
+    before = plan.read_bytes()
+    big = DATA / "wikipedia_bert512_1m.parquet"
+    command = [sys.executable, "-m", "batchplan_cli.main", "build", str(big), "-o", str(plan),
+               "--max-tokens", "512", "--epochs", "50", "-q"]  # fmt: skip
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(2.0)
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=60)
+    assert process.returncode != 0
+    assert plan.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.arrow"]
+
+
+def test_stale_temporary_of_a_killed_build_is_removed_on_rerun(tmp_path):
+    plan = tmp_path / "plan.arrow"
+    stale = tmp_path / ".plan.arrow.999999999.abcd.tmp"  # no such process
+    stale.write_bytes(b"half a plan")
+    assert run("build", SQUAD, "-o", plan, "--max-tokens", 512, "-q").exit_code == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.arrow"]

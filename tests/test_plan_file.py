@@ -1,0 +1,126 @@
+"""The plan file: layout, metadata, atomic writes, refusing what it cannot read."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import batchplan.plan_file as plan_file
+from batchplan.config import PlanConfig
+from batchplan.errors import PlanFormatError
+from batchplan.plan_file import METADATA_KEY, open_plan, write_plan
+from batchplan.planner import build_plan
+
+LENGTHS = np.random.default_rng(7).integers(1, 100, size=500).astype(np.int32)
+
+
+@pytest.fixture
+def plan_path(tmp_path):
+    path = tmp_path / "plan.arrow"
+    write_plan(build_plan(LENGTHS, PlanConfig(max_tokens=256, world_size=3, epochs=2)), path)
+    return path
+
+
+def test_one_record_batch_per_epoch_and_rank(plan_path):
+    plan = open_plan(plan_path)
+    assert plan.world_size == 3 and plan.num_epochs == 2
+    for epoch in range(2):
+        for rank in range(3):
+            rows = plan.read_rank(epoch, rank)
+            assert set(rows.column("rank").to_pylist()) == {rank}
+            assert set(rows.column("epoch").to_pylist()) == {epoch}
+            assert rows.num_rows == plan.metadata["rows_per_rank"][epoch]
+    plan.verify()
+
+
+def test_metadata_records_how_the_plan_was_made(plan_path):
+    meta = open_plan(plan_path).metadata
+    assert meta["format_version"] == plan_file.FORMAT_VERSION
+    assert PlanConfig.from_dict(meta["config"]) == PlanConfig(max_tokens=256, world_size=3, epochs=2)
+    assert set(meta["versions"]) == {"batchplan", "numpy", "numba", "pyarrow"}
+    assert meta["num_samples"] == 500 and meta["dropped"] == {}
+
+
+def test_failed_write_keeps_the_previous_plan_and_leaves_no_temporary(plan_path, monkeypatch):
+    before = plan_path.read_bytes()
+
+    def explode(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan_file, "_content_hash", explode)
+    with pytest.raises(KeyboardInterrupt):
+        write_plan(build_plan(LENGTHS, PlanConfig(max_tokens=512)), plan_path)
+    assert plan_path.read_bytes() == before
+    assert [p.name for p in plan_path.parent.iterdir()] == ["plan.arrow"]
+
+
+def test_missing_output_directory(tmp_path):
+    with pytest.raises(PlanFormatError, match="does not exist"):
+        write_plan(build_plan(LENGTHS, PlanConfig(max_tokens=512)), tmp_path / "nope" / "p.arrow")
+
+
+def read_batches(path) -> list[pa.RecordBatch]:
+    """Every record batch, read into memory (the file is about to be overwritten)."""
+    reader = pa.ipc.open_file(pa.BufferReader(path.read_bytes()))
+    return [reader.get_batch(i) for i in range(reader.num_record_batches)]
+
+
+def rewrite(path, batches: list[pa.RecordBatch], metadata=None) -> None:
+    schema = batches[0].schema if metadata is None else batches[0].schema.with_metadata(metadata)
+    with pa.ipc.new_file(str(path), schema) as writer:
+        for batch in batches:
+            writer.write_batch(batch.replace_schema_metadata(schema.metadata))
+
+
+def rewrite_metadata(path, change):
+    batches = read_batches(path)
+    meta = json.loads(batches[0].schema.metadata[METADATA_KEY])
+    change(meta)
+    rewrite(path, batches, {METADATA_KEY: json.dumps(meta).encode()})
+
+
+def test_newer_format_version_is_refused(plan_path):
+    rewrite_metadata(plan_path, lambda meta: meta.update(format_version=99))
+    with pytest.raises(PlanFormatError, match="format version 99 is newer"):
+        open_plan(plan_path)
+
+
+def test_not_a_plan(tmp_path):
+    junk = tmp_path / "junk.arrow"
+    junk.write_bytes(b"hello")
+    with pytest.raises(PlanFormatError, match="not an Arrow IPC file"):
+        open_plan(junk)
+    other = tmp_path / "other.arrow"
+    with pa.ipc.new_file(str(other), pa.schema([("x", pa.int32())])) as writer:
+        writer.write_table(pa.table({"x": pa.array([1], pa.int32())}))
+    with pytest.raises(PlanFormatError, match="without batchplan metadata"):
+        open_plan(other)
+
+
+def test_missing_required_column(plan_path):
+    batches = [batch.drop_columns(["step_loss_tokens"]) for batch in read_batches(plan_path)]
+    rewrite(plan_path, batches)
+    with pytest.raises(PlanFormatError, match="step_loss_tokens"):
+        open_plan(plan_path)
+
+
+def test_rank_and_epoch_out_of_range(plan_path):
+    plan = open_plan(plan_path)
+    with pytest.raises(PlanFormatError, match="rank 3 is outside"):
+        plan.read_rank(0, 3)
+    with pytest.raises(PlanFormatError, match="epoch 2 is outside"):
+        plan.read_rank(2, 0)
+
+
+def test_altered_content_fails_verification(plan_path):
+    batches = read_batches(plan_path)
+    tokens = batches[0].column("tokens").to_numpy().copy()
+    tokens[1] += 1
+    column = batches[0].schema.get_field_index("tokens")
+    batches[0] = batches[0].set_column(column, batches[0].schema.field("tokens"), pa.array(tokens))
+    rewrite(plan_path, batches)
+    with pytest.raises(PlanFormatError, match="content hash"):
+        open_plan(plan_path).verify()
