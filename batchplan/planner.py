@@ -27,15 +27,9 @@ from batchplan.config import PlanConfig
 from batchplan.entries import Entries, make_entries
 from batchplan.errors import DatasetError
 from batchplan.kernels.balance import assign_ranks
-from batchplan.kernels.pack import pack_items
+from batchplan.kernels.pack import pack_segments
 from batchplan.kernels.pad import cut_padded
-from batchplan.kernels.segments import (
-    group_by_label,
-    segment_max,
-    segment_sum,
-    sum_by_label,
-    take_segments,
-)
+from batchplan.kernels.segments import gather_segments, segment_max, segment_sum, sum_by_label
 from batchplan.kernels.steps import steps_by_tokens
 
 __all__ = ["EpochPlan", "Plan", "build_plan", "epoch_rng", "plan_epoch"]
@@ -134,61 +128,92 @@ def build_plan(
 
 def plan_epoch(entries: Entries, config: PlanConfig, epoch: int) -> EpochPlan:
     """Plan one epoch (see the module docstring)."""
-    offsets, members = _form_micro_batches(entries, config, epoch_rng(config.seed, epoch, STREAM_ENTRY_ORDER))
-    shuffle = epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER).permutation(offsets.shape[0] - 1)
-    offsets, members = take_segments(offsets, members, shuffle)
-    offsets, members, dropped = _fill_last_chunk(offsets, members, entries.length, config)
-    tokens = segment_sum(entries.length[members], offsets)
+    batches = _form_micro_batches(entries, config, epoch_rng(config.seed, epoch, STREAM_ENTRY_ORDER))
+    schedule = epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER).permutation(batches.count)
+    schedule, dropped = _complete_last_chunk(batches, schedule, entries.length, config)
+    tokens = batches.sums(entries.length)[schedule]
     step_offsets = _step_offsets(tokens, config)
     rank, micro = assign_ranks(tokens, step_offsets, config.world_size)
-    return _assemble(entries, config, epoch, offsets, members, tokens, step_offsets, rank, micro, dropped)
+    return _assemble(entries, config, epoch, batches, schedule, tokens, step_offsets, rank, micro, dropped)
 
 
-def _form_micro_batches(entries: Entries, config: PlanConfig, rng: np.random.Generator):
+@dataclasses.dataclass
+class _MicroBatches:
+    """Micro-batch ``k`` holds entries ``members[starts[k]:ends[k]]``.
+
+    Start/end pairs (not offsets) let the last chunk split a micro-batch in place,
+    and let the final (rank, step, micro) order be gathered in one pass.
+    """
+
+    members: NDArray[np.int64]
+    starts: NDArray[np.int64]
+    ends: NDArray[np.int64]
+
+    @property
+    def count(self) -> int:
+        return int(self.starts.shape[0])
+
+    def sums(self, per_entry: NDArray) -> NDArray[np.int64]:
+        total = np.concatenate([[0], np.cumsum(per_entry[self.members], dtype=np.int64)])
+        return total[self.ends] - total[self.starts]
+
+    def tokens_of(self, batch: int, entry_lengths: NDArray) -> int:
+        return int(entry_lengths[self.members[self.starts[batch] : self.ends[batch]]].sum())
+
+    def add(self, start: int, end: int) -> int:
+        self.starts = np.append(self.starts, start)
+        self.ends = np.append(self.ends, end)
+        return self.count - 1
+
+
+def _form_micro_batches(entries: Entries, config: PlanConfig, rng: np.random.Generator) -> _MicroBatches:
     order = rng.permutation(entries.num_entries)
     if config.mode == "pack":
-        bins = pack_items(entries.length, order, config.max_tokens)
-        return group_by_label(bins, int(bins.max()) + 1)
-    return cut_padded(entries.length, order, config.shuffle_window, config.max_tokens, config.batch_multiple)
+        offsets, members = pack_segments(entries.length, order, config.max_tokens)
+    else:
+        offsets, members = cut_padded(
+            entries.length, order, config.shuffle_window, config.max_tokens, config.batch_multiple
+        )
+    return _MicroBatches(members, offsets[:-1].copy(), offsets[1:].copy())
 
 
-def _fill_last_chunk(offsets, members, entry_lengths, config: PlanConfig):
-    """Make the micro-batch count a multiple of world_size, or drop the remainder.
+def _complete_last_chunk(batches: _MicroBatches, schedule, entry_lengths, config: PlanConfig):
+    """Make the scheduled count a multiple of world_size, or drop the remainder.
 
-    Returns the new CSR and the entries dropped (``drop_last``).
+    Returns the new schedule and the entries dropped (``drop_last``).
     """
     world_size = config.world_size
-    count = offsets.shape[0] - 1
-    no_drop = np.zeros(0, dtype=np.int64)
+    count = schedule.shape[0]
     if config.drop_last:
         per_step = world_size * (config.micro_batches_per_step or 1)
         keep = count - count % per_step
-        return offsets[: keep + 1], members[: offsets[keep]], members[offsets[keep] :].copy()
-    partial = count % world_size
-    if partial == 0:
-        return offsets, members, no_drop
-    full = count - partial
+        gone = [batches.members[batches.starts[k] : batches.ends[k]] for k in schedule[keep:]]
+        return schedule[:keep], np.concatenate([np.zeros(0, dtype=np.int64), *gone])
+    no_drop = np.zeros(0, dtype=np.int64)
+    full = count - count % world_size
+    if full == count:
+        return schedule, no_drop
     # The last chunk: split its largest micro-batches in two, then add empties.
-    batches = [members[offsets[i] : offsets[i + 1]] for i in range(full, count)]
-    while len(batches) < world_size:
-        splittable = [i for i, b in enumerate(batches) if b.shape[0] > 1]
+    last = list(schedule[full:])
+    while len(last) < world_size:
+        sizes = batches.ends[last] - batches.starts[last]
+        splittable = [i for i in range(len(last)) if sizes[i] > 1]
         if not splittable:
             break
-        largest = max(splittable, key=lambda i: int(entry_lengths[batches[i]].sum()))
-        batches.extend(_halve(batches.pop(largest), entry_lengths))
-    batches.extend(np.zeros(0, dtype=np.int64) for _ in range(world_size - len(batches)))
-    sizes = np.array([b.shape[0] for b in batches], dtype=np.int64)
-    new_offsets = np.concatenate([offsets[: full + 1], offsets[full] + np.cumsum(sizes)])
-    new_members = np.concatenate([members[: offsets[full]], *batches])
-    return new_offsets, new_members, no_drop
+        largest = max(splittable, key=lambda i: batches.tokens_of(last[i], entry_lengths))
+        last.extend(_halve(batches, last.pop(largest), entry_lengths))
+    last.extend(batches.add(0, 0) for _ in range(world_size - len(last)))
+    return np.concatenate([schedule[:full], np.asarray(last, dtype=np.int64)]), no_drop
 
 
-def _halve(batch: NDArray[np.int64], entry_lengths) -> list[NDArray[np.int64]]:
-    """Split a micro-batch into a prefix and suffix of about equal tokens (both non-empty)."""
-    cumulative = np.cumsum(entry_lengths[batch])
+def _halve(batches: _MicroBatches, batch: int, entry_lengths) -> list[int]:
+    """Split a micro-batch into a prefix and a suffix of about equal tokens (both non-empty)."""
+    start, end = int(batches.starts[batch]), int(batches.ends[batch])
+    cumulative = np.cumsum(entry_lengths[batches.members[start:end]])
     cut = int(np.searchsorted(cumulative, cumulative[-1] / 2))
-    cut = min(max(cut, 1), batch.shape[0] - 1)
-    return [batch[:cut], batch[cut:]]
+    cut = start + min(max(cut, 1), end - start - 1)
+    batches.ends[batch] = cut
+    return [batch, batches.add(cut, end)]
 
 
 def _step_offsets(tokens: NDArray[np.int64], config: PlanConfig) -> NDArray[np.int64]:
@@ -207,8 +232,8 @@ def _step_offsets(tokens: NDArray[np.int64], config: PlanConfig) -> NDArray[np.i
     return chunk_offsets.astype(np.int64) * world_size
 
 
-def _assemble(entries, config, epoch, offsets, members, tokens, step_offsets, rank, micro, dropped) -> EpochPlan:
-    """Reorder micro-batches by (rank, step, micro) and compute the per-row columns."""
+def _assemble(entries, config, epoch, batches, schedule, tokens, step_offsets, rank, micro, dropped) -> EpochPlan:
+    """Order micro-batches by (rank, step, micro) and compute the per-row columns."""
     world_size = config.world_size
     num_steps = step_offsets.shape[0] - 1
     per_rank = np.diff(step_offsets) // world_size  # micro-batches per rank, each step
@@ -218,7 +243,7 @@ def _assemble(entries, config, epoch, offsets, members, tokens, step_offsets, ra
     row = rank * rows_per_rank + before[step] + micro
     by_row = np.empty_like(row)
     by_row[row] = np.arange(row.shape[0], dtype=np.int64)
-    offsets, members = take_segments(offsets, members, by_row)
+    offsets, members = gather_segments(batches.members, batches.starts, batches.ends, schedule[by_row])
     tokens = tokens[by_row]
     step = step[by_row]
     loss_tokens = segment_sum(entries.loss_tokens[members], offsets)

@@ -1,13 +1,19 @@
-"""Best-fit-decreasing bin packing over integer lengths, O(n + n log C).
+"""Best-fit-decreasing bin packing over integer lengths, O(n log C).
 
 Items are taken longest first; each goes into the open bin whose residual capacity
-is the smallest that still fits it (a new bin when none fits). Open bins are kept
-in one stack per residual capacity, and a segment tree over capacities 0..C finds
-"the smallest non-empty residual >= length" in O(log C). Items of equal length are
-taken in the order given by the caller's permutation, so a seeded permutation gives
-a different (equally good) sample-to-bin assignment each epoch.
+is the smallest that still fits it (a new bin when none fits). Open bins sit in one
+stack per residual capacity, and a segment tree over capacities 0..C finds "the
+smallest non-empty residual >= length" in O(log C).
 
-On the shared Wikipedia lengths at C = 512 this packs 99.95 % full.
+Items of equal length are interchangeable, so the packing runs on the length
+histogram and places "slots" (a length in a bin); items are handed to slots at the
+end, the k-th slot of length s getting the k-th item of length s in the caller's
+permutation. A seeded permutation thus gives a different, equally good,
+sample-to-bin assignment each epoch. A run of equal lengths that can each take
+only one place in a bin is placed in one step (every bin at that residual is
+equivalent), which keeps 16 M Wikipedia lengths near a second.
+
+On the shared Wikipedia lengths at C = 512 this packs 99.95 % full (LPFHP: 99.81 %).
 """
 
 from __future__ import annotations
@@ -15,24 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["pack_items", "sort_by_length_desc"]
-
-
-@njit(cache=True)
-def sort_by_length_desc(lengths, order, max_length):
-    """Counting sort of ``order`` by ``lengths[order]``, longest first, stable in ``order``."""
-    counts = np.zeros(max_length + 2, dtype=np.int64)
-    for item in order:
-        counts[max_length - lengths[item]] += 1
-    starts = np.zeros(max_length + 2, dtype=np.int64)
-    for key in range(1, max_length + 2):
-        starts[key] = starts[key - 1] + counts[key - 1]
-    out = np.empty(order.shape[0], dtype=np.int64)
-    for item in order:
-        key = max_length - lengths[item]
-        out[starts[key]] = item
-        starts[key] += 1
-    return out
+__all__ = ["pack_items", "pack_segments"]
 
 
 @njit(cache=True)
@@ -50,23 +39,96 @@ def _tree_first_at_least(tree, size, leaf):
     if tree[node] > 0:
         return leaf
     # Climb until a right sibling holds something, then walk down its leftmost path.
-    while True:
-        if node == 1:
-            return -1
+    while node > 1:
         if node & 1 == 0 and tree[node + 1] > 0:
             node += 1
-            break
+            while node < size:
+                node = 2 * node if tree[2 * node] > 0 else 2 * node + 1
+            return node - size
         node >>= 1
-    while node < size:
-        node <<= 1
-        if tree[node] == 0:
-            node += 1
-    return node - size
+    return -1
 
 
 @njit(cache=True)
-def pack_items(lengths, order, max_tokens):
-    """Best-fit decreasing.
+def _push(head, below, tree, size, target, residual):
+    """Put bin ``target`` on the stack of its residual (a full bin takes nothing more)."""
+    if residual > 0:
+        below[target] = head[residual]
+        head[residual] = target
+        _tree_add(tree, size, residual, 1)
+
+
+@njit(cache=True)
+def _best_fit_decreasing(histogram, max_tokens):
+    """Pack a histogram of lengths; returns (slot_length, slot_bin, num_bins) in placement order."""
+    num_items = histogram.sum()
+    slot_length = np.empty(num_items, dtype=np.int64)
+    slot_bin = np.empty(num_items, dtype=np.int64)
+    size = 1
+    while size < max_tokens + 1:
+        size <<= 1
+    tree = np.zeros(2 * size, dtype=np.int64)
+    # One stack of open bins per residual: head[r] -> bin, below[bin] -> next bin down.
+    head = np.full(max_tokens + 1, -1, dtype=np.int64)
+    below = np.empty(num_items, dtype=np.int64)
+    num_bins = 0
+    slot = 0
+    for length in range(max_tokens, 0, -1):
+        left = histogram[length]
+        while left > 0:
+            fit = _tree_first_at_least(tree, size, length)
+            if fit < 0:  # nothing fits: open a bin
+                target = num_bins
+                num_bins += 1
+                _push(head, below, tree, size, target, max_tokens - length)
+                slot_length[slot] = length
+                slot_bin[slot] = target
+                slot += 1
+                left -= 1
+                continue
+            # A bin at residual `fit` that cannot take a second item of this length is
+            # done with the run, so the next item goes to the next bin of that stack.
+            take = 1 if fit - length >= length else min(left, tree[fit + size])
+            for _ in range(take):
+                target = head[fit]
+                head[fit] = below[target]
+                _tree_add(tree, size, fit, -1)
+                _push(head, below, tree, size, target, fit - length)
+                slot_length[slot] = length
+                slot_bin[slot] = target
+                slot += 1
+            left -= take
+    return slot_length, slot_bin, num_bins
+
+
+@njit(cache=True)
+def _items_by_length(lengths, order, max_tokens):
+    """Counting sort of ``order`` by length: (items, start) with length-s items at start[s]:start[s+1]."""
+    start = np.zeros(max_tokens + 2, dtype=np.int64)
+    for item in range(lengths.shape[0]):
+        start[lengths[item] + 1] += 1
+    for length in range(1, max_tokens + 2):
+        start[length] += start[length - 1]
+    cursor = start.copy()
+    items = np.empty(order.shape[0], dtype=np.int64)
+    for item in order:
+        length = lengths[item]
+        items[cursor[length]] = item
+        cursor[length] += 1
+    return items, start
+
+
+@njit(cache=True)
+def _histogram(lengths, max_tokens):
+    histogram = np.zeros(max_tokens + 1, dtype=np.int64)
+    for length in lengths:
+        histogram[length] += 1
+    return histogram
+
+
+@njit(cache=True)
+def pack_segments(lengths, order, max_tokens):
+    """Best-fit decreasing, as micro-batches.
 
     Args:
         lengths: length of each item (every one in 1..max_tokens).
@@ -74,37 +136,33 @@ def pack_items(lengths, order, max_tokens):
         max_tokens: bin capacity.
 
     Returns:
-        int64 array: the bin of each item; bins numbered 0.. in order of creation.
+        ``(offsets, members)``: bin ``b`` holds items ``members[offsets[b]:offsets[b + 1]]``,
+        longest first; bins numbered in order of creation.
     """
-    num_items = lengths.shape[0]
-    bin_of_item = np.empty(num_items, dtype=np.int64)
-    if num_items == 0:
-        return bin_of_item
-    size = 1
-    while size < max_tokens + 1:
-        size <<= 1
-    tree = np.zeros(2 * size, dtype=np.int64)
-    # One stack of open bins per residual capacity: head[r] -> bin, below[bin] -> bin.
-    head = np.full(max_tokens + 1, -1, dtype=np.int64)
-    below = np.empty(num_items, dtype=np.int64)
-    residual = np.empty(num_items, dtype=np.int64)
-    num_bins = 0
-    for item in sort_by_length_desc(lengths, order, max_tokens):
-        length = lengths[item]
-        fit = _tree_first_at_least(tree, size, length)
-        if fit < 0:
-            target = num_bins
-            num_bins += 1
-            residual[target] = max_tokens
-        else:
-            target = head[fit]
-            head[fit] = below[target]
-            _tree_add(tree, size, fit, -1)
-        bin_of_item[item] = target
-        left = residual[target] - length
-        residual[target] = left
-        if left > 0:  # a full bin can take nothing more: keep it out of the tree
-            below[target] = head[left]
-            head[left] = target
-            _tree_add(tree, size, left, 1)
+    slot_length, slot_bin, num_bins = _best_fit_decreasing(_histogram(lengths, max_tokens), max_tokens)
+    items, next_item = _items_by_length(lengths, order, max_tokens)
+    offsets = np.zeros(num_bins + 1, dtype=np.int64)
+    for target in slot_bin:
+        offsets[target + 1] += 1
+    for target in range(num_bins):
+        offsets[target + 1] += offsets[target]
+    cursor = offsets[:-1].copy()
+    members = np.empty(slot_bin.shape[0], dtype=np.int64)
+    for slot in range(slot_bin.shape[0]):
+        target = slot_bin[slot]
+        length = slot_length[slot]
+        members[cursor[target]] = items[next_item[length]]
+        next_item[length] += 1
+        cursor[target] += 1
+    return offsets, members
+
+
+@njit(cache=True)
+def pack_items(lengths, order, max_tokens):
+    """Best-fit decreasing, as the bin of each item (see `pack_segments`)."""
+    offsets, members = pack_segments(lengths, order, max_tokens)
+    bin_of_item = np.empty(lengths.shape[0], dtype=np.int64)
+    for target in range(offsets.shape[0] - 1):
+        for i in range(offsets[target], offsets[target + 1]):
+            bin_of_item[members[i]] = target
     return bin_of_item

@@ -1,4 +1,4 @@
-"""Segment helpers: group items by label into CSR form, and per-segment reductions.
+"""Segment helpers: group items by label into CSR form, gather segments, reduce them.
 
 A CSR grouping is ``(offsets, members)``: segment ``s`` holds
 ``members[offsets[s]:offsets[s + 1]]``. All O(n), stable (items keep their order).
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["group_by_label", "segment_max", "segment_sum", "sum_by_label", "take_segments"]
+__all__ = ["gather_segments", "group_by_label", "segment_max", "segment_sum", "sum_by_label"]
 
 
 @njit(cache=True)
@@ -66,15 +66,15 @@ def sum_by_label(labels, values, num_labels):
 
 
 @njit(cache=True)
-def take_segments(offsets, members, order):
-    """Reorder segments: new segment ``i`` is old segment ``order[i]``."""
+def gather_segments(members, starts, ends, order):
+    """Concatenate segments ``members[starts[k]:ends[k]]`` for ``k`` in ``order`` into CSR form."""
     num_segments = order.shape[0]
-    new_offsets = np.zeros(num_segments + 1, dtype=np.int64)
+    offsets = np.zeros(num_segments + 1, dtype=np.int64)
     for i in range(num_segments):
-        old = order[i]
-        new_offsets[i + 1] = new_offsets[i] + offsets[old + 1] - offsets[old]
-    new_members = np.empty(new_offsets[num_segments], dtype=members.dtype)
+        segment = order[i]
+        offsets[i + 1] = offsets[i] + ends[segment] - starts[segment]
+    out = np.empty(offsets[num_segments], dtype=members.dtype)
     for i in range(num_segments):
-        old = order[i]
-        new_members[new_offsets[i] : new_offsets[i + 1]] = members[offsets[old] : offsets[old + 1]]
-    return new_offsets, new_members
+        segment = order[i]
+        out[offsets[i] : offsets[i + 1]] = members[starts[segment] : ends[segment]]
+    return offsets, out
