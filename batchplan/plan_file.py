@@ -3,8 +3,8 @@
 Batch ``epoch * world_size + rank`` holds that rank's micro-batches of that epoch in
 (step, micro) order, so a rank reads only its rows, through a memory map, in O(its
 rows). Schema metadata key ``batchplan`` holds JSON: format version, config, input
-fingerprint, what was dropped and why, versions, and a hash of the content that
-`PlanFile.verify` recomputes. Files are written to a temporary name and renamed, so
+fingerprint, what was dropped and why, versions, and a checksum of the content
+that `PlanFile.verify` recomputes. Files are written to a temporary name and renamed, so
 an interrupted write never leaves a partial plan. See docs/plan-format.md.
 
 This module never imports numba: the runtime reads plans through it.
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import hashlib
 import json
 import os
 import tempfile
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -190,18 +190,22 @@ def _list_array(offsets: pa.Array, values: NDArray, value_type: pa.DataType) -> 
 
 
 def _content_hash(batches) -> str:
-    """BLAKE2b over the logical values of every column of every batch, in order."""
-    digest = hashlib.blake2b(digest_size=16)
+    """CRC-32 over the values of every column of every batch, in order (hex).
+
+    A checksum against corruption, not a signature: CRC-32 runs at ~4 GB/s, so a plan
+    of 16 M samples verifies in a fraction of a second.
+    """
+    crc = 0
     for batch in batches:
         for column in batch.columns:
             if pa.types.is_list(column.type):
                 offsets = column.offsets.to_numpy()
-                digest.update((offsets - offsets[0]).astype("<i8").tobytes())
+                crc = zlib.crc32((offsets - offsets[0]).astype("<i8").data, crc)
                 values = column.values.slice(offsets[0], offsets[-1] - offsets[0])
-                digest.update(values.to_numpy().astype(f"<i{values.type.bit_width // 8}").tobytes())
+                crc = zlib.crc32(np.ascontiguousarray(values.to_numpy()).data, crc)
             else:
-                digest.update(column.to_numpy().tobytes())
-    return digest.hexdigest()
+                crc = zlib.crc32(np.ascontiguousarray(column.to_numpy()).data, crc)
+    return f"crc32:{crc:08x}"
 
 
 @contextlib.contextmanager
