@@ -1,0 +1,109 @@
+"""Shared fixtures: hypothesis profiles, deterministic length sets, plan building helpers.
+
+Hypothesis runs the ``batchplan`` profile (modest example counts, no deadline: the
+first call of a kernel may load it from numba's cache); ``HYPOTHESIS_PROFILE=thorough``
+runs ten times more examples.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+
+from batchplan.config import PlanConfig
+
+settings.register_profile(
+    "batchplan", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "thorough", max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "batchplan"))
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+REAL_FILES = {
+    "squad": "squad11_bert384.parquet",
+    "sharegpt_dialogues": "sharegpt_dialogues_cl100k.parquet",
+    "sharegpt_segments": "sharegpt_segments_cl100k.parquet",
+}
+
+
+def synthetic_lengths(name: str) -> np.ndarray:
+    """Deterministic synthetic length sets (int32), by name.
+
+    - ``lognormal``: typical pretraining documents; ~4 % above 2,048.
+    - ``uniform``: 1..2,048, none oversize at 2,048.
+    - ``heavy_tail``: Pareto; some samples 100x above 1,024.
+    - ``chat``: tiny chat turns, 1..48 tokens, many equal.
+    - ``with_empty``: lognormal with 5 % empty samples.
+    """
+    rng = np.random.default_rng(sum(map(ord, name)))
+    if name == "lognormal":
+        values = np.maximum(rng.lognormal(6.2, 1.0, 3000), 1)
+    elif name == "uniform":
+        values = rng.integers(1, 2049, 2000)
+    elif name == "heavy_tail":
+        values = rng.pareto(1.1, 1200) * 150 + 1
+    elif name == "chat":
+        values = rng.integers(1, 49, 5000)
+    elif name == "with_empty":
+        values = np.maximum(rng.lognormal(6.0, 1.0, 800), 1)
+        values[rng.random(800) < 0.05] = 0
+    else:
+        raise KeyError(name)
+    return np.minimum(values, 2**30).astype(np.int32)
+
+
+_REAL_CACHE: dict[str, np.ndarray] = {}
+
+
+def real_lengths(name: str) -> np.ndarray:
+    """Lengths of a file in data/ (read once per session)."""
+    if name not in _REAL_CACHE:
+        from batchplan.lengths import read_lengths
+
+        _REAL_CACHE[name] = read_lengths(DATA_DIR / REAL_FILES[name]).lengths
+    return _REAL_CACHE[name]
+
+
+def dataset_lengths(name: str) -> np.ndarray:
+    return real_lengths(name) if name in REAL_FILES else synthetic_lengths(name)
+
+
+def build_and_write(
+    lengths: np.ndarray,
+    config: PlanConfig,
+    path: Path,
+    *,
+    loss_tokens: np.ndarray | None = None,
+):
+    """Build a plan in memory and write it with the lengths fingerprint; return the Plan."""
+    from batchplan.lengths import fingerprint_lengths
+    from batchplan.plan_file import write_plan
+    from batchplan.planner import build_plan
+
+    plan = build_plan(lengths, config, loss_tokens=loss_tokens)
+    write_plan(plan, path, lengths_fingerprint=fingerprint_lengths(np.asarray(lengths), loss_tokens))
+    return plan
+
+
+@pytest.fixture
+def write_built_plan(tmp_path):
+    """``write_built_plan(lengths, config, name="plan.arrow", loss_tokens=None) -> (path, plan)``."""
+
+    def _write(lengths, config, name="plan.arrow", loss_tokens=None):
+        path = tmp_path / name
+        plan = build_and_write(lengths, config, path, loss_tokens=loss_tokens)
+        return path, plan
+
+    return _write
+
+
+@pytest.fixture
+def small_lengths() -> np.ndarray:
+    """400 samples of 1..300 tokens: a quick, well-mixed dataset."""
+    return np.random.default_rng(7).integers(1, 301, 400).astype(np.int32)

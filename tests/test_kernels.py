@@ -1,0 +1,331 @@
+"""Every numba kernel equals its pure-Python reference (tests/reference.py), plus the
+properties each kernel promises, on hypothesis-generated inputs.
+
+Inputs use the dtypes the planner passes (int32 lengths, int64 permutations, offsets
+and tokens), so numba's on-disk cache serves these tests too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import reference as ref
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from batchplan.kernels.balance import assign_ranks
+from batchplan.kernels.pack import pack_items, pack_segments
+from batchplan.kernels.pad import cut_padded
+from batchplan.kernels.segments import gather_segments, group_by_label, segment_max, segment_sum, sum_by_label
+from batchplan.kernels.steps import steps_by_tokens
+
+# --------------------------------------------------------------------------- strategies
+
+
+@st.composite
+def items(draw, max_items: int = 40):
+    """``(lengths int32, order int64 permutation, max_tokens)``, every length in 1..max_tokens.
+
+    Mixes: max_tokens 1; small and large caps; few distinct lengths (many ties);
+    every length == max_tokens; fully random lengths.
+    """
+    max_tokens = draw(st.one_of(st.just(1), st.integers(1, 64), st.integers(65, 4096)))
+    count = draw(st.integers(0, max_items))
+    pool = draw(st.lists(st.integers(1, max_tokens), min_size=1, max_size=3))
+    lengths = draw(
+        st.one_of(
+            st.lists(st.sampled_from(pool), min_size=count, max_size=count),
+            st.lists(st.integers(1, max_tokens), min_size=count, max_size=count),
+            st.just([max_tokens] * count),
+            st.lists(st.integers(max(1, max_tokens // 3), max_tokens), min_size=count, max_size=count),
+        )
+    )
+    order = draw(st.permutations(range(count)))
+    return np.array(lengths, dtype=np.int32), np.array(order, dtype=np.int64), max_tokens
+
+
+def as_inputs(lengths, order, max_tokens):
+    return np.array(lengths, dtype=np.int32), np.array(order, dtype=np.int64), max_tokens
+
+
+EDGE_ITEMS = [
+    as_inputs([], [], 8),  # empty input
+    as_inputs([5], [0], 8),  # one item
+    as_inputs([8], [0], 8),  # length == max_tokens
+    as_inputs([1, 1, 1], [2, 0, 1], 1),  # max_tokens 1
+    as_inputs([3] * 12, [11, 3, 7, 0, 5, 9, 1, 10, 2, 8, 4, 6], 10),  # many equal lengths
+    as_inputs([6, 4, 6, 4, 2, 2, 3, 7, 1], [8, 0, 7, 1, 6, 2, 5, 3, 4], 10),  # residual ties
+]
+
+
+def with_edges(test):
+    for case in EDGE_ITEMS:
+        test = example(case)(test)
+    return test
+
+
+# --------------------------------------------------------------------------- pack
+
+
+@given(items())
+@with_edges
+def test_pack_items_matches_reference(case):
+    lengths, order, max_tokens = case
+    found = pack_items(lengths, order, max_tokens)
+    assert found.tolist() == ref.pack_items(lengths.tolist(), order.tolist(), max_tokens)
+
+
+@given(items())
+@with_edges
+def test_pack_segments_matches_reference(case):
+    """Bins as CSR, in creation order; inside a bin, items in placement order (longest first)."""
+    lengths, order, max_tokens = case
+    offsets, members = pack_segments(lengths, order, max_tokens)
+    want_offsets, want_members = ref.pack_segments(lengths.tolist(), order.tolist(), max_tokens)
+    assert offsets.tolist() == want_offsets
+    assert members.tolist() == want_members
+
+
+@given(items())
+@with_edges
+def test_pack_items_caps_and_exactly_once(case):
+    lengths, order, max_tokens = case
+    bins = pack_items(lengths, order, max_tokens).tolist()
+    assert len(bins) == len(lengths)  # every item placed exactly once (one bin each)
+    if not bins:
+        return
+    num_bins = max(bins) + 1
+    assert sorted(set(bins)) == list(range(num_bins))  # no empty or skipped bin ids
+    load = [0] * num_bins
+    for item, b in enumerate(bins):
+        load[b] += int(lengths[item])
+    assert max(load) <= max_tokens
+    assert num_bins >= -(-sum(load) // max_tokens)
+    # Any-fit: a new bin opens only when nothing fits, so at most one bin is half empty or less.
+    assert sum(1 for x in load if 2 * x <= max_tokens) <= 1
+    # Bins are numbered in order of creation: first use in processing order is 0, 1, 2, ...
+    first_use = []
+    for item in ref.sort_by_length_desc(lengths.tolist(), order.tolist()):
+        if bins[item] not in first_use:
+            first_use.append(bins[item])
+    assert first_use == list(range(num_bins))
+
+
+def test_pack_items_equal_lengths_follow_order():
+    """Ties among equal lengths are broken by ``order``: another permutation, another packing."""
+    lengths = np.array([4, 3, 3, 3, 3, 2, 2], dtype=np.int32)
+    first = pack_items(lengths, np.arange(7, dtype=np.int64), 7).tolist()
+    second = pack_items(lengths, np.arange(7, dtype=np.int64)[::-1].copy(), 7).tolist()
+    assert first == ref.pack_items(lengths.tolist(), list(range(7)), 7)
+    assert first != second
+
+
+def test_pack_items_most_recent_bin_wins_residual_ties():
+    """Two bins reach residual 4; the item of length 4 joins the one that got there last."""
+    lengths = np.array([6, 6, 4], dtype=np.int32)
+    # bins: 0 <- item 0 (residual 4), 1 <- item 1 (residual 4): item 2 goes to bin 1.
+    assert pack_items(lengths, np.arange(3, dtype=np.int64), 10).tolist() == [0, 1, 1]
+    assert ref.pack_items([6, 6, 4], [0, 1, 2], 10) == [0, 1, 1]
+
+
+# --------------------------------------------------------------------------- pad
+
+
+@st.composite
+def pad_inputs(draw):
+    lengths, order, max_tokens = draw(items(max_items=60))
+    window = draw(st.one_of(st.just(1), st.integers(1, 12), st.just(16_384)))
+    batch_multiple = draw(st.one_of(st.just(1), st.integers(1, min(max_tokens, 8))))
+    return lengths, order, window, max_tokens, batch_multiple
+
+
+PAD_EDGES = [(*case[:2], window, case[2], 1) for case in EDGE_ITEMS for window in (1, 4, 16_384)]
+PAD_EDGES += [
+    (*as_inputs([3] * 12, list(range(12)), 10)[:2], 16_384, 10, 2),  # fit 3 rounded to 2
+    (*as_inputs([3] * 12, list(range(12)), 10)[:2], 16_384, 10, 4),  # fewer than batch_multiple fit
+    (*as_inputs([1] * 9, list(range(9)), 8)[:2], 5, 8, 4),  # window tails below batch_multiple
+]
+
+
+def with_pad_edges(test):
+    for case in PAD_EDGES:
+        test = example(case)(test)
+    return test
+
+
+@given(pad_inputs())
+@with_pad_edges
+def test_cut_padded_matches_reference(case):
+    lengths, order, window, max_tokens, batch_multiple = case
+    offsets, members = cut_padded(lengths, order, window, max_tokens, batch_multiple)
+    want_offsets, want_members = ref.cut_padded(lengths.tolist(), order.tolist(), window, max_tokens, batch_multiple)
+    assert offsets.tolist() == want_offsets
+    assert members.tolist() == want_members
+
+
+@given(pad_inputs())
+@with_pad_edges
+def test_cut_padded_caps_windows_and_batch_multiple(case):
+    lengths, order, window, max_tokens, batch_multiple = case
+    offsets, members = cut_padded(lengths, order, window, max_tokens, batch_multiple)
+    offsets, members = offsets.tolist(), members.tolist()
+    assert sorted(members) == sorted(order.tolist())  # exactly once
+    assert offsets[0] == 0 and offsets[-1] == len(order)
+    position_in_order = {item: i for i, item in enumerate(order.tolist())}
+    for b in range(len(offsets) - 1):
+        batch = members[offsets[b] : offsets[b + 1]]
+        assert batch, "a padded micro-batch is never empty"
+        sizes = [int(lengths[i]) for i in batch]
+        assert sizes == sorted(sizes, reverse=True)  # longest first
+        assert len(batch) * sizes[0] <= max_tokens
+        windows = {position_in_order[i] // window for i in batch}
+        assert len(windows) == 1, "a micro-batch never crosses a sorting window"
+        # batch_multiple is kept unless fewer than that fit, or the window has fewer left.
+        (w,) = windows
+        window_end = min((w + 1) * window, len(order))
+        is_window_tail = offsets[b + 1] == window_end
+        fits = max_tokens // sizes[0]
+        assert len(batch) % batch_multiple == 0 or fits < batch_multiple or is_window_tail
+        # Greedy: the micro-batch could not take one more of its window's entries,
+        # unless that would break batch_multiple.
+        if not is_window_tail and batch_multiple == 1:
+            assert (len(batch) + 1) * sizes[0] > max_tokens
+
+
+# --------------------------------------------------------------------------- steps
+
+
+@st.composite
+def step_inputs(draw):
+    count = draw(st.integers(0, 40))
+    scale = draw(st.sampled_from([1, 10, 1000]))
+    pool = draw(st.lists(st.integers(0, 20 * scale), min_size=1, max_size=3))
+    tokens = draw(
+        st.one_of(
+            st.lists(st.integers(0, 20 * scale), min_size=count, max_size=count),
+            st.lists(st.sampled_from(pool), min_size=count, max_size=count),
+        )
+    )
+    target = draw(st.integers(1, 60 * scale))
+    return np.array(tokens, dtype=np.int64), target
+
+
+@given(step_inputs())
+@example((np.zeros(0, dtype=np.int64), 10))  # no chunks
+@example((np.array([7], dtype=np.int64), 10))  # one chunk (fewer chunks than a step wants)
+@example((np.array([5, 5, 5, 5], dtype=np.int64), 10))  # exact ties
+@example((np.array([50, 1, 1], dtype=np.int64), 10))  # one chunk alone above target
+@example((np.array([0, 0, 3, 0], dtype=np.int64), 10))  # zero-token chunks
+def test_steps_by_tokens_matches_reference(case):
+    tokens, target = case
+    assert steps_by_tokens(tokens, target).tolist() == ref.steps_by_tokens(tokens.tolist(), target)
+
+
+@given(step_inputs())
+def test_steps_by_tokens_stays_within_half_a_chunk(case):
+    tokens, target = case
+    offsets = steps_by_tokens(tokens, target).tolist()
+    tokens = tokens.tolist()
+    if not tokens:
+        assert offsets == [0]
+        return
+    assert offsets[0] == 0 and offsets[-1] == len(tokens)
+    assert all(a < b for a, b in zip(offsets, offsets[1:])), "every step takes at least one chunk"
+    for s in range(len(offsets) - 1):
+        begin, end = offsets[s], offsets[s + 1]
+        total = sum(tokens[begin:end])
+        if end - begin > 1:  # overshoot only by less than half the chunk that caused it
+            assert total - target < tokens[end - 1] / 2 or total <= target
+        if end < len(tokens):  # stopped because the next chunk would not bring it closer
+            assert abs(total + tokens[end] - target) >= abs(total - target)
+
+
+# --------------------------------------------------------------------------- balance
+
+
+@st.composite
+def balance_inputs(draw):
+    world_size = draw(st.one_of(st.sampled_from([1, 2, 3, 8, 64]), st.integers(1, 9)))
+    per_rank = draw(st.lists(st.integers(0, 4), max_size=5))
+    sizes = [p * world_size for p in per_rank]
+    count = sum(sizes)
+    pool = draw(st.lists(st.integers(0, 10_000), min_size=1, max_size=3))
+    costs = draw(
+        st.one_of(
+            st.lists(st.integers(0, 10_000), min_size=count, max_size=count),
+            st.lists(st.sampled_from(pool), min_size=count, max_size=count),
+        )
+    )
+    offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
+    return np.array(costs, dtype=np.int64), offsets, world_size
+
+
+@given(balance_inputs())
+@example((np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64), 8))  # no micro-batches
+@example((np.array([5], dtype=np.int64), np.array([0, 1], dtype=np.int64), 1))  # one micro-batch
+@example((np.array([9, 0, 0, 4] + [0] * 60, dtype=np.int64), np.array([0, 64], dtype=np.int64), 64))  # empties
+@example((np.array([3, 3, 3, 3, 3, 3], dtype=np.int64), np.array([0, 6], dtype=np.int64), 3))  # all equal
+@example((np.array([4, 4, 2, 2, 1, 1], dtype=np.int64), np.array([0, 2, 6], dtype=np.int64), 2))  # two steps
+def test_assign_ranks_matches_reference(case):
+    costs, offsets, world_size = case
+    rank, micro = assign_ranks(costs, offsets, world_size)
+    want_rank, want_micro = ref.assign_ranks(costs.tolist(), offsets.tolist(), world_size)
+    assert rank.tolist() == want_rank
+    assert micro.tolist() == want_micro
+
+
+@given(balance_inputs())
+def test_assign_ranks_gives_every_rank_equal_counts(case):
+    costs, offsets, world_size = case
+    rank, micro = assign_ranks(costs, offsets, world_size)
+    rank, micro, offsets = rank.tolist(), micro.tolist(), offsets.tolist()
+    for s in range(len(offsets) - 1):
+        per_rank = (offsets[s + 1] - offsets[s]) // world_size
+        slots = sorted(zip(rank[offsets[s] : offsets[s + 1]], micro[offsets[s] : offsets[s + 1]]))
+        assert slots == [(r, m) for r in range(world_size) for m in range(per_rank)]
+
+
+# --------------------------------------------------------------------------- segments
+
+
+@st.composite
+def labelled(draw):
+    num_labels = draw(st.integers(1, 8))
+    labels = draw(st.lists(st.integers(0, num_labels - 1), max_size=40))
+    values = draw(st.lists(st.integers(0, 10_000), min_size=len(labels), max_size=len(labels)))
+    return np.array(labels, dtype=np.int64), np.array(values, dtype=np.int64), num_labels
+
+
+@given(labelled())
+def test_group_by_label_and_sum_by_label_match_reference(case):
+    labels, values, num_labels = case
+    offsets, members = group_by_label(labels, num_labels)
+    assert (offsets.tolist(), members.tolist()) == ref.group_by_label(labels.tolist(), num_labels)
+    want = ref.sum_by_label(labels.tolist(), values.tolist(), num_labels)
+    assert sum_by_label(labels, values, num_labels).tolist() == want
+
+
+@st.composite
+def segments(draw):
+    """CSR segments given as (members, starts, ends), possibly empty, plus an order over them."""
+    sizes = draw(st.lists(st.integers(0, 6), max_size=10))
+    members = draw(st.permutations(range(sum(sizes))))
+    offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int64)
+    order = draw(st.permutations(range(len(sizes))))
+    values = draw(st.lists(st.integers(0, 10_000), min_size=sum(sizes), max_size=sum(sizes)))
+    return (
+        np.array(members, dtype=np.int64),
+        offsets,
+        np.array(order, dtype=np.int64),
+        np.array(values, dtype=np.int32),  # the planner reduces int32 entry lengths
+    )
+
+
+@given(segments())
+def test_segment_reductions_and_gather_segments_match_reference(case):
+    members, offsets, order, values = case
+    assert segment_sum(values, offsets).tolist() == ref.segment_sum(values.tolist(), offsets.tolist())
+    assert segment_max(values, offsets).tolist() == ref.segment_max(values.tolist(), offsets.tolist())
+    starts, ends = offsets[:-1].copy(), offsets[1:].copy()
+    new_offsets, new_members = gather_segments(members, starts, ends, order)
+    want = ref.gather_segments(members.tolist(), starts.tolist(), ends.tolist(), order.tolist())
+    assert (new_offsets.tolist(), new_members.tolist()) == want
