@@ -59,10 +59,17 @@ def make_entries(
             is given (where the labelled tokens lie inside a sample is unknown).
     """
     lengths = np.asarray(lengths)
+    negative = np.flatnonzero(lengths < 0)
+    if negative.size:
+        first = int(negative[0])
+        raise DatasetError(
+            f"{negative.size:,} samples have a negative length (sample {first:,}: {int(lengths[first]):,}); "
+            "token counts must be >= 0"
+        )
     dropped: dict[str, NDArray[np.int64]] = {}
     keep = np.ones(lengths.shape[0], dtype=bool)
 
-    empty = np.flatnonzero(lengths <= 0)
+    empty = np.flatnonzero(lengths == 0)
     if empty.size:
         if not config.drop_empty:
             raise DatasetError(

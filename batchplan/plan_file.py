@@ -39,6 +39,10 @@ REQUIRED_COLUMNS = (
     "epoch", "step", "rank", "micro", "samples", "tokens", "loss_tokens", "step_loss_tokens",
 )  # fmt: skip
 _INT32_LIMIT = 2**31
+_REQUIRED_METADATA = {
+    "num_samples": int, "world_size": int, "max_tokens": int, "mode": str, "epochs": int, "seed": int,
+    "config": dict, "steps_per_epoch": list, "rows_per_rank": list, "dropped": dict, "content_hash": str,
+}  # fmt: skip
 
 
 def plan_schema(num_samples: int, has_spans: bool, metadata: dict[str, Any] | None = None) -> pa.Schema:
@@ -88,7 +92,7 @@ def write_plan(
         raise PlanFormatError(f"{path}: directory {path.parent} does not exist; create it first")
     batches = list(_record_batches(plan, on_batch))
     metadata = plan_metadata(plan, dataset=dataset, lengths_fingerprint=lengths_fingerprint)
-    metadata["content_hash"] = _content_hash(batches)
+    metadata["content_hash"] = _content_hash(metadata, batches)
     schema = plan_schema(plan.num_samples, plan.entries.has_spans, metadata)
     with _atomic_path(path) as temporary:
         with pa.OSFile(str(temporary), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
@@ -105,9 +109,11 @@ def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None) -> dict
 
     config = plan.config
     dropped: dict[str, Any] = {reason: samples.tolist() for reason, samples in plan.entries.dropped.items()}
-    last = {str(e.epoch): _dropped_samples(plan, e) for e in plan.epochs if e.dropped_entries.size}
+    last = [e for e in plan.epochs if e.dropped_entries.size]
     if last:
-        dropped["drop_last"] = last
+        dropped["drop_last"] = {str(e.epoch): _dropped_samples(plan, e) for e in last}
+        if plan.entries.has_spans:  # a split sample may lose only some of its pieces
+            dropped["drop_last_spans"] = {str(e.epoch): _dropped_spans(plan, e) for e in last}
     return {
         "format_version": FORMAT_VERSION,
         "num_samples": plan.num_samples,
@@ -136,6 +142,13 @@ def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None) -> dict
 
 def _dropped_samples(plan: Plan, epoch: EpochPlan) -> list[int]:
     return np.unique(plan.entries.sample[epoch.dropped_entries]).tolist()
+
+
+def _dropped_spans(plan: Plan, epoch: EpochPlan) -> list[list[int]]:
+    """``[sample, start, length]`` of each dropped entry, sorted."""
+    entries = np.sort(epoch.dropped_entries)  # entries are numbered in (sample, start) order
+    spans = np.stack([plan.entries.sample[entries], plan.entries.start[entries], plan.entries.length[entries]])
+    return spans.T.tolist()
 
 
 def _record_batches(plan: Plan, on_batch) -> Iterator[pa.RecordBatch]:
@@ -189,13 +202,13 @@ def _list_array(offsets: pa.Array, values: NDArray, value_type: pa.DataType) -> 
     return pa.ListArray.from_arrays(offsets, pa.array(values, type=value_type))
 
 
-def _content_hash(batches) -> str:
-    """CRC-32 over the values of every column of every batch, in order (hex).
+def _content_hash(metadata: dict[str, Any], batches) -> str:
+    """CRC-32 over the metadata (less this hash) and the values of every column, in order.
 
     A checksum against corruption, not a signature: CRC-32 runs at ~4 GB/s, so a plan
     of 16 M samples verifies in a fraction of a second.
     """
-    crc = 0
+    crc = zlib.crc32(_dump_json({k: v for k, v in metadata.items() if k != "content_hash"}))
     for batch in batches:
         for column in batch.columns:
             if pa.types.is_list(column.type):
@@ -271,8 +284,12 @@ class PlanFile:
             raise PlanFormatError(f"{self.path}: no such plan file") from error
         except (pa.ArrowException, OSError) as error:
             raise PlanFormatError(f"{self.path}: not a batchplan plan (not an Arrow IPC file: {error})") from error
-        self.metadata = self._decode_metadata()
-        self._check_schema()
+        try:
+            self.metadata = self._decode_metadata()
+            self._check_schema()
+        except (pa.ArrowException, UnicodeDecodeError, ValueError, TypeError, KeyError) as error:
+            # A damaged schema or metadata (a flipped byte in a name, a wrong type).
+            raise PlanFormatError(f"{self.path}: the plan's schema is unreadable ({error}); rebuild it") from error
 
     @property
     def schema(self) -> pa.Schema:
@@ -318,8 +335,11 @@ class PlanFile:
 
     def verify(self) -> None:
         """Recompute the content hash; raise `PlanFormatError` if the file was altered."""
-        batches = [self._reader.get_batch(i) for i in range(self._reader.num_record_batches)]
-        found = _content_hash(batches)
+        try:
+            batches = [self._reader.get_batch(i) for i in range(self._reader.num_record_batches)]
+            found = _content_hash(self.metadata, batches)
+        except (pa.ArrowException, OSError, ValueError, IndexError) as error:
+            raise PlanFormatError(f"{self.path}: the plan's rows are unreadable ({error}); rebuild it") from error
         if found != self.metadata.get("content_hash"):
             raise PlanFormatError(
                 f"{self.path}: content hash {found} does not match the recorded "
@@ -342,12 +362,29 @@ class PlanFile:
                 f"{self.path}: plan format version {version} is newer than this batchplan "
                 f"reads ({FORMAT_VERSION}); upgrade batchplan"
             )
+        for key, kind in _REQUIRED_METADATA.items():
+            if not isinstance(metadata.get(key), kind) or isinstance(metadata.get(key), bool) and kind is int:
+                raise PlanFormatError(
+                    f"{self.path}: batchplan metadata key {key!r} is missing or not a {kind.__name__}; "
+                    "the plan is corrupt, rebuild it"
+                )
+        epochs = metadata["epochs"]
+        if len(metadata["steps_per_epoch"]) != epochs or len(metadata["rows_per_rank"]) != epochs:
+            raise PlanFormatError(f"{self.path}: metadata describes {epochs} epochs inconsistently; rebuild it")
         return metadata
 
     def _check_schema(self) -> None:
         missing = [name for name in REQUIRED_COLUMNS if name not in self.schema.names]
         if missing:
             raise PlanFormatError(f"{self.path}: required column(s) {missing} missing; not a valid plan")
+        # Every column of this format version, with its type; more columns are allowed.
+        for field in plan_schema(self.num_samples, bool(self.metadata.get("has_spans"))):
+            found = self.schema.field(field.name).type if field.name in self.schema.names else None
+            if found != field.type:
+                raise PlanFormatError(
+                    f"{self.path}: column {field.name!r} is {found or 'missing'}, expected {field.type}; "
+                    "the plan is corrupt or not from batchplan, rebuild it"
+                )
         expected = self.num_epochs * self.world_size
         if self._reader.num_record_batches != expected:
             raise PlanFormatError(

@@ -130,7 +130,10 @@ def plan_epoch(entries: Entries, config: PlanConfig, epoch: int) -> EpochPlan:
     """Plan one epoch (see the module docstring)."""
     batches = _form_micro_batches(entries, config, epoch_rng(config.seed, epoch, STREAM_ENTRY_ORDER))
     schedule = epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER).permutation(batches.count)
-    schedule, dropped = _complete_last_chunk(batches, schedule, entries.length, config)
+    if config.drop_last:
+        schedule, dropped = _drop_last_step(batches, schedule, entries.length, config, epoch)
+    else:
+        schedule, dropped = _complete_last_chunk(batches, schedule, entries.length, config.world_size)
     tokens = batches.sums(entries.length)[schedule]
     step_offsets = _step_offsets(tokens, config)
     rank, micro = assign_ranks(tokens, step_offsets, config.world_size)
@@ -177,23 +180,16 @@ def _form_micro_batches(entries: Entries, config: PlanConfig, rng: np.random.Gen
     return _MicroBatches(members, offsets[:-1].copy(), offsets[1:].copy())
 
 
-def _complete_last_chunk(batches: _MicroBatches, schedule, entry_lengths, config: PlanConfig):
-    """Make the scheduled count a multiple of world_size, or drop the remainder.
+def _complete_last_chunk(batches: _MicroBatches, schedule, entry_lengths, world_size: int):
+    """Make the scheduled count a multiple of world_size: split micro-batches, then add empties.
 
-    Returns the new schedule and the entries dropped (``drop_last``).
+    Returns the new schedule and the (no) entries dropped.
     """
-    world_size = config.world_size
     count = schedule.shape[0]
-    if config.drop_last:
-        per_step = world_size * (config.micro_batches_per_step or 1)
-        keep = count - count % per_step
-        gone = [batches.members[batches.starts[k] : batches.ends[k]] for k in schedule[keep:]]
-        return schedule[:keep], np.concatenate([np.zeros(0, dtype=np.int64), *gone])
-    no_drop = np.zeros(0, dtype=np.int64)
     full = count - count % world_size
+    no_drop = np.zeros(0, dtype=np.int64)
     if full == count:
         return schedule, no_drop
-    # The last chunk: split its largest micro-batches in two, then add empties.
     last = list(schedule[full:])
     while len(last) < world_size:
         sizes = batches.ends[last] - batches.starts[last]
@@ -204,6 +200,37 @@ def _complete_last_chunk(batches: _MicroBatches, schedule, entry_lengths, config
         last.extend(_halve(batches, last.pop(largest), entry_lengths))
     last.extend(batches.add(0, 0) for _ in range(world_size - len(last)))
     return np.concatenate([schedule[:full], np.asarray(last, dtype=np.int64)]), no_drop
+
+
+def _drop_last_step(batches: _MicroBatches, schedule, entry_lengths, config: PlanConfig, epoch: int):
+    """Drop the micro-batches of an incomplete final step (``drop_last``).
+
+    Incomplete: fewer than ``micro_batches`` per rank, or, with a token target, a last
+    step that would still have taken another (average) chunk. Returns the kept schedule
+    and the dropped entries.
+    """
+    world_size = config.world_size
+    full = schedule.shape[0] - schedule.shape[0] % world_size
+    per_step = config.micro_batches_per_step
+    if per_step is not None:
+        keep = full - full % (world_size * per_step)
+    else:
+        tokens = batches.sums(entry_lengths)[schedule[:full]]
+        step_offsets = _step_offsets(tokens, config)
+        keep = full
+        if step_offsets.shape[0] > 1:
+            last_step = int(tokens[step_offsets[-2] :].sum())
+            next_chunk = tokens.sum() / max(1, full // world_size)
+            if abs(last_step + next_chunk - config.tokens_per_step) < abs(last_step - config.tokens_per_step):
+                keep = int(step_offsets[-2])
+    if keep == 0:
+        raise DatasetError(
+            f"--drop-last would drop all {schedule.shape[0]:,} micro-batches of epoch {epoch}: they do "
+            f"not fill one step of {world_size} ranks; use fewer ranks or micro-batches per step, "
+            "or leave out --drop-last"
+        )
+    gone = [batches.members[batches.starts[k] : batches.ends[k]] for k in schedule[keep:]]
+    return schedule[:keep], np.concatenate([np.zeros(0, dtype=np.int64), *gone])
 
 
 def _halve(batches: _MicroBatches, batch: int, entry_lengths) -> list[int]:

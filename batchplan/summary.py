@@ -5,7 +5,9 @@ All numbers come from the plan file alone (no dataset needed). Definitions:
   epoch's last (which may hold split or empty micro-batches): packing efficiency.
 - ``padding_fraction``: padding / (count x longest) over all micro-batches (pad mode;
   0 in pack mode).
-- ``token_imbalance``: mean over steps of (max rank tokens / mean rank tokens - 1).
+- ``token_imbalance``: mean over steps of (max rank tokens / mean rank tokens - 1), over
+  the same steps as ``fill`` (an epoch's last step is completed by splitting and empty
+  micro-batches, and is imbalanced by design).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
     # shape (num_steps, world_size): tokens of each rank in each step
     rank_tokens = np.bincount(step * world_size + rank, weights=tokens, minlength=num_steps * world_size)
     rank_tokens = rank_tokens.reshape(num_steps, world_size)
-    imbalance = _imbalance(rank_tokens)
+    imbalance = _imbalance(np.delete(rank_tokens, last_steps, axis=0))
     step_tokens = rank_tokens.sum(axis=1)
     micro_per_step = np.bincount(step, minlength=num_steps) // world_size
     dropped = meta.get("dropped", {})

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pyarrow as pa
 from numpy.typing import NDArray
 
 from batchplan.errors import PlanFormatError
@@ -57,6 +58,7 @@ def validate_plan(
         plan.verify()
     except PlanFormatError as error:
         found.append(Violation("integrity", str(error)))
+    found += _check_drop_last_allowed(plan)
     if lengths is not None:
         lengths = np.asarray(lengths)
         found += _check_dataset(plan, lengths, loss_tokens)
@@ -65,8 +67,13 @@ def validate_plan(
         found += _check_dropped_reasons(plan, lengths)
     step_base, tokens_base = 0, 0
     for epoch in range(plan.num_epochs):
-        checker = _EpochChecker(plan, epoch, lengths, loss_tokens, step_base, tokens_base)
-        found += checker.run()
+        try:
+            checker = _EpochChecker(plan, epoch, lengths, loss_tokens, step_base, tokens_base)
+            found += checker.run()
+        except (PlanFormatError, pa.ArrowException, OSError, ValueError, IndexError, TypeError) as error:
+            # Structure too damaged to check (list offsets out of range, unreadable batch).
+            found.append(Violation("integrity", f"epoch {epoch}: rows are unreadable ({error})"))
+            return found
         step_base += plan.metadata["steps_per_epoch"][epoch]
         tokens_base += checker.total_tokens
     return found
@@ -80,6 +87,13 @@ def _check_dataset(plan: PlanFile, lengths, loss_tokens) -> list[Violation]:
     if recorded is not None and recorded != actual:
         return [Violation("dataset", f"lengths fingerprint {actual} differs from the plan's {recorded}; "
                           "the plan was built for other data (or another loss-tokens column)")]  # fmt: skip
+    return []
+
+
+def _check_drop_last_allowed(plan: PlanFile) -> list[Violation]:
+    dropped = plan.metadata.get("dropped", {})
+    if dropped.get("drop_last") and not plan.metadata["config"].get("drop_last"):
+        return [Violation("coverage", "samples are listed as dropped by drop_last, but the plan was built without it")]
     return []
 
 
@@ -213,14 +227,14 @@ class _EpochChecker:
         dropped = self.meta.get("dropped", {})
         always = np.concatenate([np.asarray(dropped.get(r, []), dtype=np.int64) for r in ("empty", "oversize")])
         last = np.asarray(dropped.get("drop_last", {}).get(str(self.epoch), []), dtype=np.int64)
-        seen = np.bincount(self.samples, minlength=num_samples) if self.samples.size else np.zeros(num_samples, np.int64)
+        seen = np.bincount(self.samples, minlength=num_samples)
         if (seen[always] > 0).any():
             return self.fail("coverage", "a sample listed as dropped is in the plan")
+        if "starts" in self.col:
+            return self.check_spans(always, last)
         expected = np.ones(num_samples, dtype=bool)
         expected[always] = False
         expected[last] = False
-        if "starts" in self.col:
-            return self.check_spans(expected, last)
         wrong = np.flatnonzero((seen != 1) & expected)
         if wrong.size:
             first = int(wrong[0])
@@ -230,35 +244,42 @@ class _EpochChecker:
             return self.fail("coverage", "a sample dropped by drop_last is in the plan")
         return []
 
-    def check_spans(self, expected, last) -> list[Violation]:
-        """Split or truncated samples: pieces never overlap and tile the kept tokens."""
-        starts = self.col["starts"].values.to_numpy().astype(np.int64)
-        lengths = self.col["lengths"].values.to_numpy().astype(np.int64)
-        order = np.lexsort((starts, self.samples))
-        sample, start, length = self.samples[order], starts[order], lengths[order]
+    def check_spans(self, always, last) -> list[Violation]:
+        """Truncated or split samples: the planned pieces and the pieces dropped by
+        drop_last never overlap and tile each sample's kept tokens exactly."""
+        spans = self.meta.get("dropped", {}).get("drop_last_spans", {}).get(str(self.epoch), [])
+        spans = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
+        if not np.array_equal(np.unique(spans[:, 0]), np.unique(last)):
+            return self.fail("coverage", "drop_last lists other samples than its dropped pieces")
+        sample = np.concatenate([self.samples, spans[:, 0]])
+        start = np.concatenate([self.col["starts"].values.to_numpy().astype(np.int64), spans[:, 1]])
+        length = np.concatenate([self.col["lengths"].values.to_numpy().astype(np.int64), spans[:, 2]])
+        order = np.lexsort((start, sample))
+        sample, start, length = sample[order], start[order], length[order]
         same = sample[1:] == sample[:-1]
         if (same & (start[1:] < start[:-1] + length[:-1])).any():
             return self.fail("coverage", "two pieces of a sample overlap")
-        covered = np.zeros(self.plan.num_samples, dtype=np.int64)
-        np.add.at(covered, sample, length)
-        if self.lengths is not None:
-            want = self.lengths.astype(np.int64)
-            if self.meta["config"]["oversize"] == "truncate":
-                want = np.minimum(want, self.meta["max_tokens"])
-            complete = (covered == want) & (np.bincount(sample, weights=None, minlength=covered.size) > 0)
-            # A whole sample is one contiguous run from token 0 (no gaps: total matches).
-            if (start + length > want[sample]).any():
-                return self.fail("coverage", "a piece reaches past the end of its sample")
-            first_piece = np.ones(sample.size, dtype=bool)
-            first_piece[1:] = ~same
-            if (start[first_piece] != 0).any():
-                return self.fail("coverage", "a sample's first piece does not start at token 0")
-            wrong = np.flatnonzero(expected & ~complete)
-            if wrong.size:
-                return self.fail("coverage", f"{wrong.size:,} samples are not covered exactly once "
-                                 f"(sample {int(wrong[0]):,})")  # fmt: skip
-        elif ((covered > 0) != expected)[~np.isin(np.arange(covered.size), last)].any():
-            return self.fail("coverage", "the set of planned samples differs from the plan's own drop list")
+        expected = np.ones(self.plan.num_samples, dtype=bool)
+        expected[always] = False
+        pieces = np.bincount(sample, minlength=expected.size)
+        if self.lengths is None:
+            if (pieces[expected] == 0).any():
+                return self.fail("coverage", "a sample is neither planned nor listed as dropped")
+            return []
+        want = self.lengths.astype(np.int64)
+        if self.meta["config"]["oversize"] == "truncate":
+            want = np.minimum(want, self.meta["max_tokens"])
+        if (start + length > want[sample]).any():
+            return self.fail("coverage", "a piece reaches past the end of its sample")
+        first_piece = np.concatenate([[True], ~same])
+        if (start[first_piece] != 0).any():
+            return self.fail("coverage", "a sample's first piece does not start at token 0")
+        # Without overlaps, from token 0 and never past the end: equal totals mean no gap.
+        covered = np.bincount(sample, weights=length, minlength=expected.size).astype(np.int64)
+        wrong = np.flatnonzero(expected & (covered != want))
+        if wrong.size:
+            return self.fail("coverage", f"{wrong.size:,} samples are not covered exactly once "
+                             f"(sample {int(wrong[0]):,})")  # fmt: skip
         return []
 
 

@@ -298,7 +298,7 @@ def _check_drop_lists(meta, lengths, problems: _Problems) -> None:
     cfg = meta["config"]
     dropped = meta["dropped"]
     for reason in dropped:
-        if reason not in ("empty", "oversize", "drop_last"):
+        if reason not in ("empty", "oversize", "drop_last", "drop_last_spans"):
             problems.add("dropped", f"unknown drop reason {reason!r}")
     empty = sorted(i for i, n in enumerate(lengths) if n <= 0)
     oversize = sorted(i for i, n in enumerate(lengths) if n > cfg["max_tokens"])
@@ -479,13 +479,21 @@ class _EpochCheck:
                 for sample, start, length in self.entries_of(batch, row):
                     pieces[sample].append((start, length))
         spans = "starts" in self.batches[0]
+        # With spans, drop_last may drop only some pieces of a split sample: the plan lists
+        # them as [sample, start, length]; planned plus dropped pieces must tile the sample.
+        dropped_pieces: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for sample, start, length in dropped.get("drop_last_spans", {}).get(str(self.epoch), []):
+            dropped_pieces[sample].append((start, length))
+        if spans and set(dropped_pieces) != last:
+            self.add("dropped", "drop_last_spans names other samples than drop_last")
         for sample in range(len(self.lengths)):
             got = sorted(pieces.get(sample, []))
-            if sample in always or sample in last:
+            if sample in always or (sample in last and not spans):
                 if got:
                     reason = "drop_last" if sample in last else "empty/oversize"
                     self.add("coverage", f"sample {sample} is listed as dropped ({reason}) but planned: {got}")
                 continue
+            got = sorted(got + dropped_pieces.get(sample, []))
             if not spans:
                 if len(got) != 1:
                     self.add("coverage", f"sample {sample} is planned {len(got)} times")
@@ -508,8 +516,11 @@ class _EpochCheck:
         holds, so fewer than that many times max_tokens tokens (whole samples only)."""
         if "starts" in self.batches[0]:
             return
-        per_rank = 1 if self.cfg["tokens_per_step"] is not None else (self.cfg["micro_batches"] or 1)
-        limit = (self.world_size * per_rank - 1) * self.max_tokens
+        if self.cfg["tokens_per_step"] is not None:
+            # the partial chunk, plus a final step that had not reached its target
+            limit = (self.world_size - 1) * self.max_tokens + self.cfg["tokens_per_step"]
+        else:
+            limit = (self.world_size * (self.cfg["micro_batches"] or 1) - 1) * self.max_tokens
         tokens = sum(self.lengths[s] for s in last)
         if tokens > limit:
             self.add("dropped", f"drop_last dropped {len(last)} samples of {tokens} tokens, more than "

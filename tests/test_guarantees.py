@@ -99,8 +99,6 @@ def matrix_cases() -> list[Case]:
         cap = MAX_TOKENS[dataset]
         if dataset in HAS_OVERSIZE:  # "error" raising is its own test
             policy = ["drop", "truncate", "split"][(i // 3) % 3]
-            if policy == "split" and drop_last:  # a known bug: see the xfail tests at the end
-                policy = ["drop", "truncate"][(i // 4) % 2]
         else:  # every policy is a no-op here, and must stay one
             policy = POLICIES[(i // 3) % 4]
         options = {"max_tokens": cap, "mode": mode, "world_size": world_size, "seed": i}
@@ -133,7 +131,7 @@ EDGE_CASES = [
     make_case("all_equal", max_tokens=64, mode="pad", world_size=2, batch_multiple=4, shuffle_window=100),
     make_case("ten_halves", max_tokens=16, mode="pack", world_size=64, micro_batches=4),
     make_case("ten_halves", max_tokens=16, mode="pad", world_size=64, tokens_per_step=64 * 16),
-    make_case("three_small", max_tokens=8, mode="pack", world_size=8, drop_last=True),
+    make_case("ten_halves", max_tokens=16, mode="pack", world_size=4, drop_last=True),
     make_case("heavy_tail", max_tokens=1024, mode="pack", world_size=8, oversize="split", epochs=2),
     make_case("sharegpt_dialogues", max_tokens=8192, mode="pad", world_size=2, oversize="split", micro_batches=4),
 ]
@@ -252,6 +250,16 @@ def dropped_in_epoch(built: Built, epoch: int) -> set[int]:
     return listed | set(dropped.get("drop_last", {}).get(str(epoch), []))
 
 
+def always_dropped(built: Built) -> set[int]:
+    dropped = built.metadata["dropped"]
+    return set(dropped.get("empty", [])) | set(dropped.get("oversize", []))
+
+
+def dropped_spans(built: Built, epoch: int) -> list[list[int]]:
+    """[sample, start, length] of the pieces drop_last left out (span plans only)."""
+    return built.metadata["dropped"].get("drop_last_spans", {}).get(str(epoch), [])
+
+
 # --------------------------------------------------------------------------- the guarantees
 
 
@@ -269,12 +277,16 @@ def test_every_epoch_covers_every_sample_once(plans, case):
     for epoch, ranks in enumerate(built.epochs):
         dropped = dropped_in_epoch(built, epoch)
         if "starts" in ranks[0]:
+            # planned pieces plus the pieces drop_last left out cover each sample's tokens
             covered = np.zeros(num_samples, dtype=np.int64)
             for columns in ranks:
                 np.add.at(covered, columns["samples"], columns["lengths"])
+            for sample, _, length in dropped_spans(built, epoch):
+                covered[sample] += length
             want = built.lengths.astype(np.int64)
             if case.config.oversize == "truncate":
                 want = np.minimum(want, case.config.max_tokens)
+            dropped = always_dropped(built)
         else:
             covered = np.zeros(num_samples, dtype=np.int64)
             for columns in ranks:
@@ -379,7 +391,7 @@ def test_dropped_samples_are_listed(plans, case):
     built = plans(case)
     config = case.config
     dropped = built.metadata["dropped"]
-    assert set(dropped) <= {"empty", "oversize", "drop_last"}
+    assert set(dropped) <= {"empty", "oversize", "drop_last", "drop_last_spans"}
     empty = np.flatnonzero(built.lengths <= 0).tolist()
     oversize = np.flatnonzero(built.lengths > config.max_tokens).tolist()
     assert sorted(dropped.get("empty", [])) == (empty if config.drop_empty else [])
@@ -391,7 +403,12 @@ def test_dropped_samples_are_listed(plans, case):
         for columns in ranks:
             planned.update(columns["samples"].tolist())
         listed = dropped_in_epoch(built, epoch)
-        assert planned.isdisjoint(listed)
+        spans = dropped_spans(built, epoch)
+        if spans:  # drop_last may leave out some pieces of a split sample, not all
+            assert {sample for sample, _, _ in spans} == listed - always_dropped(built)
+            assert planned.isdisjoint(always_dropped(built))
+        else:
+            assert planned.isdisjoint(listed)
         assert planned | listed == set(range(built.lengths.shape[0]))
     assert built.problems_of("dropped") == []
 
@@ -503,16 +520,13 @@ def test_datasets_have_the_shape_the_matrix_assumes():
     assert set(REAL_FILES) <= set(MAX_TOKENS)
 
 
-# --------------------------------------------------------------------------- known bugs
+# --------------------------------------------------------------------------- split + drop_last
 
 SPLIT_DROP_LAST = PlanConfig(
     max_tokens=2048, mode="pack", world_size=3, micro_batches=4, oversize="split", drop_last=True
 )
 
 
-@pytest.mark.xfail(strict=True, reason="drop_last drops pieces of split samples but lists whole samples "
-                   "as dropped while their other pieces stay planned (planner._complete_last_chunk, "
-                   "plan_file._dropped_samples)")  # fmt: skip
 def test_split_with_drop_last_drops_whole_samples(tmp_path):
     lengths = dataset_lengths("lognormal")
     path = tmp_path / "plan.arrow"
@@ -520,11 +534,25 @@ def test_split_with_drop_last_drops_whole_samples(tmp_path):
     assert ref.check_guarantees(path, lengths, config=SPLIT_DROP_LAST) == []
 
 
-@pytest.mark.xfail(strict=True, reason="validate_plan rejects a plan the planner wrote: split + drop_last "
-                   "leaves a listed-dropped sample's later pieces, whose first kept piece does not "
-                   "start at token 0 (validate._EpochChecker.check_spans)")  # fmt: skip
 def test_validate_accepts_split_with_drop_last_plans(tmp_path):
     lengths = dataset_lengths("lognormal")
     path = tmp_path / "plan.arrow"
     build_and_write(lengths, SPLIT_DROP_LAST, path)
     assert validate_plan(open_plan(path), lengths) == []
+
+
+def test_drop_last_refuses_to_empty_an_epoch():
+    """Three samples cannot fill one step of 8 ranks: drop_last would plan nothing."""
+    config = PlanConfig(max_tokens=8, mode="pack", world_size=8, drop_last=True)
+    with pytest.raises(DatasetError, match="would drop all 2 micro-batches of epoch 0"):
+        build_plan(EDGE_LENGTHS["three_small"], config)
+
+
+def test_drop_last_with_a_token_target_drops_a_short_final_step():
+    """92 samples of 100 tokens on 4 ranks, target 4,000: steps of 40 samples; the last
+    step would hold 1,200 tokens, well short of the target, so it is dropped."""
+    lengths = np.full(92, 100, dtype=np.int32)
+    config = PlanConfig(max_tokens=100, world_size=4, tokens_per_step=4000, drop_last=True)
+    plan = build_plan(lengths, config)
+    assert plan.epochs[0].step_tokens.tolist() == [4000, 4000]
+    assert plan.epochs[0].dropped_entries.size == 12

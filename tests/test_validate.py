@@ -37,7 +37,7 @@ def write_rows(path: Path, schema: pa.Schema, metadata: dict, batches: list[dict
     """Write batches as a plan file; ``rehash`` records a checksum matching the new rows."""
     records = [pa.RecordBatch.from_pydict(b, schema=schema) for b in batches]
     if rehash:
-        metadata = {**metadata, "content_hash": _content_hash(records)}
+        metadata = {**metadata, "content_hash": _content_hash(metadata, records)}
     encoded = {METADATA_KEY: json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode()}
     final = schema.with_metadata(encoded)
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, final) as writer:
@@ -204,9 +204,6 @@ def test_sample_listed_dropped_for_a_false_reason_is_a_coverage_violation(good):
     assert reported(path, good["lengths"]) == {"coverage"}
 
 
-@pytest.mark.xfail(strict=True, reason="validate checks the reasons 'empty' and 'oversize' only: a sample "
-                   "listed under drop_last in a plan built without drop_last passes as legitimately "
-                   "missing (validate._check_dropped_reasons)")  # fmt: skip
 def test_sample_listed_under_drop_last_without_drop_last_is_a_coverage_violation(good):
     assert not good["config"].drop_last
     row = next(i for i, samples in enumerate(good["batches"][0]["samples"]) if len(samples) > 1)
@@ -283,9 +280,6 @@ def test_truncated_file_is_a_plan_format_error(good):
         open_plan(good["broken"])
 
 
-@pytest.mark.xfail(strict=True, raises=(ValueError, IndexError, pa.ArrowException),
-                   reason="list offsets are used unchecked: PlanFile.verify/_content_hash and "
-                   "validate._segment_sum raise raw ValueError/IndexError/ArrowIndexError")  # fmt: skip
 def test_corrupt_list_offsets_are_reported_not_raised(good):
     data = good["path"].read_bytes()
     num_rows = len(good["batches"][0]["samples"])
@@ -301,9 +295,6 @@ def test_corrupt_list_offsets_are_reported_not_raised(good):
     assert "integrity" in found
 
 
-@pytest.mark.xfail(strict=True, raises=(OSError, pa.ArrowException),
-                   reason="PlanFile.verify calls reader.get_batch without wrapping pyarrow errors, "
-                   "so validate_plan raises a raw OSError for a corrupt message header")  # fmt: skip
 def test_corrupt_message_header_is_a_plan_format_error(good):
     data = good["path"].read_bytes()
     # File: magic (8 bytes), then the schema message: continuation (4), length (4), body.
@@ -318,9 +309,6 @@ def test_corrupt_message_header_is_a_plan_format_error(good):
     assert "integrity" in found
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError,
-                   reason="PlanFile._decode_metadata checks only format_version; a metadata "
-                   "without 'epochs' raises KeyError from PlanFile.num_epochs")  # fmt: skip
 def test_metadata_without_a_required_key_is_a_plan_format_error(good):
     data = good["path"].read_bytes()
     assert b'"epochs":' in data  # top level and config, in the schema message and the footer
@@ -329,9 +317,6 @@ def test_metadata_without_a_required_key_is_a_plan_format_error(good):
         open_plan(good["broken"])
 
 
-@pytest.mark.xfail(strict=True, raises=(ValueError, IndexError, KeyError, OSError, pa.ArrowException),
-                   reason="corrupt files reach validate_plan's callers as raw pyarrow/numpy "
-                   "exceptions, not PlanFormatError or a violation (see the three tests above)")  # fmt: skip
 def test_any_flipped_byte_is_a_plan_format_error_or_reported(good):
     """Every 37th byte flipped in turn: the plan either refuses to open / validate with a
     BatchPlanError, reports a violation, or the byte did not matter (padding, a metadata
