@@ -103,20 +103,80 @@ def build(
 def inspect(
     plan: Annotated[Path, typer.Argument(help="Plan file.")],
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    plot: Annotated[Optional[Path], typer.Option(help="Also draw the plan into this image (.png/.svg/.pdf).")] = None,
+    dataset: Annotated[
+        Optional[list[Path]], typer.Option("--dataset", "-d", help="With --plot: draw the dataset's sample lengths.")
+    ] = None,
 ) -> None:
-    """Summarise a plan: steps, fill, padding, rank imbalance, drops."""
+    """Summarise a plan: steps, fill, padding, rank imbalance, drops; --plot draws it."""
     from batchplan.plan_file import open_plan
     from batchplan.summary import summarize_plan
 
-    summary = summarize_plan(open_plan(plan))
+    opened = open_plan(plan)
+    figure = None
+    if plot is not None:  # drawn first: a missing matplotlib or a wrong dataset fails before any output
+        from batchplan.plot import plan_lengths, plot_plan
+
+        figure = plot_plan(opened, *plan_lengths(opened, dataset))
+    summary = summarize_plan(opened)
     if json_output:
         import json
 
         typer.echo(json.dumps(summary, indent=2))
-        return
-    from batchplan_cli.render import print_summary
+    else:
+        from batchplan_cli.render import print_summary
 
-    print_summary(summary, title=str(plan))
+        print_summary(summary, title=str(plan))
+    if figure is not None:
+        from batchplan.plot import save_figure
+
+        save_figure(figure, plot)
+        typer.echo(f"wrote {plot}", err=json_output)
+
+
+@app.command()
+@_fail_cleanly
+def compare(
+    dataset: Annotated[list[Path], typer.Argument(help="Parquet file(s) or directories of them.")],
+    max_tokens: Annotated[int, typer.Option(help="Memory budget of one micro-batch, in tokens, for every strategy.")],
+    world_size: Annotated[int, typer.Option(help="Data-parallel ranks.")],
+    micro_batches: Annotated[int, typer.Option(help="Micro-batches per rank per step.")] = 1,
+    hidden_size: Annotated[Optional[int], typer.Option(help="Model width (attention cost) [default: 4096].")] = None,
+    oversize: Annotated[str, typer.Option(help="Samples above max_tokens: truncate, split, drop, error.")] = "truncate",
+    drop_empty: Annotated[bool, typer.Option(help="Drop samples of length 0 or null.")] = False,
+    seed: Annotated[int, typer.Option(help="Seed of every shuffle.")] = 0,
+    length_column: Annotated[str, typer.Option(help="Integer column of token counts.")] = "length",
+    tokens_column: Annotated[str, typer.Option(help="List column of token ids (when no length column).")] = "input_ids",
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    plot: Annotated[Optional[Path], typer.Option(help="Also draw the comparison into this image.")] = None,
+) -> None:
+    """Compare batchplan pad/pack with PyTorch, Hugging Face and fairseq batching on the same lengths."""
+    from batchplan.compare import DEFAULT_HIDDEN_SIZE, compare_strategies
+    from batchplan.lengths import read_lengths
+
+    if plot is not None:
+        from batchplan.plot import require_matplotlib
+
+        require_matplotlib()
+    lengths = read_lengths(dataset, length_column=length_column, tokens_column=tokens_column).lengths
+    result = compare_strategies(
+        lengths, max_tokens=max_tokens, world_size=world_size, micro_batches=micro_batches,
+        hidden_size=DEFAULT_HIDDEN_SIZE if hidden_size is None else hidden_size,
+        oversize=oversize, drop_empty=drop_empty, seed=seed,
+    )  # fmt: skip
+    if json_output:
+        import json
+
+        typer.echo(json.dumps(result.to_dict(), indent=2))
+    else:
+        from batchplan_cli.render import print_comparison
+
+        print_comparison(result.to_dict(), hidden_size_given=hidden_size is not None)
+    if plot is not None:
+        from batchplan.plot import plot_comparison, save_figure
+
+        save_figure(plot_comparison(result), plot)
+        typer.echo(f"wrote {plot}", err=json_output)
 
 
 @app.command()

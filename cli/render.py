@@ -41,3 +41,56 @@ def _dropped(summary: dict[str, Any]) -> str:
         return "0"
     parts = ", ".join(f"{count:,} {reason}" for reason, count in summary["dropped"].items())
     return f"{summary['dropped_samples']:,} ({parts})"
+
+
+def print_comparison(comparison: dict[str, Any], *, hidden_size_given: bool) -> None:
+    """Print a `Comparison.to_dict()` as one table, the settings in its caption."""
+    from rich import box
+
+    table = Table(title=f"{comparison['num_samples']:,} samples, one epoch per strategy", title_justify="left",
+                  box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)  # fmt: skip
+    table.add_column("strategy", no_wrap=True)
+    for name in ("micro-\nbatches", "steps", "padding", "fill", "token\nimbal.", "cost\nimbal.", "rel.\ntime"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for i, row in enumerate(comparison["strategies"]):
+        table.add_row(
+            f"{i + 1} {_SHORT_NAMES.get(row['name'], row['name'])}",
+            f"{row['micro_batches']:,}",
+            f"{row['steps']:,}",
+            f"{row['padding_fraction']:.2%}",
+            f"{row['fill']:.2%}",
+            f"{row['token_imbalance']:.2%}",
+            f"{row['cost_imbalance']:.2%}",
+            f"{row['relative_time']:.2f}",
+        )
+    console = Console()
+    console.print(table)
+    console.print(_comparison_notes(comparison, hidden_size_given), highlight=False)
+
+
+_SHORT_NAMES = {
+    "pytorch": "PyTorch",
+    "hf_grouped": "HF grouped",
+    "fairseq": "fairseq",
+    "batchplan_pad": "batchplan pad",
+    "batchplan_pack": "batchplan pack",
+}
+
+
+def _comparison_notes(c: dict[str, Any], hidden_size_given: bool) -> str:
+    hidden = f"{c['hidden_size']:,}" + ("" if hidden_size_given else " (default; set --hidden-size)")
+    dropped = f", {c['dropped_samples']:,} dropped" if c["dropped_samples"] else ""
+    n = c["baseline_batch_size"]
+    return "\n".join([
+        f"Same memory: every micro-batch fits max_tokens {c['max_tokens']:,} tokens.",
+        f"1 PyTorch DataLoader(shuffle=True): random order, n = max_tokens // longest = {n} sample(s), padded.",
+        f"2 HF group_by_length: random megabatches of up to 50 x {n}, sorted by length, cut every {n}, padded.",
+        "3 fairseq --max-tokens: sorted by length, greedy count x longest <= max_tokens, batches shuffled.",
+        "4 batchplan --mode pad (count x longest <= max_tokens); 5 --mode pack (sum <= max_tokens).",
+        f"Steps: {c['world_size']} rank(s) x {c['micro_batches']} micro-batch(es); 1-3 deal micro-batches to "
+        "ranks round-robin (DistributedSampler), 4-5 as planned.",
+        "Imbalance: mean over steps of max / mean over ranks - 1.",
+        "Epoch time: sum over steps of the slowest rank's cost (computed tokens + L^2 / (12 h) per sequence, "
+        f"h = {hidden}), relative to 1.",
+        f"Oversize: {c['oversize_samples']:,} sample(s) above max_tokens, --oversize {c['oversize']}{dropped}.",
+    ])  # fmt: skip

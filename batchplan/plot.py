@@ -1,0 +1,388 @@
+"""Figures of a plan and of a comparison, for `batchplan inspect --plot` and `compare --plot`.
+
+matplotlib is optional (``pip install 'batchplan[plot]'``) and imported only here,
+inside the functions. Figures are built without pyplot on the Agg canvas: no window,
+no global state, nothing changes a notebook's backend.
+
+`plot_plan` draws six panels from the plan file alone (plus the dataset's lengths
+when given): sample lengths, micro-batch fill, tokens per step, rank imbalance per
+step (tokens, and cost when the plan has a ``cost`` column), micro-batches per step,
+and the summary numbers. Series over steps longer than 2,000 points are drawn as
+the mean per bin of steps with a min-max band, so a 16 M-sample plan plots in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from numpy.typing import NDArray
+
+from batchplan.errors import BatchPlanError, PlanMismatchError
+from batchplan.plan_file import PlanFile
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from batchplan.compare import Comparison
+
+__all__ = ["PLAN_PANELS", "plan_lengths", "plot_comparison", "plot_plan", "require_matplotlib", "save_figure"]
+
+PLAN_PANELS = (
+    "lengths",
+    "micro-batch fill",
+    "tokens per step",
+    "rank imbalance per step",
+    "micro-batches per step",
+    "summary",
+)
+_MAX_POINTS = 2_000
+_BINS = 1_000
+
+
+def _matplotlib():
+    """The Agg-backed Figure class, or a clear error naming the extra to install."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise BatchPlanError(
+            f"plotting needs matplotlib, which is not installed ({error}); "
+            "install it with: pip install 'batchplan[plot]'"
+        ) from error
+    return Figure, FigureCanvasAgg
+
+
+def require_matplotlib() -> None:
+    """Raise `BatchPlanError` now if matplotlib is missing (before a long computation)."""
+    _matplotlib()
+
+
+def save_figure(figure: Figure, path: str | os.PathLike) -> Path:
+    """Write ``figure`` (PNG, SVG or PDF by the file extension) and return the path."""
+    _, canvas = _matplotlib()
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise BatchPlanError(f"{path}: directory {path.parent} does not exist; create it first")
+    canvas(figure)
+    try:
+        figure.savefig(path, dpi=100)
+    except ValueError as error:  # unknown extension
+        raise BatchPlanError(f"{path}: cannot write this figure ({error}); use .png, .svg or .pdf") from error
+    return path
+
+
+def plan_lengths(
+    plan: PlanFile, dataset: str | os.PathLike | Sequence[str | os.PathLike] | None = None
+) -> tuple[NDArray[np.int64] | None, str]:
+    """Lengths to draw for ``plan`` and what they are.
+
+    With ``dataset``: every sample's length, checked against the plan's fingerprint.
+    Without it: the entry lengths of epoch 0 when the plan stores them (truncated or
+    split samples), else ``None`` (the plan alone does not know sample lengths).
+
+    Raises:
+        PlanMismatchError: the dataset is not the one the plan was built for.
+    """
+    if dataset:
+        from batchplan.lengths import fingerprint_lengths, read_lengths
+
+        source = plan.metadata.get("dataset") or {}
+        column = source.get("length_column", "length")
+        read = read_lengths(dataset, length_column=column, tokens_column=column,
+                            loss_tokens_column=source.get("loss_tokens_column"))  # fmt: skip
+        recorded = plan.metadata.get("lengths_fingerprint")
+        if recorded and fingerprint_lengths(read.lengths, read.loss_tokens) != recorded:
+            raise PlanMismatchError(
+                f"{plan.path}: the dataset's lengths ({read.num_samples:,} samples) are not the ones the "
+                f"plan was built for ({plan.num_samples:,} samples); pass the plan's own dataset"
+            )
+        return read.lengths.astype(np.int64), "sample lengths (from --dataset)"
+    if "lengths" in plan.schema.names:
+        values = plan.read_epoch(0).column("lengths").combine_chunks().flatten().to_numpy()
+        policy = plan.metadata.get("config", {}).get("oversize", "split")
+        return values.astype(np.int64), f"entry lengths (samples cut by --oversize {policy})"
+    return None, ""
+
+
+def plot_plan(plan: PlanFile, lengths: NDArray[np.integer] | None = None, lengths_label: str = "") -> Figure:
+    """One figure of six panels (`PLAN_PANELS`) describing ``plan``.
+
+    Args:
+        plan: the opened plan.
+        lengths: lengths to histogram (`plan_lengths`); None draws the tokens of each
+            micro-batch (pack) or its longest sample (pad) instead, and says so.
+        lengths_label: the title of the lengths panel when ``lengths`` is given.
+    """
+    from batchplan.summary import summarize_plan
+
+    figure_class, _ = _matplotlib()
+    data = _plan_arrays(plan)
+    summary = summarize_plan(plan)
+    figure = figure_class(figsize=(16, 9), layout="constrained")
+    axes = figure.subplots(2, 3).reshape(-1)
+    _lengths_panel(axes[0], data, lengths, lengths_label)
+    _fill_panel(axes[1], data)
+    _tokens_per_step_panel(axes[2], data)
+    _imbalance_panel(axes[3], data)
+    _micro_per_step_panel(axes[4], data)
+    _summary_panel(axes[5], summary)
+    figure.suptitle(_settings_line(plan), fontsize=13)
+    return figure
+
+
+def _plan_arrays(plan: PlanFile) -> dict[str, Any]:
+    table = plan.read_all()
+    world_size = plan.world_size
+    step = table.column("step").to_numpy()
+    rank = table.column("rank").to_numpy()
+    tokens = table.column("tokens").to_numpy()
+    num_steps = plan.num_steps
+    slot = step * world_size + rank
+    counts = np.diff(table.column("samples").combine_chunks().offsets.to_numpy())
+    data = {
+        "mode": plan.metadata["mode"],
+        "max_tokens": int(plan.metadata["max_tokens"]),
+        "world_size": world_size,
+        "tokens": tokens,
+        "padded": table.column("padded_tokens").to_numpy() if "padded_tokens" in table.column_names else tokens,
+        "counts": counts,
+        # shape (num_steps, world_size): per rank and step
+        "rank_tokens": np.bincount(slot, weights=tokens, minlength=num_steps * world_size).reshape(num_steps, -1),
+        "micro_per_step": np.bincount(step, minlength=num_steps) // world_size,
+        "epoch_starts": np.cumsum(plan.metadata["steps_per_epoch"])[:-1],
+    }
+    if "cost" in table.column_names:
+        cost = table.column("cost").to_numpy()
+        data["rank_cost"] = np.bincount(slot, weights=cost, minlength=num_steps * world_size).reshape(num_steps, -1)
+    return data
+
+
+def _lengths_panel(ax: Axes, data, lengths, label: str) -> None:
+    cap = data["max_tokens"]
+    if lengths is None:
+        nonempty = data["counts"] > 0
+        if data["mode"] == "pad":
+            values = data["padded"][nonempty] // data["counts"][nonempty]
+            label = "longest sample per micro-batch (no lengths: --dataset)"
+        else:
+            values = data["tokens"][nonempty]
+            label = "tokens per micro-batch (no lengths: --dataset)"
+        unit = "micro-batches"
+    else:
+        values = np.asarray(lengths)
+        unit = "samples" if label.startswith("sample") else "entries"
+    over = int((values > cap).sum())
+    note = f"{values.shape[0]:,} {unit}\n" + (f"{over:,} > max_tokens" if over else "all <= max_tokens")
+    values = values[values > 0]
+    if values.size and values.max() > 20 * max(1.0, float(np.median(values))):
+        ax.set_xscale("log")
+        bins = np.geomspace(max(1, values.min()), values.max() + 1, 60)
+    else:
+        bins = 60
+    ax.hist(values, bins=bins, color="tab:blue")
+    if values.size and cap > 1.5 * values.max():
+        note += f" ({cap:,}, off the axis)"
+    else:
+        ax.axvline(cap, color="tab:red", linestyle="--", label=f"max_tokens {cap:,}")
+        ax.legend(loc="upper right", fontsize=8)
+    ax.text(0.5, 0.97, note, transform=ax.transAxes, ha="center", va="top", fontsize=8,
+            bbox={"facecolor": "white", "alpha": 0.8, "linewidth": 0})  # fmt: skip
+    ax.set_yscale("log")
+    bottom, top = ax.get_ylim()
+    ax.set_ylim(bottom, top * 10)  # headroom for the note
+    ax.set_xlabel("tokens")
+    ax.set_ylabel(unit)
+    ax.set_title(label, fontsize=10)
+
+
+def _fill_panel(ax: Axes, data) -> None:
+    cap = data["max_tokens"]
+    real = 100.0 * data["tokens"] / cap
+    bins = np.linspace(0, 100, 51)
+    ax.hist(real, bins=bins, color="tab:green", alpha=0.7, label="real tokens")
+    title = f"micro-batch fill: mean {real.mean():.1f} % of max_tokens"
+    if data["mode"] == "pad":
+        padded = 100.0 * data["padded"] / cap
+        ax.hist(padded, bins=bins, histtype="step", color="black", label="with padding (count x longest)")
+        padding = 1.0 - data["tokens"].sum() / max(1, data["padded"].sum())
+        title += f", padding {100 * padding:.2f} %"
+    ax.set_yscale("log")
+    ax.set_xlabel(f"% of max_tokens ({cap:,})")
+    ax.set_ylabel("micro-batches")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="upper left", fontsize=8)
+
+
+def _tokens_per_step_panel(ax: Axes, data) -> None:
+    step_tokens = data["rank_tokens"].sum(axis=1)
+    _series(ax, step_tokens, "tab:blue", "tokens")
+    _epoch_lines(ax, data["epoch_starts"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens per step (all ranks)")
+    ax.set_title(f"tokens per step: mean {step_tokens.mean():,.0f}", fontsize=10)
+    ax.set_ylim(bottom=0)
+
+
+def _imbalance_panel(ax: Axes, data) -> None:
+    imbalance = 100.0 * _step_imbalance(data["rank_tokens"])
+    _series(ax, imbalance, "tab:blue", f"tokens (mean {imbalance.mean():.2f} %)")
+    title = "rank imbalance per step (max / mean - 1)"
+    if "rank_cost" in data:
+        cost = 100.0 * _step_imbalance(data["rank_cost"])
+        _series(ax, cost, "tab:orange", f"cost (mean {cost.mean():.2f} %)")
+        title += ": tokens and cost"
+    else:
+        title += ": tokens (no cost column)"
+    _epoch_lines(ax, data["epoch_starts"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("imbalance (%)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="upper right", fontsize=8)
+
+
+def _micro_per_step_panel(ax: Axes, data) -> None:
+    per_step = data["micro_per_step"]
+    _series(ax, per_step.astype(np.float64), "tab:purple", "micro-batches")
+    _epoch_lines(ax, data["epoch_starts"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("micro-batches per rank")
+    low, high = (int(per_step.min()), int(per_step.max())) if per_step.size else (0, 0)
+    ax.set_ylim(bottom=0, top=max(1, high) * 1.15 + 0.5)
+    spread = f"{low}" if low == high else f"{low}..{high}"
+    ax.set_title(f"micro-batches per step: {spread} per rank, {per_step.sum() * data['world_size']:,} in all",
+                 fontsize=10)  # fmt: skip
+
+
+def _summary_panel(ax: Axes, summary: dict[str, Any]) -> None:
+    lines = [
+        f"samples            {summary['num_samples']:,}",
+        f"steps              {summary['num_steps']:,}",
+        f"micro-batches      {summary['micro_batches']:,} ({summary['empty_micro_batches']:,} empty)",
+        f"tokens             {summary['tokens']:,}",
+        f"fill               {summary['fill']:.3%}",
+        f"padding            {summary['padding_fraction']:.3%}",
+        f"token imbalance    {summary['token_imbalance']:.3%} (p99 {summary['token_imbalance_p99']:.3%})",
+    ]
+    if "cost_imbalance" in summary:
+        lines.append(f"cost imbalance     {summary['cost_imbalance']:.3%}")
+    lines.append(f"dropped samples    {summary['dropped_samples']:,}")
+    ax.axis("off")
+    ax.text(0.02, 0.95, "\n".join(lines), family="monospace", fontsize=10, va="top", transform=ax.transAxes)
+    ax.set_title("summary", fontsize=10)
+
+
+def _series(ax: Axes, values: NDArray, color: str, label: str) -> None:
+    """A per-step series; long ones as the mean per bin of steps with a min-max band."""
+    if values.shape[0] <= _MAX_POINTS:
+        ax.plot(np.arange(values.shape[0]), values, color=color, linewidth=0.8, label=label)
+        return
+    edges = np.linspace(0, values.shape[0], _BINS + 1).astype(np.int64)
+    mean = np.add.reduceat(values, edges[:-1]) / np.diff(edges)
+    centre = (edges[:-1] + edges[1:]) / 2
+    ax.fill_between(centre, np.minimum.reduceat(values, edges[:-1]), np.maximum.reduceat(values, edges[:-1]),
+                    color=color, alpha=0.25, linewidth=0)  # fmt: skip
+    step_bin = values.shape[0] / _BINS
+    ax.plot(centre, mean, color=color, linewidth=0.8, label=f"{label}; mean per {step_bin:,.0f} steps, band min-max")
+
+
+def _epoch_lines(ax: Axes, starts: NDArray) -> None:
+    for start in starts:
+        ax.axvline(start, color="grey", linestyle=":", linewidth=0.8)
+
+
+def _step_imbalance(per_rank: NDArray) -> NDArray[np.float64]:
+    mean = per_rank.mean(axis=1)
+    out = np.zeros(per_rank.shape[0])
+    busy = mean > 0
+    out[busy] = per_rank[busy].max(axis=1) / mean[busy] - 1.0
+    return out
+
+
+def _settings_line(plan: PlanFile) -> str:
+    meta = plan.metadata
+    config = meta.get("config", {})
+    if config.get("tokens_per_step"):
+        steps = f"{config['tokens_per_step']:,} tokens per step"
+    else:
+        steps = f"{config.get('micro_batches') or 1} micro-batch(es) per rank per step"
+    parts = [
+        f"{plan.path.name}: {meta['mode']}",
+        f"max_tokens {meta['max_tokens']:,}",
+        f"world_size {meta['world_size']}",
+        steps,
+        f"{meta['epochs']} epoch(s)",
+        f"seed {meta['seed']}",
+        f"oversize {config.get('oversize', '?')}",
+    ]
+    if meta.get("hidden_size"):
+        parts.append(f"hidden_size {meta['hidden_size']:,}")
+    return ", ".join(parts)
+
+
+def plot_comparison(comparison: Comparison) -> Figure:
+    """Bar charts of a `compare_strategies` result: time, padding and fill, imbalance, micro-batches."""
+    figure_class, _ = _matplotlib()
+    rows = comparison.strategies
+    names = [f"{i + 1} {_TICK_NAMES.get(r.name, r.name)}" for i, r in enumerate(rows)]
+    positions = np.arange(len(rows))
+    figure = figure_class(figsize=(15, 8.5), layout="constrained")
+    axes = figure.subplots(2, 2).reshape(-1)
+    _bars(axes[0], positions, [[r.relative_time for r in rows]], ["relative epoch time"], "x baseline 1")
+    axes[0].axhline(1.0, color="grey", linestyle=":", linewidth=0.8)
+    axes[0].set_title("predicted epoch time (sum over steps of the slowest rank's cost), x baseline 1")
+    _bars(axes[1], positions, [[100 * r.fill for r in rows], [100 * r.padding_fraction for r in rows]],
+          ["fill (real tokens / micro-batches x max_tokens)", "padding (of count x longest)"], "%")  # fmt: skip
+    axes[1].set_title("fill and padding of micro-batches")
+    _bars(axes[2], positions, [[100 * r.token_imbalance for r in rows], [100 * r.cost_imbalance for r in rows]],
+          ["tokens", "cost"], "%")  # fmt: skip
+    axes[2].set_title("rank imbalance (mean over steps of max / mean - 1)")
+    _bars(axes[3], positions, [[r.micro_batches for r in rows], [r.steps for r in rows]],
+          ["micro-batches", "steps"], "per epoch")  # fmt: skip
+    axes[3].set_title("micro-batches and steps per epoch")
+    for ax in axes:
+        ax.set_xticks(positions, names, fontsize=9)
+        ax.margins(y=0.12)
+    figure.suptitle(_comparison_line(comparison), fontsize=12)
+    return figure
+
+
+def _bars(ax: Axes, positions, series: list[list[float]], labels: list[str], unit: str) -> None:
+    width = 0.8 / len(series)
+    for i, (values, label) in enumerate(zip(series, labels)):
+        bars = ax.bar(positions + (i - (len(series) - 1) / 2) * width, values, width, label=label)
+        ax.bar_label(bars, labels=[_short_number(v) for v in values], fontsize=8)
+    ax.set_ylabel(unit)
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+
+
+_TICK_NAMES = {
+    "pytorch": "PyTorch\nrandom, fixed n",
+    "hf_grouped": "HF\ngroup_by_length",
+    "fairseq": "fairseq\nsorted max-tokens",
+    "batchplan_pad": "batchplan\npad",
+    "batchplan_pack": "batchplan\npack",
+}
+
+
+def _short_number(value: float) -> str:
+    if value == 0:
+        return "0"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
+
+
+def _comparison_line(c: Comparison) -> str:
+    return (
+        f"{c.num_samples:,} samples, max_tokens {c.max_tokens:,} per micro-batch for every strategy, "
+        f"world_size {c.world_size}, {c.micro_batches} micro-batch(es) per rank per step, hidden_size "
+        f"{c.hidden_size:,}\nbaselines 1-2: n = {c.baseline_batch_size} sample(s) per micro-batch so that the "
+        f"longest ({c.longest:,} tokens) fits; oversize {c.oversize} ({c.oversize_samples:,} samples)"
+    )
