@@ -9,7 +9,8 @@ budget per micro-batch (``max_tokens``):
    sorted by length inside each (``transformers.trainer_pt_utils.get_length_grouped_indices``);
 3. ``fairseq``: all samples sorted by length, cut greedily so that count x longest
    <= max_tokens, batches shuffled (``fairseq.data.data_utils.batch_by_size``);
-4. ``batchplan_pad`` and 5. ``batchplan_pack``: `build_plan` in each mode.
+4. ``batchplan_pad`` and 5. ``batchplan_pack``: `build_plan` in each mode, balancing
+   ranks by compute for the given model width.
 
 Baselines 1-2 use ``n = max_tokens // longest`` so that their largest micro-batch fits
 ``max_tokens``; 3-5 cap every micro-batch at ``max_tokens`` (pad: count x longest; pack:
@@ -134,8 +135,9 @@ def compare_strategies(
     """
     if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
         raise ConfigError(f"--hidden-size must be a positive integer, got {hidden_size!r}")
+    # batchplan's rows balance ranks by compute for this model width (what --hidden-size does).
     config = PlanConfig(max_tokens=max_tokens, world_size=world_size, micro_batches=micro_batches,
-                        oversize=oversize, drop_empty=drop_empty, seed=seed)  # fmt: skip
+                        oversize=oversize, drop_empty=drop_empty, seed=seed, hidden_size=hidden_size)  # fmt: skip
     lengths = np.asarray(lengths)
     entries = make_entries(lengths, config)
     if entries.num_entries == 0:

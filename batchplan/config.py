@@ -18,7 +18,11 @@ __all__ = ["MODES", "OVERSIZE_POLICIES", "PlanConfig"]
 
 MODES = ("pack", "pad")
 OVERSIZE_POLICIES = ("error", "drop", "truncate", "split")
-BALANCE_MODES = ("tokens",)
+BALANCE_MODES = ("tokens", "compute")
+
+# Steps are formed from micro-batches of similar cost within windows of this many
+# steps (then the steps are shuffled): 1 would mean purely random step composition.
+DEFAULT_BALANCE_WINDOW = 64
 
 # Pad mode sorts lengths inside windows of this many samples: large enough that
 # neighbours in a window have near-equal lengths (padding < 1 % on the shared data),
@@ -43,7 +47,12 @@ class PlanConfig:
         drop_last: drop an epoch's incomplete final step instead of completing it.
         shuffle_window: pad mode: samples sorted by length inside windows of this size.
         batch_multiple: pad mode: keep samples per micro-batch a multiple of this.
-        balance: what ranks are balanced on within a step.
+        balance: what steps and ranks are balanced on: ``"tokens"``, or ``"compute"``
+            (tokens + attention, `batchplan.cost`; needs ``hidden_size``). Default:
+            compute when ``hidden_size`` is given, else tokens.
+        balance_window: steps are formed from micro-batches of similar cost (tokens or
+            compute) within windows of this many steps, then shuffled; 1 = random steps.
+        hidden_size: model width, for the attention term of the cost model.
     """
 
     max_tokens: int
@@ -58,9 +67,13 @@ class PlanConfig:
     drop_last: bool = False
     shuffle_window: int = DEFAULT_SHUFFLE_WINDOW
     batch_multiple: int = 1
-    balance: Literal["tokens"] = "tokens"
+    balance: Literal["tokens", "compute"] | None = None
+    balance_window: int = DEFAULT_BALANCE_WINDOW
+    hidden_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.balance is None:  # resolved here, so the stored config is explicit
+            object.__setattr__(self, "balance", "tokens" if self.hidden_size is None else "compute")
         _check_int("max_tokens", self.max_tokens, minimum=1, flag="--max-tokens")
         _check_int("world_size", self.world_size, minimum=1, flag="--world-size")
         _check_int("epochs", self.epochs, minimum=1, flag="--epochs")
@@ -70,6 +83,13 @@ class PlanConfig:
         _check_choice("mode", self.mode, MODES)
         _check_choice("oversize", self.oversize, OVERSIZE_POLICIES)
         _check_choice("balance", self.balance, BALANCE_MODES)
+        _check_int("balance_window", self.balance_window, minimum=1, flag="--balance-window")
+        if self.hidden_size is not None:
+            _check_int("hidden_size", self.hidden_size, minimum=1, flag="--hidden-size")
+        elif self.balance == "compute":
+            raise ConfigError(
+                "--balance compute needs the model width for the attention term; pass --hidden-size"
+            )
         if self.micro_batches is not None and self.tokens_per_step is not None:
             raise ConfigError(
                 "--micro-batches and --tokens-per-step were both given; steps are sized "

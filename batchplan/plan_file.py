@@ -45,7 +45,9 @@ _REQUIRED_METADATA = {
 }  # fmt: skip
 
 
-def plan_schema(num_samples: int, has_spans: bool, metadata: dict[str, Any] | None = None) -> pa.Schema:
+def plan_schema(
+    num_samples: int, has_spans: bool, metadata: dict[str, Any] | None = None, *, has_cost: bool = False
+) -> pa.Schema:
     """The schema of a plan; ``samples`` holds int32 below 2^31 samples, else int64."""
     index = pa.int32() if num_samples < _INT32_LIMIT else pa.int64()
     fields = [
@@ -62,6 +64,8 @@ def plan_schema(num_samples: int, has_spans: bool, metadata: dict[str, Any] | No
         pa.field("step_loss_tokens", pa.int64(), nullable=False),
         pa.field("tokens_before_step", pa.int64(), nullable=False),
     ]
+    if has_cost:
+        fields.append(pa.field("cost", pa.float64(), nullable=False))
     if has_spans:
         fields.append(pa.field("starts", pa.list_(pa.field("item", pa.int64(), nullable=False)), nullable=False))
         fields.append(pa.field("lengths", pa.list_(pa.field("item", pa.int32(), nullable=False)), nullable=False))
@@ -93,7 +97,7 @@ def write_plan(
     batches = list(_record_batches(plan, on_batch))
     metadata = plan_metadata(plan, dataset=dataset, lengths_fingerprint=lengths_fingerprint)
     metadata["content_hash"] = _content_hash(metadata, batches)
-    schema = plan_schema(plan.num_samples, plan.entries.has_spans, metadata)
+    schema = plan_schema(plan.num_samples, plan.entries.has_spans, metadata, has_cost=_has_cost(plan))
     with _atomic_path(path) as temporary:
         with pa.OSFile(str(temporary), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             for batch in batches:
@@ -106,6 +110,7 @@ def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None) -> dict
     import numba
 
     from batchplan import __version__
+    from batchplan.cost import attention_coefficient
 
     config = plan.config
     dropped: dict[str, Any] = {reason: samples.tolist() for reason, samples in plan.entries.dropped.items()}
@@ -128,6 +133,8 @@ def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None) -> dict
         "lengths_fingerprint": lengths_fingerprint,
         "dataset": dataset,
         "has_spans": plan.entries.has_spans,
+        "hidden_size": config.hidden_size,
+        "attention_coefficient": None if config.hidden_size is None else attention_coefficient(config.hidden_size),
         "steps_per_epoch": [e.num_steps for e in plan.epochs],
         "rows_per_rank": [e.rows_per_rank for e in plan.epochs],
         "dropped": dropped,
@@ -138,6 +145,10 @@ def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None) -> dict
             "pyarrow": pa.__version__,
         },
     }
+
+
+def _has_cost(plan: Plan) -> bool:
+    return plan.config.hidden_size is not None
 
 
 def _dropped_samples(plan: Plan, epoch: EpochPlan) -> list[int]:
@@ -152,7 +163,7 @@ def _dropped_spans(plan: Plan, epoch: EpochPlan) -> list[list[int]]:
 
 
 def _record_batches(plan: Plan, on_batch) -> Iterator[pa.RecordBatch]:
-    schema = plan_schema(plan.num_samples, plan.entries.has_spans)
+    schema = plan_schema(plan.num_samples, plan.entries.has_spans, has_cost=_has_cost(plan))
     step_base = 0
     tokens_base = 0
     for epoch in plan.epochs:
@@ -190,6 +201,8 @@ def _rank_batch(schema, plan, epoch: EpochPlan, rows: slice, step_base: int, bef
         "step_loss_tokens": epoch.step_loss_tokens[local_step],
         "tokens_before_step": before[local_step],
     }
+    if epoch.cost is not None:
+        columns["cost"] = epoch.cost[rows]
     if plan.entries.has_spans:
         columns["starts"] = _list_array(list_offsets, plan.entries.start[members], pa.int64())
         columns["lengths"] = _list_array(list_offsets, plan.entries.length[members], pa.int32())
@@ -378,7 +391,8 @@ class PlanFile:
         if missing:
             raise PlanFormatError(f"{self.path}: required column(s) {missing} missing; not a valid plan")
         # Every column of this format version, with its type; more columns are allowed.
-        for field in plan_schema(self.num_samples, bool(self.metadata.get("has_spans"))):
+        has_cost = self.metadata.get("hidden_size") is not None
+        for field in plan_schema(self.num_samples, bool(self.metadata.get("has_spans")), has_cost=has_cost):
             found = self.schema.field(field.name).type if field.name in self.schema.names else None
             if found != field.type:
                 raise PlanFormatError(

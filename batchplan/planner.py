@@ -4,12 +4,14 @@ Per epoch, with randomness only from ``SeedSequence([seed, epoch, stream])``:
 
 1. micro-batches: ``pack`` = best-fit decreasing with seeded tie-breaking;
    ``pad`` = seeded shuffle, sort inside windows, greedy cut (count x longest <= cap);
-2. their order is shuffled;
-3. consecutive groups of ``world_size`` micro-batches ("chunks") form steps: a fixed
-   number of chunks per step, or as many as bring the step closest to a token target.
-   An incomplete final chunk is completed by splitting micro-batches, then with
-   empty micro-batches (zero-weight dummies at run time), or dropped (``drop_last``);
-4. inside each step, micro-batches go to ranks (equal counts, balanced tokens).
+2. their order is shuffled. An incomplete final chunk (fewer than ``world_size``) is
+   completed by splitting micro-batches, then with empty micro-batches (zero-weight
+   dummies at run time), and kept for the last step; or dropped (``drop_last``);
+3. "chunks" of ``world_size`` micro-batches of similar cost are formed within windows
+   of ``balance_window`` chunks (cost = tokens, or tokens + attention), and shuffled;
+4. consecutive chunks form steps: a fixed number per step, or as many as bring the
+   step closest to a token target;
+5. inside each step, micro-batches go to ranks (equal counts, balanced cost).
 
 Rows come out ordered by (rank, step, micro), so one rank's rows of an epoch are
 contiguous. Cost: O(n log C) to pack, O(n) for the rest, per epoch.
@@ -26,7 +28,8 @@ from numpy.typing import NDArray
 from batchplan.config import PlanConfig
 from batchplan.entries import Entries, make_entries
 from batchplan.errors import DatasetError
-from batchplan.kernels.balance import assign_ranks
+from batchplan.cost import attention_coefficient
+from batchplan.kernels.balance import assign_ranks, sort_within_windows
 from batchplan.kernels.pack import pack_segments
 from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import gather_segments, segment_max, segment_sum, sum_by_label
@@ -37,6 +40,7 @@ __all__ = ["EpochPlan", "Plan", "build_plan", "epoch_rng", "plan_epoch"]
 # Independent random streams of one epoch.
 STREAM_ENTRY_ORDER = 0
 STREAM_MICRO_BATCH_ORDER = 1
+STREAM_CHUNK_ORDER = 2
 
 
 def epoch_rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
@@ -64,6 +68,7 @@ class EpochPlan:
     tokens: NDArray[np.int64]
     loss_tokens: NDArray[np.int64]
     padded_tokens: NDArray[np.int64]  # count x longest in pad mode, tokens in pack mode
+    cost: NDArray[np.float64] | None  # tokens + attention term (`batchplan.cost`), with hidden_size
     step_tokens: NDArray[np.int64]  # per epoch-local step, all ranks
     step_loss_tokens: NDArray[np.int64]
     dropped_entries: NDArray[np.int64]  # entries left out by drop_last
@@ -132,12 +137,43 @@ def plan_epoch(entries: Entries, config: PlanConfig, epoch: int) -> EpochPlan:
     schedule = epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER).permutation(batches.count)
     if config.drop_last:
         schedule, dropped = _drop_last_step(batches, schedule, entries.length, config, epoch)
+        num_full = schedule.shape[0]
     else:
+        num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
         schedule, dropped = _complete_last_chunk(batches, schedule, entries.length, config.world_size)
+    compute = None if config.hidden_size is None else _compute_costs(batches, entries, config)
+    costs = compute if config.balance == "compute" else batches.sums(entries.length).astype(np.float64)
+    rng = epoch_rng(config.seed, epoch, STREAM_CHUNK_ORDER)
+    schedule = np.concatenate([_balanced_chunks(schedule[:num_full], costs, config, rng), schedule[num_full:]])
     tokens = batches.sums(entries.length)[schedule]
     step_offsets = _step_offsets(tokens, config)
-    rank, micro = assign_ranks(tokens, step_offsets, config.world_size)
-    return _assemble(entries, config, epoch, batches, schedule, tokens, step_offsets, rank, micro, dropped)
+    rank, micro = assign_ranks(costs[schedule], step_offsets, config.world_size)
+    return _assemble(entries, config, epoch, batches, schedule, tokens, compute, step_offsets, rank, micro, dropped)
+
+
+def _compute_costs(batches, entries: Entries, config: PlanConfig) -> NDArray[np.float64]:
+    """Predicted compute per micro-batch, in tokens: `batchplan.cost` for the model width."""
+    coefficient = attention_coefficient(config.hidden_size)
+    lengths = entries.length.astype(np.float64)
+    if config.mode == "pack":
+        return batches.sums(lengths + coefficient * lengths**2)
+    # Pad: count x (longest + c longest^2). A micro-batch's first entry is its longest
+    # (windows are cut longest first, and splitting keeps prefixes and suffixes).
+    count = batches.ends - batches.starts
+    first = batches.members[np.minimum(batches.starts, batches.members.shape[0] - 1)]
+    longest = np.where(count > 0, lengths[first], 0.0)
+    return count * (longest + coefficient * longest**2)
+
+
+def _balanced_chunks(schedule, costs, config: PlanConfig, rng: np.random.Generator):
+    """Reorder so each chunk of world_size holds similar costs; shuffle the chunks."""
+    world_size = config.world_size
+    if config.balance_window == 1:
+        return schedule  # already random; LPT balances inside each step
+    order = sort_within_windows(costs[schedule], config.balance_window * world_size)
+    # shape (num_chunks, world_size): one micro-batch per rank in each chunk
+    chunks = schedule[order].reshape(-1, world_size)
+    return chunks[rng.permutation(chunks.shape[0])].reshape(-1)
 
 
 @dataclasses.dataclass
@@ -156,8 +192,10 @@ class _MicroBatches:
     def count(self) -> int:
         return int(self.starts.shape[0])
 
-    def sums(self, per_entry: NDArray) -> NDArray[np.int64]:
-        total = np.concatenate([[0], np.cumsum(per_entry[self.members], dtype=np.int64)])
+    def sums(self, per_entry: NDArray) -> NDArray:
+        """Per micro-batch sum of a per-entry quantity (int64, or float64 for floats)."""
+        dtype = np.float64 if np.issubdtype(per_entry.dtype, np.floating) else np.int64
+        total = np.concatenate([[0], np.cumsum(per_entry[self.members], dtype=dtype)])
         return total[self.ends] - total[self.starts]
 
     def tokens_of(self, batch: int, entry_lengths: NDArray) -> int:
@@ -259,7 +297,7 @@ def _step_offsets(tokens: NDArray[np.int64], config: PlanConfig) -> NDArray[np.i
     return chunk_offsets.astype(np.int64) * world_size
 
 
-def _assemble(entries, config, epoch, batches, schedule, tokens, step_offsets, rank, micro, dropped) -> EpochPlan:
+def _assemble(entries, config, epoch, batches, schedule, tokens, costs, step_offsets, rank, micro, dropped) -> EpochPlan:
     """Order micro-batches by (rank, step, micro) and compute the per-row columns."""
     world_size = config.world_size
     num_steps = step_offsets.shape[0] - 1
@@ -290,6 +328,7 @@ def _assemble(entries, config, epoch, batches, schedule, tokens, step_offsets, r
         tokens=tokens,
         loss_tokens=loss_tokens,
         padded_tokens=padded,
+        cost=None if costs is None else costs[schedule[by_row]],
         step_tokens=sum_by_label(step, tokens, num_steps),
         step_loss_tokens=sum_by_label(step, loss_tokens, num_steps),
         dropped_entries=dropped,

@@ -269,8 +269,8 @@ def _summary_panel(ax: Axes, summary: dict[str, Any]) -> None:
         f"padding            {summary['padding_fraction']:.3%}",
         f"token imbalance    {summary['token_imbalance']:.3%} (p99 {summary['token_imbalance_p99']:.3%})",
     ]
-    if "cost_imbalance" in summary:
-        lines.append(f"cost imbalance     {summary['cost_imbalance']:.3%}")
+    if summary.get("cost_imbalance") is not None:
+        lines.append(f"cost imbalance     {summary['cost_imbalance']:.3%} (p99 {summary['cost_imbalance_p99']:.3%})")
     lines.append(f"dropped samples    {summary['dropped_samples']:,}")
     ax.axis("off")
     ax.text(0.02, 0.95, "\n".join(lines), family="monospace", fontsize=10, va="top", transform=ax.transAxes)

@@ -5,6 +5,8 @@ All numbers come from the plan file alone (no dataset needed). Definitions:
   epoch's last (which may hold split or empty micro-batches): packing efficiency.
 - ``padding_fraction``: padding / (count x longest) over all micro-batches (pad mode;
   0 in pack mode).
+- ``cost_imbalance``: the same over the plan's predicted compute (``cost`` column,
+  plans built with a hidden size; None otherwise).
 - ``token_imbalance``: mean over steps of (max rank tokens / mean rank tokens - 1), over
   the same steps as ``fill`` (an epoch's last step is completed by splitting and empty
   micro-batches, and is imbalanced by design).
@@ -40,6 +42,12 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
     rank_tokens = np.bincount(step * world_size + rank, weights=tokens, minlength=num_steps * world_size)
     rank_tokens = rank_tokens.reshape(num_steps, world_size)
     imbalance = _imbalance(np.delete(rank_tokens, last_steps, axis=0))
+    cost_imbalance = None
+    if "cost" in table.column_names:
+        rank_cost = np.bincount(
+            step * world_size + rank, weights=table.column("cost").to_numpy(), minlength=num_steps * world_size
+        )
+        cost_imbalance = _imbalance(np.delete(rank_cost.reshape(num_steps, world_size), last_steps, axis=0))
     step_tokens = rank_tokens.sum(axis=1)
     micro_per_step = np.bincount(step, minlength=num_steps) // world_size
     dropped = meta.get("dropped", {})
@@ -58,12 +66,28 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
         "padding_fraction": float(1.0 - tokens.sum() / padded.sum()) if padded.sum() else 0.0,
         "token_imbalance": float(imbalance.mean()) if imbalance.size else 0.0,
         "token_imbalance_p99": float(np.percentile(imbalance, 99)) if imbalance.size else 0.0,
+        "cost_imbalance": _mean(cost_imbalance),
+        "cost_imbalance_p99": _p99(cost_imbalance),
+        "hidden_size": meta.get("hidden_size"),
+        "balance": meta["config"].get("balance", "tokens"),
         "tokens_per_step": _spread(step_tokens),
         "micro_batches_per_rank_per_step": _spread(micro_per_step),
         "steps_per_epoch": meta["steps_per_epoch"],
         "dropped_samples": _count_dropped(dropped),
         "dropped": {reason: _count_dropped({reason: v}) for reason, v in dropped.items()},
     }
+
+
+def _mean(values: np.ndarray | None) -> float | None:
+    if values is None:
+        return None
+    return float(values.mean()) if values.size else 0.0
+
+
+def _p99(values: np.ndarray | None) -> float | None:
+    if values is None:
+        return None
+    return float(np.percentile(values, 99)) if values.size else 0.0
 
 
 def _imbalance(rank_tokens: np.ndarray) -> np.ndarray:

@@ -22,6 +22,7 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
+from batchplan.cost import attention_coefficient, micro_batch_costs
 from batchplan.errors import PlanFormatError
 from batchplan.lengths import fingerprint_lengths
 from batchplan.plan_file import PlanFile
@@ -203,8 +204,17 @@ class _EpochChecker:
                 per_entry = lengths - 1
             if not np.array_equal(_segment_sum(per_entry, self.offsets), loss):
                 found += self.fail("counts", "a micro-batch's loss_tokens differ from its samples' loss tokens")
+            if "cost" in self.col:
+                found += self.check_cost(lengths)
         found += self.check_step_sums()
         return found
+
+    def check_cost(self, lengths) -> list[Violation]:
+        coefficient = attention_coefficient(self.meta["hidden_size"])
+        expected = micro_batch_costs(lengths, self.offsets, self.meta["mode"], coefficient)
+        if not np.allclose(self.col["cost"].to_numpy(), expected, rtol=1e-9, atol=0.0):
+            return self.fail("counts", "a micro-batch's cost differs from the cost model of its samples")
+        return []
 
     def check_step_sums(self) -> list[Violation]:
         step = self.col["step"].to_numpy() - self.step_base

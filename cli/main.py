@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from batchplan.config import DEFAULT_BALANCE_WINDOW
 from batchplan.errors import BatchPlanError
 
 app = typer.Typer(
@@ -65,6 +66,13 @@ def build(
     drop_last: Annotated[bool, typer.Option(help="Drop each epoch's incomplete final step.")] = False,
     shuffle_window: Annotated[Optional[int], typer.Option(help="Pad mode: samples sorted within windows of this size.")] = None,
     batch_multiple: Annotated[int, typer.Option(help="Pad mode: samples per micro-batch a multiple of this.")] = 1,
+    hidden_size: Annotated[Optional[int], typer.Option(help="Model width: adds the attention term to the cost.")] = None,
+    balance: Annotated[
+        Optional[str], typer.Option(help="Balance ranks by tokens or compute [default: compute with --hidden-size].")
+    ] = None,
+    balance_window: Annotated[
+        int, typer.Option(help="Steps formed from similar-cost micro-batches within this many steps; 1 = random.")
+    ] = DEFAULT_BALANCE_WINDOW,
     length_column: Annotated[str, typer.Option(help="Integer column of token counts.")] = "length",
     tokens_column: Annotated[str, typer.Option(help="List column of token ids (when no length column).")] = "input_ids",
     loss_tokens_column: Annotated[Optional[str], typer.Option(help="Integer column: tokens carrying a label.")] = None,
@@ -80,6 +88,7 @@ def build(
         max_tokens=max_tokens, mode=mode, world_size=world_size, epochs=epochs, seed=seed,
         micro_batches=micro_batches, tokens_per_step=tokens_per_step, oversize=oversize,
         drop_empty=drop_empty, drop_last=drop_last, batch_multiple=batch_multiple,
+        hidden_size=hidden_size, balance=balance, balance_window=balance_window,
         shuffle_window=DEFAULT_SHUFFLE_WINDOW if shuffle_window is None else shuffle_window,
     )  # fmt: skip
     columns = {"length_column": length_column, "tokens_column": tokens_column,

@@ -29,11 +29,21 @@ def print_summary(summary: dict[str, Any], *, title: str) -> None:
         ("fill", f"{summary['fill']:.3%}"),
         ("padding", f"{summary['padding_fraction']:.3%}"),
         ("token imbalance", f"{summary['token_imbalance']:.3%} mean, {summary['token_imbalance_p99']:.3%} p99"),
+        ("cost imbalance", _cost_imbalance(summary)),
         ("dropped samples", _dropped(summary)),
     ]
     for name, value in rows:
         table.add_row(name, value)
     Console().print(table)
+
+
+def _cost_imbalance(summary: dict[str, Any]) -> str:
+    if summary.get("cost_imbalance") is None:
+        return "- (build with --hidden-size for the compute cost)"
+    return (
+        f"{summary['cost_imbalance']:.3%} mean, {summary['cost_imbalance_p99']:.3%} p99 "
+        f"(hidden size {summary['hidden_size']:,}, balanced by {summary['balance']})"
+    )
 
 
 def _dropped(summary: dict[str, Any]) -> str:

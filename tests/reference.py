@@ -22,7 +22,7 @@ __all__ = [
     "check_guarantees",
     "cut_padded",
     "gather_segments",
-    "group_by_label",
+    "sort_within_windows",
     "pack_items",
     "pack_segments",
     "segment_max",
@@ -156,14 +156,13 @@ def assign_ranks(costs: Sequence[float], step_offsets: Sequence[int], world_size
     return rank, micro
 
 
-def group_by_label(labels: Sequence[int], num_labels: int) -> tuple[list[int], list[int]]:
-    groups: list[list[int]] = [[] for _ in range(num_labels)]
-    for item, label in enumerate(labels):
-        groups[int(label)].append(item)
-    offsets = [0]
-    for group in groups:
-        offsets.append(offsets[-1] + len(group))
-    return offsets, [item for group in groups for item in group]
+def sort_within_windows(costs: Sequence[float], window: int) -> list[int]:
+    """Positions by decreasing cost inside each window; equal costs keep their order."""
+    order: list[int] = []
+    for begin in range(0, len(costs), window):
+        positions = list(range(begin, min(begin + window, len(costs))))
+        order += sorted(positions, key=lambda p: (-costs[p], p))
+    return order
 
 
 def segment_sum(values: Sequence[int], offsets: Sequence[int]) -> list[int]:

@@ -145,8 +145,8 @@ def test_table_matches_a_loop_recomputation(seed, num_samples, max_tokens, world
         places = round_robin(len(batches), world_size, per_step)
         expected[name] = loop_metrics(as_lengths, places, "pad", max_tokens, world_size, coefficient)
     for mode in ("pad", "pack"):
-        config = PlanConfig(max_tokens=max_tokens, mode=mode, world_size=world_size,
-                            micro_batches=micro_batches, seed=seed, oversize="truncate")  # fmt: skip
+        config = PlanConfig(max_tokens=max_tokens, mode=mode, world_size=world_size, micro_batches=micro_batches,
+                            seed=seed, oversize="truncate", hidden_size=hidden_size)  # fmt: skip
         batches, places = plan_batches(values, config)
         expected[f"batchplan_{mode}"] = loop_metrics(batches, places, mode, max_tokens, world_size, coefficient)
 

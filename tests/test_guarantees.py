@@ -133,6 +133,11 @@ EDGE_CASES = [
     make_case("ten_halves", max_tokens=16, mode="pad", world_size=64, tokens_per_step=64 * 16),
     make_case("ten_halves", max_tokens=16, mode="pack", world_size=4, drop_last=True),
     make_case("heavy_tail", max_tokens=1024, mode="pack", world_size=8, oversize="split", epochs=2),
+    make_case("lognormal", max_tokens=2048, mode="pack", world_size=8, micro_batches=4, hidden_size=1024,
+              oversize="split"),
+    make_case("sharegpt_dialogues", max_tokens=8192, mode="pad", world_size=3, hidden_size=4096,
+              oversize="split", tokens_per_step=3 * 8192 * 2, drop_last=True),
+    make_case("chat", max_tokens=256, mode="pack", world_size=2, hidden_size=64, balance="tokens", balance_window=1),
     make_case("sharegpt_dialogues", max_tokens=8192, mode="pad", world_size=2, oversize="split", micro_batches=4),
 ]
 

@@ -12,10 +12,10 @@ import reference as ref
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from batchplan.kernels.balance import assign_ranks
+from batchplan.kernels.balance import assign_ranks, sort_within_windows
 from batchplan.kernels.pack import pack_items, pack_segments
 from batchplan.kernels.pad import cut_padded
-from batchplan.kernels.segments import gather_segments, group_by_label, segment_max, segment_sum, sum_by_label
+from batchplan.kernels.segments import gather_segments, segment_max, segment_sum, sum_by_label
 from batchplan.kernels.steps import steps_by_tokens
 
 # --------------------------------------------------------------------------- strategies
@@ -284,6 +284,17 @@ def test_assign_ranks_gives_every_rank_equal_counts(case):
         assert slots == [(r, m) for r in range(world_size) for m in range(per_rank)]
 
 
+@given(
+    st.lists(st.sampled_from([0.0, 1.0, 2.5, 7.0, 8192.0, 9000.5]), max_size=60),
+    st.integers(1, 20),
+)
+@example([], 4)
+@example([3.0, 3.0, 3.0], 1)
+def test_sort_within_windows_matches_reference(costs, window):
+    order = sort_within_windows(np.array(costs, dtype=np.float64), window)
+    assert order.tolist() == ref.sort_within_windows(costs, window)
+
+
 # --------------------------------------------------------------------------- segments
 
 
@@ -296,10 +307,8 @@ def labelled(draw):
 
 
 @given(labelled())
-def test_group_by_label_and_sum_by_label_match_reference(case):
+def test_sum_by_label_matches_reference(case):
     labels, values, num_labels = case
-    offsets, members = group_by_label(labels, num_labels)
-    assert (offsets.tolist(), members.tolist()) == ref.group_by_label(labels.tolist(), num_labels)
     want = ref.sum_by_label(labels.tolist(), values.tolist(), num_labels)
     assert sum_by_label(labels, values, num_labels).tolist() == want
 

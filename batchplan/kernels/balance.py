@@ -1,8 +1,12 @@
-"""Assign each step's micro-batches to ranks, equal counts per rank, balancing cost.
+"""Balance ranks: steps of similar-cost micro-batches, then equal counts per rank by cost.
 
-Longest-processing-time first under a cardinality constraint: a step's micro-batches
-are taken by decreasing cost and each goes to the least-loaded rank that still has
-room (every rank gets exactly ``count / world_size``). O(n log n + n x world_size).
+In a synchronous step every rank waits for the slowest, so a step should hold
+micro-batches that can be split evenly. `sort_within_windows` orders each window of
+micro-batches by cost, so that consecutive groups of ``world_size`` ("chunks") hold
+similar costs; the planner then shuffles the chunks. `assign_ranks` places each step's
+micro-batches on ranks: longest-processing-time first under a cardinality constraint,
+by decreasing cost onto the least-loaded rank that still has room (every rank gets
+exactly ``count / world_size``). O(n log n + n x world_size).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["assign_ranks"]
+__all__ = ["assign_ranks", "sort_within_windows"]
 
 
 @njit(cache=True)
@@ -56,3 +60,18 @@ def assign_ranks(costs, step_offsets, world_size):
             micro[begin:end],
         )
     return rank, micro
+
+
+@njit(cache=True)
+def sort_within_windows(costs, window):
+    """Positions ordered by decreasing cost inside each window of ``window`` positions.
+
+    Consecutive groups of ``world_size`` positions in the result hold micro-batches of
+    similar cost (a step whose ranks can finish together); stable on equal costs.
+    """
+    count = costs.shape[0]
+    order = np.empty(count, dtype=np.int64)
+    for begin in range(0, count, window):
+        end = min(begin + window, count)
+        order[begin:end] = begin + np.argsort(-costs[begin:end], kind="mergesort")
+    return order

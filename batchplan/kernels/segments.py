@@ -1,4 +1,4 @@
-"""Segment helpers: group items by label into CSR form, gather segments, reduce them.
+"""Segment helpers: gather segments into CSR form, reduce segments and labels.
 
 A CSR grouping is ``(offsets, members)``: segment ``s`` holds
 ``members[offsets[s]:offsets[s + 1]]``. All O(n), stable (items keep their order).
@@ -9,24 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["gather_segments", "group_by_label", "segment_max", "segment_sum", "sum_by_label"]
-
-
-@njit(cache=True)
-def group_by_label(labels, num_labels):
-    """Stable counting sort of item indices by label (labels in 0..num_labels-1)."""
-    offsets = np.zeros(num_labels + 1, dtype=np.int64)
-    for label in labels:
-        offsets[label + 1] += 1
-    for label in range(num_labels):
-        offsets[label + 1] += offsets[label]
-    cursor = offsets[:-1].copy()
-    members = np.empty(labels.shape[0], dtype=np.int64)
-    for item in range(labels.shape[0]):
-        label = labels[item]
-        members[cursor[label]] = item
-        cursor[label] += 1
-    return offsets, members
+__all__ = ["gather_segments", "segment_max", "segment_sum", "sum_by_label"]
 
 
 @njit(cache=True)
