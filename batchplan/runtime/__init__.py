@@ -1,0 +1,43 @@
+"""batchplan.runtime: replay a plan inside PyTorch training (numpy + pyarrow + torch only).
+
+```python
+sampler = PlanSampler("plan.arrow")                        # rank/world_size from torch.distributed
+loader = DataLoader(PlanDataset(dataset), batch_sampler=sampler, collate_fn=PackCollator())
+for epoch in range(sampler.epoch, sampler.num_epochs):
+    sampler.set_epoch(epoch)
+    for mb, batch in zip(sampler.schedule(), loader):
+        loss = token_loss_sum(model(**batch), batch) * mb.loss_scale(world_size)
+        loss.backward()                                    # (DDP: no_sync() unless mb.is_last)
+        if mb.is_last: optimizer.step(); scheduler.step(); optimizer.zero_grad()
+```
+
+Importing this package never imports numba or typer (a test checks it).
+See docs/runtime.md.
+"""
+
+from batchplan.runtime.attention import document_causal_mask, padding_causal_mask
+from batchplan.runtime.collate import IGNORE_INDEX, PackCollator, PadCollator
+from batchplan.runtime.dataset import PlanDataset
+from batchplan.runtime.loss import count_loss_tokens, token_loss_sum
+from batchplan.runtime.records import MicroBatch, SpanIndex, SpanItem
+from batchplan.runtime.sampler import PlanSampler
+from batchplan.runtime.schedule import read_step_tokens, token_lr_factor, token_lr_lambda, token_lr_scheduler
+
+__all__ = [
+    "IGNORE_INDEX",
+    "MicroBatch",
+    "PackCollator",
+    "PadCollator",
+    "PlanDataset",
+    "PlanSampler",
+    "SpanIndex",
+    "SpanItem",
+    "count_loss_tokens",
+    "document_causal_mask",
+    "padding_causal_mask",
+    "read_step_tokens",
+    "token_loss_sum",
+    "token_lr_factor",
+    "token_lr_lambda",
+    "token_lr_scheduler",
+]

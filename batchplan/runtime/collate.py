@@ -1,0 +1,171 @@
+"""Collators: a micro-batch's dataset items -> the tensors a causal LM takes.
+
+Both follow Hugging Face conventions, so models take their output as is:
+
+- `PackCollator` (plans built with ``--mode pack``): ``DataCollatorWithFlattening``.
+  One row of ``T`` tokens: ``input_ids`` and ``labels`` (1, T) int64,
+  ``position_ids`` (1, T) restarting at 0 per sample, ``cu_seq_lens_q`` /
+  ``cu_seq_lens_k`` (n + 1,) int32 and ``max_length_q`` / ``max_length_k`` (int),
+  also under the short names ``cu_seq_lens`` / ``max_length``.
+- `PadCollator` (``--mode pad``): ``input_ids`` / ``labels`` / ``attention_mask``
+  (n, longest), right-padded.
+
+Labels are the token ids (or the item's own ``labels``) with -100 at each sample's
+first position and on padding, so after the model's shift no target crosses a
+sample boundary: a sample of ``L`` tokens contributes ``L - 1`` loss tokens, the
+plan's count. An empty micro-batch (planned so every rank runs the same number
+of forwards) becomes a one-token dummy with no label: loss 0, gradients 0, every
+collective still runs. Items are mappings with the token ids under ``input_key``
+(list, numpy array or tensor) or the token ids themselves; `SpanItem` items
+(from `PlanDataset`, for plans with spans) are sliced to their span first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from batchplan.errors import DatasetError
+from batchplan.runtime.records import SpanItem
+
+__all__ = ["IGNORE_INDEX", "PackCollator", "PadCollator"]
+
+IGNORE_INDEX = -100
+
+
+class _Collator:
+    def __init__(
+        self,
+        *,
+        input_key: str = "input_ids",
+        labels_key: str | None = "labels",
+        pad_token_id: int = 0,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> None:
+        self.input_key = input_key
+        self.labels_key = labels_key
+        self.pad_token_id = pad_token_id
+        self.ignore_index = ignore_index
+
+    def _sequences(self, items: Sequence[Any]) -> tuple[list[NDArray[np.int64]], list[NDArray[np.int64]]]:
+        """Token ids and labels of each item, spans applied, first label ignored."""
+        ids, labels = [], []
+        for item in items:
+            tokens, item_labels = self._read(item)
+            if tokens.shape[0] == 0:
+                raise DatasetError("a dataset item has no tokens; the plan only holds samples of length >= 1")
+            item_labels[0] = self.ignore_index  # the first token of a sample has no target
+            ids.append(tokens)
+            labels.append(item_labels)
+        return ids, labels
+
+    def _read(self, item: Any) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        span = None
+        if isinstance(item, SpanItem):
+            item, span = item.item, (item.start, item.length)
+        tokens = _as_ids(item[self.input_key] if isinstance(item, Mapping) else item, self.input_key)
+        has_labels = isinstance(item, Mapping) and self.labels_key is not None and self.labels_key in item
+        labels = _as_ids(item[self.labels_key], self.labels_key) if has_labels else tokens
+        if has_labels and labels.shape != tokens.shape:
+            raise DatasetError(
+                f"an item has {tokens.shape[0]} {self.input_key} but {labels.shape[0]} {self.labels_key}; "
+                "they must have one label per token"
+            )
+        if span is not None:
+            tokens, labels = _slice_span(tokens, span), _slice_span(labels, span)
+        return tokens, labels.copy()
+
+
+class PackCollator(_Collator):
+    """Concatenates a micro-batch's samples into one row (``DataCollatorWithFlattening``).
+
+    Args:
+        input_key: key of the token ids in a dataset item (items may also be the ids).
+        labels_key: key of per-token labels (-100 = no loss), used when an item has it
+            (SFT); otherwise labels are the token ids.
+        pad_token_id: token id of the dummy for an empty micro-batch.
+        ignore_index: label value that carries no loss.
+    """
+
+    def __call__(self, items: Sequence[Any]) -> dict[str, Any]:
+        if len(items) == 0:
+            ids = [np.array([self.pad_token_id], dtype=np.int64)]
+            labels = [np.array([self.ignore_index], dtype=np.int64)]
+        else:
+            ids, labels = self._sequences(items)
+        lengths = np.array([a.shape[0] for a in ids], dtype=np.int64)
+        cu_seq_lens = np.concatenate([[0], np.cumsum(lengths)])
+        # shape (T,): position of each token within its own sample
+        positions = np.arange(cu_seq_lens[-1], dtype=np.int64) - np.repeat(cu_seq_lens[:-1], lengths)
+        cu = torch.from_numpy(cu_seq_lens.astype(np.int32))
+        max_length = int(lengths.max())
+        return {
+            "input_ids": torch.from_numpy(np.concatenate(ids)).unsqueeze(0),
+            "labels": torch.from_numpy(np.concatenate(labels)).unsqueeze(0),
+            "position_ids": torch.from_numpy(positions).unsqueeze(0),
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": max_length,
+            "max_length_k": max_length,
+            "cu_seq_lens": cu,
+            "max_length": max_length,
+        }
+
+
+class PadCollator(_Collator):
+    """Pads a micro-batch's samples to the longest, on the right.
+
+    Returns ``input_ids``, ``labels`` (-100 on padding and at each row's first
+    position) and ``attention_mask`` (1 = real token), each (n, longest) int64. An
+    empty micro-batch becomes one row of one pad token with mask 1 (a fully masked
+    row would make attention NaN) and label -100.
+
+    Args: as `PackCollator`.
+    """
+
+    def __call__(self, items: Sequence[Any]) -> dict[str, Any]:
+        if len(items) == 0:
+            dummy = torch.full((1, 1), self.pad_token_id, dtype=torch.int64)
+            return {
+                "input_ids": dummy,
+                "labels": torch.full((1, 1), self.ignore_index, dtype=torch.int64),
+                "attention_mask": torch.ones((1, 1), dtype=torch.int64),
+            }
+        ids, labels = self._sequences(items)
+        longest = max(a.shape[0] for a in ids)
+        input_ids = np.full((len(ids), longest), self.pad_token_id, dtype=np.int64)
+        padded_labels = np.full((len(ids), longest), self.ignore_index, dtype=np.int64)
+        mask = np.zeros((len(ids), longest), dtype=np.int64)
+        for row, (tokens, row_labels) in enumerate(zip(ids, labels)):
+            input_ids[row, : tokens.shape[0]] = tokens
+            padded_labels[row, : tokens.shape[0]] = row_labels
+            mask[row, : tokens.shape[0]] = 1
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "labels": torch.from_numpy(padded_labels),
+            "attention_mask": torch.from_numpy(mask),
+        }
+
+
+def _as_ids(values: Any, key: str) -> NDArray[np.int64]:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise DatasetError(f"{key} of a dataset item has shape {array.shape}; expected a flat sequence of token ids")
+    return array.astype(np.int64, copy=False)
+
+
+def _slice_span(values: NDArray[np.int64], span: tuple[int, int]) -> NDArray[np.int64]:
+    start, length = span
+    piece = values[start : start + length]
+    if piece.shape[0] != length:
+        raise DatasetError(
+            f"the plan takes tokens [{start}, {start + length}) of a sample that has only "
+            f"{values.shape[0]}; the dataset does not match the lengths the plan was built from"
+        )
+    return piece

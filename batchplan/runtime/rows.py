@@ -1,0 +1,111 @@
+"""One rank's rows of one epoch, as zero-copy numpy views of the memory-mapped plan.
+
+Iteration converts rows to Python objects in chunks of `CHUNK_ROWS` (one
+``tolist`` per column per chunk), so a micro-batch costs about a microsecond and
+memory stays O(chunk), whatever the epoch's size. Reading touches only this
+rank's record batch: the other ranks' rows are never paged in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow as pa
+from numpy.typing import NDArray
+
+from batchplan.errors import PlanFormatError
+from batchplan.runtime.records import MicroBatch, SpanIndex
+
+__all__ = ["CHUNK_ROWS", "RUNTIME_COLUMNS", "RankRows"]
+
+CHUNK_ROWS = 512
+# Columns the runtime reads beyond the format's required ones (batchplan >= 0.1 writes them).
+RUNTIME_COLUMNS = ("num_micro", "step_tokens", "tokens_before_step")
+_SCALARS = (
+    "step", "micro", "num_micro", "tokens", "loss_tokens", "step_loss_tokens",
+    "tokens_before_step", "step_tokens", "padded_tokens",
+)  # fmt: skip
+
+
+class RankRows:
+    """This rank's micro-batches of one epoch, in (step, micro) order.
+
+    Attributes:
+        epoch: the epoch these rows belong to.
+        num_rows: micro-batches of this rank in this epoch.
+        has_spans: whether rows carry ``starts``/``lengths`` token spans.
+    """
+
+    def __init__(self, batch: pa.RecordBatch, epoch: int, path: object) -> None:
+        self.epoch = epoch
+        self.num_rows = batch.num_rows
+        self.has_spans = "starts" in batch.schema.names
+        try:
+            self._columns = {name: _scalar_column(batch, name) for name in _SCALARS}
+            self._offsets, self._samples = _list_column(batch, "samples")
+            if self.has_spans:
+                self._span_offsets, self._starts = _list_column(batch, "starts")
+                _, self._lengths = _list_column(batch, "lengths")
+        except (KeyError, pa.ArrowException) as error:
+            raise PlanFormatError(f"{path}: cannot read epoch {epoch} ({error}); rebuild the plan") from error
+
+    def column(self, name: str) -> NDArray[np.int64]:
+        """A scalar column (``step``, ``tokens``, ...) as a read-only numpy view."""
+        return self._columns[name]
+
+    def index_lists(self, start: int = 0) -> Iterator[list[int]]:
+        """Dataset rows of each micro-batch from row ``start`` (`SpanIndex` items with spans)."""
+        for first in range(start, self.num_rows, CHUNK_ROWS):
+            stop = min(first + CHUNK_ROWS, self.num_rows)
+            yield from self._chunk_indices(first, stop)
+
+    def records(self, start: int = 0) -> Iterator[MicroBatch]:
+        """One `MicroBatch` per row from row ``start``."""
+        epoch = self.epoch
+        for first in range(start, self.num_rows, CHUNK_ROWS):
+            stop = min(first + CHUNK_ROWS, self.num_rows)
+            columns = [self._columns[name][first:stop].tolist() for name in _SCALARS]
+            samples, starts, lengths = self._chunk_lists(first, stop)
+            for j, (step, micro, num_micro, *counts) in enumerate(zip(*columns)):
+                yield MicroBatch(
+                    samples[j], epoch, step, micro, num_micro, micro == num_micro - 1, *counts,
+                    first + j, starts[j], lengths[j],
+                )  # fmt: skip
+
+    def _chunk_lists(self, first: int, stop: int):
+        samples = _split(self._samples, self._offsets, first, stop)
+        if not self.has_spans:
+            nothing = [None] * (stop - first)
+            return samples, nothing, nothing
+        starts = _split(self._starts, self._span_offsets, first, stop)
+        lengths = _split(self._lengths, self._span_offsets, first, stop)
+        return samples, starts, lengths
+
+    def _chunk_indices(self, first: int, stop: int) -> Iterator[list[int]]:
+        samples, starts, lengths = self._chunk_lists(first, stop)
+        if not self.has_spans:
+            yield from samples
+            return
+        for rows, row_starts, row_lengths in zip(samples, starts, lengths):
+            yield [SpanIndex(r, s, n) for r, s, n in zip(rows, row_starts, row_lengths)]
+
+
+def _scalar_column(batch: pa.RecordBatch, name: str) -> NDArray[np.int64]:
+    if name == "padded_tokens" and name not in batch.schema.names:
+        name = "tokens"  # pack-only plans may omit it: there it equals tokens
+    return batch.column(name).to_numpy(zero_copy_only=True)
+
+
+def _list_column(batch: pa.RecordBatch, name: str) -> tuple[NDArray[np.int64], NDArray]:
+    """``(offsets, values)``: row ``i`` is ``values[offsets[i]:offsets[i + 1]]``."""
+    column = batch.column(name)
+    return column.offsets.to_numpy(), column.values.to_numpy(zero_copy_only=True)
+
+
+def _split(values: NDArray, offsets: NDArray, first: int, stop: int) -> list[list[int]]:
+    """Rows ``first..stop-1`` of a CSR list column as Python lists (one ``tolist``)."""
+    bounds = offsets[first : stop + 1]
+    flat = values[bounds[0] : bounds[-1]].tolist()
+    cuts = (bounds - bounds[0]).tolist()
+    return [flat[cuts[i] : cuts[i + 1]] for i in range(stop - first)]

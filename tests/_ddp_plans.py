@@ -1,0 +1,77 @@
+"""Small plans, the matching random-token dataset and model, for the runtime tests.
+
+Shared by the single-process tests and the DDP workers (spawned processes import
+this module by name: it sits beside the tests on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import numpy as np
+
+from batchplan.config import PlanConfig
+from batchplan.plan_file import write_plan
+from batchplan.planner import build_plan
+
+VOCAB_SIZE = 97
+
+
+def sample_lengths(num_samples: int = 50, seed: int = 7) -> np.ndarray:
+    """Lengths 1..47 plus three longer than 64 tokens (so split/truncate make spans)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 48, num_samples)
+    lengths[[3, 17, 31]] = [150, 90, 65]
+    return lengths.astype(np.int32)
+
+
+def write_test_plan(path: Path, lengths: np.ndarray, **options) -> Path:
+    """Build a plan of ``lengths`` with ``PlanConfig(**options)`` and write it to ``path``."""
+    write_plan(build_plan(lengths, PlanConfig(**options)), path)
+    return path
+
+
+def standard_plans(directory: Path) -> dict[str, Path]:
+    """The plans the DDP tests use.
+
+    pack: spans (split), steps sized by tokens (2 to 4 micro-batches per rank); pad: spans
+    (truncate), 2 micro-batches per step; single: one sample, so one rank gets an empty micro-batch.
+    """
+    lengths = sample_lengths()
+    directory.mkdir(parents=True, exist_ok=True)
+    return {
+        "pack": write_test_plan(
+            directory / "pack.arrow", lengths, max_tokens=64, world_size=2, epochs=2, tokens_per_step=400,
+            oversize="split", seed=3,
+        ),
+        "pad": write_test_plan(
+            directory / "pad.arrow", lengths, max_tokens=96, mode="pad", world_size=2, epochs=1,
+            micro_batches=2, oversize="truncate", shuffle_window=8, seed=5,
+        ),
+        "single": write_test_plan(directory / "single.arrow", np.array([20], dtype=np.int32), max_tokens=64,
+                                  world_size=2),
+    }  # fmt: skip
+
+
+def make_dataset(lengths: np.ndarray | None = None):
+    from batchplan.runtime.toy import RandomTokens
+
+    return RandomTokens(sample_lengths() if lengths is None else lengths, VOCAB_SIZE)
+
+
+def make_model(seed: int = 0, attention: str = "documents"):
+    """A float64 TinyGPT, identical in every process for the same seed."""
+    import torch
+
+    from batchplan.runtime.toy import TinyGPT
+
+    torch.manual_seed(seed)
+    model = TinyGPT(VOCAB_SIZE, d_model=32, num_heads=4, num_layers=2, max_positions=160, attention=attention)
+    return model.to(torch.float64)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,27 @@
+"""Layering: the runtime is numpy + pyarrow + torch; importing it loads neither numba nor typer."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_importing_the_runtime_loads_no_numba_and_no_typer():
+    code = (
+        "import sys\n"
+        "import batchplan.runtime, batchplan.runtime.toy\n"
+        "from batchplan.runtime import PlanSampler, PackCollator, PadCollator, token_lr_lambda\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('numba', 'typer', 'llvmlite', 'batchplan_cli'))\n"
+        "print(','.join(bad))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "", f"importing batchplan.runtime loaded: {done.stdout.strip()}"
+
+
+def test_the_public_api_is_exported():
+    import batchplan.runtime as runtime
+
+    for name in ("PlanSampler", "PackCollator", "PadCollator", "PlanDataset", "MicroBatch", "token_lr_lambda",
+                 "token_lr_scheduler", "token_loss_sum"):  # fmt: skip
+        assert name in runtime.__all__
+        assert getattr(runtime, name) is not None

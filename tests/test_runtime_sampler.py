@@ -1,0 +1,313 @@
+"""PlanSampler in one process: plan order, placement, epochs, strict state dicts, resume."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from _ddp_plans import make_dataset, standard_plans, write_test_plan
+from torch.utils.data import DataLoader
+
+from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
+from batchplan.plan_file import PlanFile, open_plan
+from batchplan.runtime import MicroBatch, PackCollator, PlanDataset, PlanSampler, SpanIndex
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    return standard_plans(tmp_path_factory.mktemp("plans"))
+
+
+@pytest.fixture(autouse=True)
+def no_launcher_environment(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def as_ints(batches):
+    return [[int(i) for i in batch] for batch in batches]
+
+
+# -- order and records -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_iteration_yields_this_ranks_rows_in_plan_order(plans, rank, epoch):
+    sampler = PlanSampler(plans["pack"], rank=rank, world_size=2)
+    sampler.set_epoch(epoch)
+    rows = open_plan(plans["pack"]).read_rank(epoch, rank).to_pylist()
+    assert len(sampler) == len(rows)
+    assert as_ints(sampler) == [row["samples"] for row in rows]
+    records = list(sampler.schedule())
+    assert len(records) == len(rows)
+    for position, (record, row) in enumerate(zip(records, rows)):
+        assert isinstance(record, MicroBatch)
+        assert record.position == position
+        assert record.indices == row["samples"]
+        assert (record.starts, record.lengths) == (row["starts"], row["lengths"])
+        assert record.spans == list(zip(row["starts"], row["lengths"]))
+        for field in ("epoch", "step", "micro", "num_micro", "tokens", "loss_tokens", "step_loss_tokens",
+                      "tokens_before_step", "step_tokens", "padded_tokens"):  # fmt: skip
+            assert getattr(record, field) == row[field], field
+        assert record.is_last == (row["micro"] == row["num_micro"] - 1)
+
+
+def test_spans_travel_as_span_indices(plans):
+    sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
+    for batch, record in zip(sampler, sampler.schedule()):
+        assert all(isinstance(i, SpanIndex) and isinstance(i, int) for i in batch)
+        assert [(i.start, i.length) for i in batch] == record.spans
+        assert pickle.loads(pickle.dumps(batch)) == batch
+        assert [(i.start, i.length) for i in pickle.loads(pickle.dumps(batch))] == record.spans
+
+
+def test_a_plan_without_spans_yields_plain_ints(tmp_path):
+    path = write_test_plan(tmp_path / "plain.arrow", np.arange(1, 40, dtype=np.int32), max_tokens=64)
+    sampler = PlanSampler(path)
+    assert not sampler.has_spans
+    batches = list(sampler)
+    assert all(type(i) is int for batch in batches for i in batch)
+    assert all(record.starts is None and record.spans is None for record in sampler.schedule())
+
+
+def test_an_empty_micro_batch_is_a_record_with_no_indices(plans):
+    records = [list(PlanSampler(plans["single"], rank=r, world_size=2).schedule()) for r in (0, 1)]
+    assert sorted(len(r[0].indices) for r in records) == [0, 1]
+    empty = next(r[0] for r in records if not r[0].indices)
+    assert empty.is_empty and empty.tokens == 0 and empty.is_last and empty.step_loss_tokens == 19
+
+
+def test_properties_describe_the_plan(plans):
+    sampler = PlanSampler(plans["pad"], rank=1, world_size=2)
+    assert (sampler.rank, sampler.world_size, sampler.mode, sampler.max_tokens) == (1, 2, "pad", 96)
+    assert sampler.num_epochs == 1 and sampler.num_steps == sum(sampler.steps_per_epoch)
+    assert "rank=1" in repr(sampler)
+
+
+# -- placement ------------------------------------------------------------------
+
+
+def test_rank_and_world_size_come_from_the_environment(plans, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    sampler = PlanSampler(plans["pack"])
+    assert (sampler.rank, sampler.world_size) == (1, 2)
+
+
+def test_a_single_process_on_a_two_rank_plan_names_both_world_sizes(plans):
+    with pytest.raises(PlanMismatchError, match=r"world_size 2 .*world_size 1"):
+        PlanSampler(plans["pack"])
+
+
+def test_explicit_world_size_must_match_the_plan(plans):
+    with pytest.raises(PlanMismatchError, match=r"built for world_size 2 but this run has world_size 4"):
+        PlanSampler(plans["pack"], rank=0, world_size=4)
+
+
+@pytest.mark.parametrize(("rank", "world_size"), [(2, 2), (-1, 2), ("0", 2)])
+def test_invalid_rank_is_a_config_error(plans, rank, world_size):
+    with pytest.raises(ConfigError):
+        PlanSampler(plans["pack"], rank=rank, world_size=world_size)
+
+
+def test_half_set_environment_is_a_config_error(plans, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError, match="WORLD_SIZE is not set"):
+        PlanSampler(plans["pack"])
+
+
+# -- epochs -----------------------------------------------------------------------
+
+
+def test_an_epoch_beyond_the_plan_is_a_clear_error(plans):
+    sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
+    with pytest.raises(PlanMismatchError, match=r"epoch 2 is beyond the plan, which has epochs 0\.\.1; .*--epochs 3"):
+        sampler.set_epoch(2)
+    with pytest.raises(ConfigError):
+        sampler.set_epoch("1")
+
+
+def test_epochs_differ_and_repeat_identically(plans):
+    sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
+    first = as_ints(sampler)
+    sampler.set_epoch(1)
+    second = as_ints(sampler)
+    sampler.set_epoch(0)
+    assert as_ints(sampler) == first != second
+
+
+def test_opening_reads_no_rows_and_an_epoch_reads_only_this_rank(plans, monkeypatch):
+    calls = []
+    original = PlanFile.read_rank
+    monkeypatch.setattr(PlanFile, "read_rank", lambda self, e, r: calls.append((e, r)) or original(self, e, r))
+    sampler = PlanSampler(plans["pack"], rank=1, world_size=2)
+    assert calls == []
+    sampler.set_epoch(1)
+    list(zip(sampler.schedule(), sampler))
+    assert calls == [(1, 1)]
+
+
+# -- state dicts and resume ------------------------------------------------------
+
+
+def test_state_dict_is_small_plain_and_versioned(plans):
+    sampler = PlanSampler(plans["pack"], rank=1, world_size=2)
+    state = sampler.state_dict()
+    assert len(json.dumps(state)) < 400
+    assert state["version"] == 1 and state["kind"] == "batchplan.PlanSampler"
+    assert (state["rank"], state["world_size"], state["epoch"], state["position"]) == (1, 2, 0, 0)
+
+
+@pytest.mark.parametrize("taken", [0, 1, 5, 11, 12])
+def test_resume_continues_with_exactly_the_remaining_micro_batches(plans, taken):
+    full = PlanSampler(plans["pack"], rank=0, world_size=2)
+    expected = list(full.schedule())
+    before = PlanSampler(plans["pack"], rank=0, world_size=2)
+    loader_side, schedule_side = iter(before), before.schedule()
+    for _ in range(min(taken + 3, len(expected))):
+        next(loader_side)  # the loader prefetches ahead of training ...
+    for _ in range(taken):
+        next(schedule_side)  # ... but the state counts what training took
+    state = json.loads(json.dumps(before.state_dict()))
+    after = PlanSampler(plans["pack"], rank=0, world_size=2)
+    after.load_state_dict(state)
+    after.set_epoch(0)  # the usual loop calls set_epoch: it keeps the resumed position
+    assert len(after) == len(expected) - taken
+    assert list(after.schedule()) == expected[taken:]
+    assert as_ints(after) == [r.indices for r in expected[taken:]]
+    after.set_epoch(1)
+    assert len(after) == len(expected) and list(after.schedule())[0].epoch == 1
+
+
+def test_a_state_loaded_after_the_iterators_were_created_is_honoured(plans):
+    """What a stateful loader does: zip(sampler.schedule(), loader) first, then it restores itself."""
+    expected = list(PlanSampler(plans["pack"], rank=0, world_size=2).schedule())
+    source = PlanSampler(plans["pack"], rank=0, world_size=2)
+    taken = source.schedule()
+    for _ in range(3):
+        next(taken)
+    sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
+    records, batches = sampler.schedule(), iter(sampler)
+    sampler.load_state_dict(source.state_dict())
+    assert list(records) == expected[3:]
+    assert as_ints(batches) == [r.indices for r in expected[3:]]
+
+
+def test_without_schedule_the_state_counts_what_the_loader_drew(plans):
+    sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
+    batches = iter(sampler)
+    next(batches), next(batches)
+    assert sampler.state_dict()["position"] == 2
+
+
+def test_set_epoch_to_another_epoch_drops_a_loaded_position(plans):
+    source = PlanSampler(plans["pack"], rank=0, world_size=2)
+    records = source.schedule()
+    next(records), next(records)
+    sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
+    sampler.load_state_dict(source.state_dict())
+    sampler.set_epoch(1)
+    assert len(sampler) == PlanSampler(plans["pack"], rank=0, world_size=2).__len__()
+
+
+def test_resume_in_the_second_epoch(plans):
+    sampler = PlanSampler(plans["pack"], rank=1, world_size=2)
+    sampler.set_epoch(1)
+    expected = list(sampler.schedule())
+    records = sampler.schedule()
+    for _ in range(4):
+        next(records)
+    resumed = PlanSampler(plans["pack"], rank=1, world_size=2)
+    resumed.load_state_dict(sampler.state_dict())
+    assert resumed.epoch == 1
+    assert list(resumed.schedule()) == expected[4:]
+
+
+def mismatch_cases(plans):
+    return {
+        "another plan": (PlanSampler(plans["pad"], rank=0, world_size=2).state_dict(), "content hash"),
+        "another rank": (PlanSampler(plans["pack"], rank=1, world_size=2).state_dict(), r"rank 1 .* rank 0"),
+    }
+
+
+def test_state_of_another_plan_or_rank_is_rejected_naming_both_values(plans):
+    sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
+    mine = sampler.state_dict()
+    for state, pattern in mismatch_cases(plans).values():
+        with pytest.raises(PlanMismatchError, match=pattern):
+            sampler.load_state_dict(state)
+    other = PlanSampler(plans["pad"], rank=0, world_size=2).state_dict()
+    with pytest.raises(PlanMismatchError, match=f"{other['content_hash']}.*{mine['content_hash']}"):
+        sampler.load_state_dict(other)
+    for key, value, pattern in (
+        ("world_size", 4, r"world_size 4 but this sampler has world_size 2"),
+        ("config_fingerprint", "0" * 16, "config fingerprint '0000000000000000'"),
+        ("epoch", 2, r"epoch 2 .* epochs 0\.\.1"),
+        ("position", 99, r"micro-batch 99 of epoch 0 .* has 12"),
+    ):
+        with pytest.raises(PlanMismatchError, match=pattern):
+            sampler.load_state_dict({**mine, key: value})
+
+
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [
+        ({"kind": "other"}, "expected a batchplan.PlanSampler state"),
+        ({"version": 2}, "newer than this batchplan reads"),
+        ({"extra": 1}, r"unknown keys \['extra'\]"),
+    ],
+)
+def test_malformed_state_is_a_format_error(plans, change, pattern):
+    sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
+    with pytest.raises(PlanFormatError, match=pattern):
+        sampler.load_state_dict({**sampler.state_dict(), **change})
+    with pytest.raises(PlanFormatError):
+        sampler.load_state_dict([1, 2])
+
+
+def test_a_pickled_sampler_reopens_the_plan_at_the_same_place(plans):
+    sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
+    records = sampler.schedule()
+    next(records), next(records)
+    copy = pickle.loads(pickle.dumps(sampler))
+    assert copy.state_dict() == sampler.state_dict()
+    assert list(copy.schedule()) == list(PlanSampler(plans["pack"], rank=0, world_size=2).schedule())
+
+
+# -- loaders and files -------------------------------------------------------------
+
+
+def test_loader_workers_give_the_same_batches(plans):
+    sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
+    dataset, collate = PlanDataset(make_dataset()), PackCollator()
+    plain = [b["input_ids"] for b in DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)]
+    workers = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=2,
+                         multiprocessing_context="fork")  # fmt: skip
+    together = list(zip(sampler.schedule(), workers))
+    assert len(together) == len(plain)
+    for (record, batch), expected in zip(together, plain):
+        assert torch.equal(batch["input_ids"], expected)
+        assert batch["input_ids"].shape[1] == record.tokens
+    for picklable in (dataset, collate):  # what spawn-started workers receive
+        pickle.loads(pickle.dumps(picklable))
+
+
+def test_a_plan_without_runtime_columns_is_a_format_error(plans, tmp_path):
+    plan = open_plan(plans["single"])
+    batches = [plan.read_rank(0, r).drop_columns(["num_micro"]) for r in range(2)]
+    path = tmp_path / "old.arrow"
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, batches[0].schema) as writer:
+        for batch in batches:
+            writer.write_batch(batch)
+    with pytest.raises(PlanFormatError, match="num_micro"):  # PlanFile or the runtime names it
+        PlanSampler(path, rank=0, world_size=2)
+
+
+def test_a_missing_file_is_a_format_error(tmp_path):
+    with pytest.raises(PlanFormatError, match="no such plan file"):
+        PlanSampler(tmp_path / "nope.arrow", rank=0, world_size=1)
