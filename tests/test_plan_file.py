@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -124,3 +125,25 @@ def test_altered_content_fails_verification(plan_path):
     rewrite(plan_path, batches)
     with pytest.raises(PlanFormatError, match="content hash"):
         open_plan(plan_path).verify()
+
+
+def test_worked_example_of_the_format_doc(tmp_path):
+    """docs/plan-format.md's worked example, row for row (update both together)."""
+    lengths = np.array([5, 12, 3, 9, 16, 7, 2, 11, 4, 20], dtype=np.int32)
+    config = PlanConfig(max_tokens=16, world_size=2, micro_batches=2, oversize="split")
+    path = tmp_path / "plan.arrow"
+    write_plan(build_plan(lengths, config), path)
+    plan = open_plan(path)
+    columns = ["step", "micro", "num_micro", "samples", "starts", "lengths", "tokens", "loss_tokens",
+               "step_tokens", "step_loss_tokens", "tokens_before_step"]  # fmt: skip
+    rows = [[row[c] for c in columns] for rank in (0, 1) for row in plan.read_rank(0, rank).to_pylist()]
+    assert rows == [
+        [0, 0, 2, [4], [0], [16], 16, 15, 57, 49, 0],
+        [0, 1, 2, [1, 9], [0, 16], [12, 4], 16, 14, 57, 49, 0],
+        [1, 0, 1, [9], [0], [16], 16, 15, 32, 29, 57],
+        [0, 0, 2, [7, 0], [0, 0], [11, 5], 16, 14, 57, 49, 0],
+        [0, 1, 2, [8, 2, 6], [0, 0, 0], [4, 3, 2], 9, 6, 57, 49, 0],
+        [1, 0, 1, [3, 5], [0, 0], [9, 7], 16, 14, 32, 29, 57],
+    ]
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "plan-format.md").read_text()
+    assert "| 0 | 0 | 1 | 1 | 2 | [8, 2, 6] | [0, 0, 0] | [4, 3, 2] | 9 | 6 | 57 | 49 | 0 |" in docs
