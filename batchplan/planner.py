@@ -35,7 +35,7 @@ from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import gather_segments, segment_max, segment_sum, sum_by_label
 from batchplan.kernels.steps import steps_by_tokens
 
-__all__ = ["EpochPlan", "Plan", "build_plan", "epoch_rng", "plan_epoch"]
+__all__ = ["EpochPlan", "MicroBatches", "Plan", "build_plan", "epoch_rng", "plan_epoch", "schedule_epoch"]
 
 # Independent random streams of one epoch.
 STREAM_ENTRY_ORDER = 0
@@ -134,6 +134,13 @@ def build_plan(
 def plan_epoch(entries: Entries, config: PlanConfig, epoch: int) -> EpochPlan:
     """Plan one epoch (see the module docstring)."""
     batches = _form_micro_batches(entries, config, epoch_rng(config.seed, epoch, STREAM_ENTRY_ORDER))
+    return schedule_epoch(entries, batches, config, epoch)
+
+
+def schedule_epoch(entries: Entries, batches: MicroBatches, config: PlanConfig, epoch: int) -> EpochPlan:
+    """Steps 2-5 of the module docstring for formed micro-batches: shuffle them, complete
+    or drop the last chunk, form balanced steps, assign ranks. ``batches`` may be
+    extended (split halves, empty micro-batches)."""
     schedule = epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER).permutation(batches.count)
     if config.drop_last:
         schedule, dropped = _drop_last_step(batches, schedule, entries.length, config, epoch)
@@ -177,8 +184,8 @@ def _balanced_chunks(schedule, costs, config: PlanConfig, rng: np.random.Generat
 
 
 @dataclasses.dataclass
-class _MicroBatches:
-    """Micro-batch ``k`` holds entries ``members[starts[k]:ends[k]]``.
+class MicroBatches:
+    """Micro-batches of an epoch: micro-batch ``k`` holds entries ``members[starts[k]:ends[k]]``.
 
     Start/end pairs (not offsets) let the last chunk split a micro-batch in place,
     and let the final (rank, step, micro) order be gathered in one pass.
@@ -207,7 +214,7 @@ class _MicroBatches:
         return self.count - 1
 
 
-def _form_micro_batches(entries: Entries, config: PlanConfig, rng: np.random.Generator) -> _MicroBatches:
+def _form_micro_batches(entries: Entries, config: PlanConfig, rng: np.random.Generator) -> MicroBatches:
     order = rng.permutation(entries.num_entries)
     if config.mode == "pack":
         offsets, members = pack_segments(entries.length, order, config.max_tokens)
@@ -215,10 +222,10 @@ def _form_micro_batches(entries: Entries, config: PlanConfig, rng: np.random.Gen
         offsets, members = cut_padded(
             entries.length, order, config.shuffle_window, config.max_tokens, config.batch_multiple
         )
-    return _MicroBatches(members, offsets[:-1].copy(), offsets[1:].copy())
+    return MicroBatches(members, offsets[:-1].copy(), offsets[1:].copy())
 
 
-def _complete_last_chunk(batches: _MicroBatches, schedule, entry_lengths, world_size: int):
+def _complete_last_chunk(batches: MicroBatches, schedule, entry_lengths, world_size: int):
     """Make the scheduled count a multiple of world_size: split micro-batches, then add empties.
 
     Returns the new schedule and the (no) entries dropped.
@@ -240,7 +247,7 @@ def _complete_last_chunk(batches: _MicroBatches, schedule, entry_lengths, world_
     return np.concatenate([schedule[:full], np.asarray(last, dtype=np.int64)]), no_drop
 
 
-def _drop_last_step(batches: _MicroBatches, schedule, entry_lengths, config: PlanConfig, epoch: int):
+def _drop_last_step(batches: MicroBatches, schedule, entry_lengths, config: PlanConfig, epoch: int):
     """Drop the micro-batches of an incomplete final step (``drop_last``).
 
     Incomplete: fewer than ``micro_batches`` per rank, or, with a token target, a last
@@ -271,7 +278,7 @@ def _drop_last_step(batches: _MicroBatches, schedule, entry_lengths, config: Pla
     return schedule[:keep], np.concatenate([np.zeros(0, dtype=np.int64), *gone])
 
 
-def _halve(batches: _MicroBatches, batch: int, entry_lengths) -> list[int]:
+def _halve(batches: MicroBatches, batch: int, entry_lengths) -> list[int]:
     """Split a micro-batch into a prefix and a suffix of about equal tokens (both non-empty)."""
     start, end = int(batches.starts[batch]), int(batches.ends[batch])
     cumulative = np.cumsum(entry_lengths[batches.members[start:end]])
