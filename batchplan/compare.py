@@ -43,6 +43,7 @@ from batchplan.config import PlanConfig
 from batchplan.cost import attention_coefficient, micro_batch_costs
 from batchplan.entries import make_entries
 from batchplan.errors import ConfigError, DatasetError
+from batchplan.segments import segment_max
 
 __all__ = [
     "DEFAULT_HIDDEN_SIZE",
@@ -312,7 +313,7 @@ def measure_strategy(
     total = np.concatenate([[0], np.cumsum(entry_lengths)])
     tokens = total[offsets[1:]] - total[offsets[:-1]]
     cost = micro_batch_costs(entry_lengths, offsets, mode, coefficient)
-    computed = tokens if mode == "pack" else counts * _segment_max(entry_lengths, offsets)
+    computed = tokens if mode == "pack" else counts * segment_max(entry_lengths, offsets)
     num_steps = int(step.max()) + 1 if step.size else 0
     slot = step * world_size + rank
     # shape (num_steps, world_size): per rank and step
@@ -332,15 +333,6 @@ def measure_strategy(
         cost_imbalance=rank_imbalance(rank_cost),
         epoch_cost=float(rank_cost.max(axis=1).sum()) if num_steps else 0.0,
     )
-
-
-def _segment_max(values: NDArray[np.int64], offsets: NDArray[np.int64]) -> NDArray[np.int64]:
-    """Largest value of each segment; 0 for an empty one."""
-    out = np.zeros(offsets.shape[0] - 1, dtype=np.int64)
-    nonempty = np.flatnonzero(np.diff(offsets) > 0)
-    if nonempty.size:
-        out[nonempty] = np.maximum.reduceat(values, offsets[nonempty])
-    return out
 
 
 def rank_imbalance(per_rank: NDArray) -> float:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
+from batchplan.segments import segment_max, segment_sum
+
 __all__ = ["attention_coefficient", "micro_batch_costs"]
 
 
@@ -43,12 +45,7 @@ def micro_batch_costs(
         coefficient: `attention_coefficient` of the model.
     """
     lengths = np.asarray(entry_lengths, dtype=np.float64)
-    counts = np.diff(offsets)
     if mode == "pad":
-        longest = np.zeros(counts.shape[0])
-        nonempty = np.flatnonzero(counts > 0)
-        if nonempty.size:
-            longest[nonempty] = np.maximum.reduceat(lengths, offsets[nonempty])
-        return counts * (longest + coefficient * longest**2)
-    total = np.concatenate([[0.0], np.cumsum(lengths + coefficient * lengths**2)])
-    return total[offsets[1:]] - total[offsets[:-1]]
+        longest = segment_max(lengths, offsets)
+        return np.diff(offsets) * (longest + coefficient * longest**2)
+    return segment_sum(lengths + coefficient * lengths**2, offsets)

@@ -15,7 +15,7 @@ from numpy.typing import NDArray
 from batchplan.config import PlanConfig
 from batchplan.errors import DatasetError
 
-__all__ = ["Entries", "make_entries"]
+__all__ = ["Entries", "index_dtype", "make_entries"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,19 +23,22 @@ class Entries:
     """The units the planner places.
 
     Attributes:
-        sample: dataset row of each entry (int64).
+        sample: dataset row of each entry (int32 below 2^31 samples, else int64).
         start: first token of each entry within its sample, or None when every
             entry is a whole sample.
         length: tokens of each entry (int32).
         loss_tokens: tokens carrying a label in each entry (int32).
         dropped: reason -> sample indices left out of every epoch.
+        loss_is_length_minus_one: no loss-token column: every entry's loss tokens are
+            its length - 1 (lets the planner count them without a pass over entries).
     """
 
-    sample: NDArray[np.int64]
+    sample: NDArray[np.integer]
     start: NDArray[np.int64] | None
     length: NDArray[np.int32]
     loss_tokens: NDArray[np.int32]
     dropped: dict[str, NDArray[np.int64]]
+    loss_is_length_minus_one: bool = True
 
     @property
     def num_entries(self) -> int:
@@ -59,44 +62,53 @@ def make_entries(
             is given (where the labelled tokens lie inside a sample is unknown).
     """
     lengths = np.asarray(lengths)
-    negative = np.flatnonzero(lengths < 0)
-    if negative.size:
+    num_samples = lengths.shape[0]
+    shortest = int(lengths.min()) if num_samples else 1
+    longest = int(lengths.max()) if num_samples else 0
+    if shortest < 0:
+        negative = np.flatnonzero(lengths < 0)
         first = int(negative[0])
         raise DatasetError(
             f"{negative.size:,} samples have a negative length (sample {first:,}: {int(lengths[first]):,}); "
             "token counts must be >= 0"
         )
     dropped: dict[str, NDArray[np.int64]] = {}
-    keep = np.ones(lengths.shape[0], dtype=bool)
-
-    empty = np.flatnonzero(lengths == 0)
-    if empty.size:
+    keep = None  # all samples kept (the common case: no mask, no copies)
+    if shortest == 0:
+        empty = np.flatnonzero(lengths == 0)
         if not config.drop_empty:
             raise DatasetError(
                 f"{empty.size:,} samples are empty (length 0 or null; first: sample "
                 f"{int(empty[0]):,}); pass --drop-empty to leave them out"
             )
         dropped["empty"] = empty.astype(np.int64)
-        keep[empty] = False
-
-    oversize = np.flatnonzero(lengths > config.max_tokens)
-    if oversize.size:
+        keep = lengths != 0
+    oversize = np.flatnonzero(lengths > config.max_tokens) if longest > config.max_tokens else None
+    if oversize is not None:
         _check_oversize(lengths, oversize, config, loss_tokens is not None)
         if config.oversize == "drop":
             dropped["oversize"] = oversize.astype(np.int64)
-            keep[oversize] = False
+            keep = lengths <= config.max_tokens if keep is None else keep & (lengths <= config.max_tokens)
 
-    sample = np.flatnonzero(keep).astype(np.int64)
-    kept_lengths = lengths[sample].astype(np.int64)
-    if loss_tokens is None:
-        kept_loss = None
+    index = index_dtype(num_samples)
+    if keep is None:
+        sample = np.arange(num_samples, dtype=index)
+        kept_lengths = lengths.astype(np.int32, copy=False)
+        kept_loss = None if loss_tokens is None else np.asarray(loss_tokens).astype(np.int32, copy=False)
     else:
-        kept_loss = np.asarray(loss_tokens)[sample].astype(np.int32)
-
-    if oversize.size and config.oversize in ("truncate", "split"):
+        sample = np.flatnonzero(keep).astype(index)
+        kept_lengths = lengths[sample].astype(np.int32, copy=False)
+        kept_loss = None if loss_tokens is None else np.asarray(loss_tokens)[sample].astype(np.int32)
+    if oversize is not None and config.oversize in ("truncate", "split"):
         return _spans(sample, kept_lengths, config, dropped)
-    loss = kept_loss if kept_loss is not None else (kept_lengths - 1).astype(np.int32)
-    return Entries(sample, None, kept_lengths.astype(np.int32), loss, dropped)
+    if kept_loss is not None:
+        return Entries(sample, None, kept_lengths, kept_loss, dropped, loss_is_length_minus_one=False)
+    return Entries(sample, None, kept_lengths, kept_lengths - np.int32(1), dropped)
+
+
+def index_dtype(count: int) -> np.dtype:
+    """int32 for indices below 2^31 (half the memory of int64), else int64."""
+    return np.dtype(np.int32) if count < 2**31 else np.dtype(np.int64)
 
 
 def _check_oversize(lengths, oversize, config: PlanConfig, has_loss_column: bool) -> None:
@@ -121,6 +133,7 @@ def _check_oversize(lengths, oversize, config: PlanConfig, has_loss_column: bool
 def _spans(sample, lengths, config: PlanConfig, dropped) -> Entries:
     """Cut samples into spans of at most max_tokens (split) or keep the first (truncate)."""
     cap = config.max_tokens
+    lengths = lengths.astype(np.int64)
     if config.oversize == "truncate":
         pieces = np.ones(sample.shape[0], dtype=np.int64)
     else:
@@ -130,7 +143,6 @@ def _spans(sample, lengths, config: PlanConfig, dropped) -> Entries:
     # shape (entries,): index of each piece within its sample
     piece = np.arange(entry_sample.shape[0], dtype=np.int64) - np.repeat(first_piece, pieces)
     start = piece * cap
-    length = np.minimum(cap, np.repeat(lengths, pieces) - start)
+    length = np.minimum(cap, np.repeat(lengths, pieces) - start).astype(np.int32)
     # Each span is trained as its own sequence: its first token has no target.
-    loss = (length - 1).astype(np.int32)
-    return Entries(entry_sample, start, length.astype(np.int32), loss, dropped)
+    return Entries(entry_sample, start, length, length - np.int32(1), dropped)

@@ -26,13 +26,13 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
-from batchplan.entries import Entries, make_entries
+from batchplan.entries import Entries, index_dtype, make_entries
 from batchplan.errors import DatasetError
 from batchplan.cost import attention_coefficient
 from batchplan.kernels.balance import assign_ranks, sort_within_windows
 from batchplan.kernels.pack import pack_segments
 from batchplan.kernels.pad import cut_padded
-from batchplan.kernels.segments import gather_segments, segment_max, segment_sum, sum_by_label
+from batchplan.kernels.segments import gather_segments, sum_by_label, sum_segments
 from batchplan.kernels.steps import steps_by_tokens
 
 __all__ = ["EpochPlan", "MicroBatches", "Plan", "build_plan", "epoch_rng", "plan_epoch", "schedule_epoch"]
@@ -148,11 +148,12 @@ def schedule_epoch(entries: Entries, batches: MicroBatches, config: PlanConfig, 
     else:
         num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
         schedule, dropped = _complete_last_chunk(batches, schedule, entries.length, config.world_size)
+    batch_tokens = batches.sums(entries.length)
     compute = None if config.hidden_size is None else _compute_costs(batches, entries, config)
-    costs = compute if config.balance == "compute" else batches.sums(entries.length).astype(np.float64)
+    costs = compute if config.balance == "compute" else batch_tokens.astype(np.float64)
     rng = epoch_rng(config.seed, epoch, STREAM_CHUNK_ORDER)
     schedule = np.concatenate([_balanced_chunks(schedule[:num_full], costs, config, rng), schedule[num_full:]])
-    tokens = batches.sums(entries.length)[schedule]
+    tokens = batch_tokens[schedule]
     step_offsets = _step_offsets(tokens, config)
     rank, micro = assign_ranks(costs[schedule], step_offsets, config.world_size)
     return _assemble(entries, config, epoch, batches, schedule, tokens, compute, step_offsets, rank, micro, dropped)
@@ -164,11 +165,9 @@ def _compute_costs(batches, entries: Entries, config: PlanConfig) -> NDArray[np.
     lengths = entries.length.astype(np.float64)
     if config.mode == "pack":
         return batches.sums(lengths + coefficient * lengths**2)
-    # Pad: count x (longest + c longest^2). A micro-batch's first entry is its longest
-    # (windows are cut longest first, and splitting keeps prefixes and suffixes).
+    # Pad: count x (longest + c longest^2).
     count = batches.ends - batches.starts
-    first = batches.members[np.minimum(batches.starts, batches.members.shape[0] - 1)]
-    longest = np.where(count > 0, lengths[first], 0.0)
+    longest = batches.longest(entries.length).astype(np.float64)
     return count * (longest + coefficient * longest**2)
 
 
@@ -201,9 +200,16 @@ class MicroBatches:
 
     def sums(self, per_entry: NDArray) -> NDArray:
         """Per micro-batch sum of a per-entry quantity (int64, or float64 for floats)."""
-        dtype = np.float64 if np.issubdtype(per_entry.dtype, np.floating) else np.int64
-        total = np.concatenate([[0], np.cumsum(per_entry[self.members], dtype=dtype)])
-        return total[self.ends] - total[self.starts]
+        if np.issubdtype(per_entry.dtype, np.floating):
+            total = np.concatenate([[0.0], np.cumsum(per_entry[self.members])])
+            return total[self.ends] - total[self.starts]
+        return sum_segments(per_entry, self.members, self.starts, self.ends)
+
+    def longest(self, entry_lengths: NDArray) -> NDArray[np.int64]:
+        """Pad mode: length of each micro-batch's first entry, its longest (windows are
+        cut longest first, and splitting keeps prefixes and suffixes); 0 when empty."""
+        first = self.members[np.minimum(self.starts, self.members.shape[0] - 1)]
+        return np.where(self.ends > self.starts, entry_lengths[first], 0).astype(np.int64)
 
     def tokens_of(self, batch: int, entry_lengths: NDArray) -> int:
         return int(entry_lengths[self.members[self.starts[batch] : self.ends[batch]]].sum())
@@ -215,7 +221,7 @@ class MicroBatches:
 
 
 def _form_micro_batches(entries: Entries, config: PlanConfig, rng: np.random.Generator) -> MicroBatches:
-    order = rng.permutation(entries.num_entries)
+    order = rng.permutation(entries.num_entries).astype(index_dtype(entries.num_entries))
     if config.mode == "pack":
         offsets, members = pack_segments(entries.length, order, config.max_tokens)
     else:
@@ -315,14 +321,16 @@ def _assemble(entries, config, epoch, batches, schedule, tokens, costs, step_off
     row = rank * rows_per_rank + before[step] + micro
     by_row = np.empty_like(row)
     by_row[row] = np.arange(row.shape[0], dtype=np.int64)
-    offsets, members = gather_segments(batches.members, batches.starts, batches.ends, schedule[by_row])
+    batch_of_row = schedule[by_row]
+    offsets, members = gather_segments(batches.members, batches.starts, batches.ends, batch_of_row)
     tokens = tokens[by_row]
     step = step[by_row]
-    loss_tokens = segment_sum(entries.loss_tokens[members], offsets)
-    if config.mode == "pad":
-        padded = np.diff(offsets) * segment_max(entries.length[members], offsets)
+    counts = np.diff(offsets)
+    if entries.loss_is_length_minus_one:
+        loss_tokens = tokens - counts
     else:
-        padded = tokens
+        loss_tokens = batches.sums(entries.loss_tokens)[batch_of_row]
+    padded = counts * batches.longest(entries.length)[batch_of_row] if config.mode == "pad" else tokens
     return EpochPlan(
         epoch=epoch,
         world_size=world_size,
@@ -335,7 +343,7 @@ def _assemble(entries, config, epoch, batches, schedule, tokens, costs, step_off
         tokens=tokens,
         loss_tokens=loss_tokens,
         padded_tokens=padded,
-        cost=None if costs is None else costs[schedule[by_row]],
+        cost=None if costs is None else costs[batch_of_row],
         step_tokens=sum_by_label(step, tokens, num_steps),
         step_loss_tokens=sum_by_label(step, loss_tokens, num_steps),
         dropped_entries=dropped,

@@ -26,6 +26,7 @@ from batchplan.cost import attention_coefficient, micro_batch_costs
 from batchplan.errors import PlanFormatError
 from batchplan.lengths import fingerprint_lengths
 from batchplan.plan_file import PlanFile
+from batchplan.segments import segment_max, segment_sum
 
 __all__ = ["Violation", "validate_plan"]
 
@@ -176,10 +177,10 @@ class _EpochChecker:
         counts = np.diff(self.offsets)
         lengths = self.entry_lengths()
         if self.meta["mode"] == "pad":
-            longest = _segment_max(lengths, self.offsets) if lengths is not None else None
+            longest = segment_max(lengths, self.offsets) if lengths is not None else None
             load = self.col["padded_tokens"].to_numpy() if longest is None else counts * longest
         else:
-            load = _segment_sum(lengths, self.offsets) if lengths is not None else self.tokens
+            load = segment_sum(lengths, self.offsets) if lengths is not None else self.tokens
         over = np.flatnonzero(load > cap)
         if over.size:
             what = "count x longest" if self.meta["mode"] == "pad" else "tokens"
@@ -191,10 +192,10 @@ class _EpochChecker:
         found = []
         lengths = self.entry_lengths()
         if lengths is not None:
-            if not np.array_equal(_segment_sum(lengths, self.offsets), self.tokens):
+            if not np.array_equal(segment_sum(lengths, self.offsets), self.tokens):
                 found += self.fail("counts", "a micro-batch's tokens differ from the sum of its samples' lengths")
             if self.meta["mode"] == "pad":
-                padded = np.diff(self.offsets) * _segment_max(lengths, self.offsets)
+                padded = np.diff(self.offsets) * segment_max(lengths, self.offsets)
                 if not np.array_equal(padded, self.col["padded_tokens"].to_numpy()):
                     found += self.fail("counts", "padded_tokens differs from count x longest")
             loss = self.col["loss_tokens"].to_numpy()
@@ -202,7 +203,7 @@ class _EpochChecker:
                 per_entry = np.asarray(self.loss_column)[self.samples].astype(np.int64)
             else:
                 per_entry = lengths - 1
-            if not np.array_equal(_segment_sum(per_entry, self.offsets), loss):
+            if not np.array_equal(segment_sum(per_entry, self.offsets), loss):
                 found += self.fail("counts", "a micro-batch's loss_tokens differ from its samples' loss tokens")
             if "cost" in self.col:
                 found += self.check_cost(lengths)
@@ -291,16 +292,3 @@ class _EpochChecker:
             return self.fail("coverage", f"{wrong.size:,} samples are not covered exactly once "
                              f"(sample {int(wrong[0]):,})")  # fmt: skip
         return []
-
-
-def _segment_sum(values: NDArray[np.int64], offsets: NDArray[np.int64]) -> NDArray[np.int64]:
-    total = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
-    return total[offsets[1:]] - total[offsets[:-1]]
-
-
-def _segment_max(values: NDArray[np.int64], offsets: NDArray[np.int64]) -> NDArray[np.int64]:
-    out = np.zeros(offsets.shape[0] - 1, dtype=np.int64)
-    nonempty = np.flatnonzero(np.diff(offsets) > 0)
-    if nonempty.size:
-        out[nonempty] = np.maximum.reduceat(values, offsets[nonempty])
-    return out

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from batchplan.kernels.balance import assign_ranks, sort_within_windows
 from batchplan.kernels.pack import pack_items, pack_segments
 from batchplan.kernels.pad import cut_padded
-from batchplan.kernels.segments import gather_segments, segment_max, segment_sum, sum_by_label
+from batchplan.kernels.segments import gather_segments, sum_by_label, sum_segments
+from batchplan.segments import segment_max, segment_sum
 from batchplan.kernels.steps import steps_by_tokens
 
 # --------------------------------------------------------------------------- strategies
@@ -335,6 +336,9 @@ def test_segment_reductions_and_gather_segments_match_reference(case):
     assert segment_sum(values, offsets).tolist() == ref.segment_sum(values.tolist(), offsets.tolist())
     assert segment_max(values, offsets).tolist() == ref.segment_max(values.tolist(), offsets.tolist())
     starts, ends = offsets[:-1].copy(), offsets[1:].copy()
+    by_member = values[np.argsort(members)]  # value of each entry, indexed by entry id
+    want_sums = ref.segment_sum(by_member[members].tolist(), offsets.tolist())
+    assert sum_segments(by_member, members, starts, ends).tolist() == want_sums
     new_offsets, new_members = gather_segments(members, starts, ends, order)
     want = ref.gather_segments(members.tolist(), starts.tolist(), ends.tolist(), order.tolist())
     assert (new_offsets.tolist(), new_members.tolist()) == want

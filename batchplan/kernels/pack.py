@@ -59,18 +59,21 @@ def _push(head, below, tree, size, target, residual):
 
 
 @njit(cache=True)
-def _best_fit_decreasing(histogram, max_tokens):
-    """Pack a histogram of lengths; returns (slot_length, slot_bin, num_bins) in placement order."""
+def _best_fit_decreasing(histogram, max_tokens, index):
+    """Pack a histogram of lengths; returns (slot_length, slot_bin, num_bins) in placement order.
+
+    ``index`` is an array whose dtype (int32 or int64) bins are counted in.
+    """
     num_items = histogram.sum()
-    slot_length = np.empty(num_items, dtype=np.int64)
-    slot_bin = np.empty(num_items, dtype=np.int64)
+    slot_length = np.empty(num_items, dtype=np.int32)
+    slot_bin = np.empty(num_items, dtype=index.dtype)
     size = 1
     while size < max_tokens + 1:
         size <<= 1
     tree = np.zeros(2 * size, dtype=np.int64)
     # One stack of open bins per residual: head[r] -> bin, below[bin] -> next bin down.
     head = np.full(max_tokens + 1, -1, dtype=np.int64)
-    below = np.empty(num_items, dtype=np.int64)
+    below = np.empty(num_items, dtype=index.dtype)
     num_bins = 0
     slot = 0
     for length in range(max_tokens, 0, -1):
@@ -110,7 +113,7 @@ def _items_by_length(lengths, order, max_tokens):
     for length in range(1, max_tokens + 2):
         start[length] += start[length - 1]
     cursor = start.copy()
-    items = np.empty(order.shape[0], dtype=np.int64)
+    items = np.empty(order.shape[0], dtype=order.dtype)
     for item in order:
         length = lengths[item]
         items[cursor[length]] = item
@@ -132,14 +135,15 @@ def pack_segments(lengths, order, max_tokens):
 
     Args:
         lengths: length of each item (every one in 1..max_tokens).
-        order: a permutation of item indices; breaks ties among equal lengths.
+        order: a permutation of item indices (int32 or int64); breaks ties among equal lengths.
         max_tokens: bin capacity.
 
     Returns:
-        ``(offsets, members)``: bin ``b`` holds items ``members[offsets[b]:offsets[b + 1]]``,
+        ``(offsets, members)``: bin ``b`` holds items ``members[offsets[b]:offsets[b + 1]]``
+        (``members`` of the dtype of ``order``),
         longest first; bins numbered in order of creation.
     """
-    slot_length, slot_bin, num_bins = _best_fit_decreasing(_histogram(lengths, max_tokens), max_tokens)
+    slot_length, slot_bin, num_bins = _best_fit_decreasing(_histogram(lengths, max_tokens), max_tokens, order)
     items, next_item = _items_by_length(lengths, order, max_tokens)
     offsets = np.zeros(num_bins + 1, dtype=np.int64)
     for target in slot_bin:
@@ -147,7 +151,7 @@ def pack_segments(lengths, order, max_tokens):
     for target in range(num_bins):
         offsets[target + 1] += offsets[target]
     cursor = offsets[:-1].copy()
-    members = np.empty(slot_bin.shape[0], dtype=np.int64)
+    members = np.empty(slot_bin.shape[0], dtype=order.dtype)
     for slot in range(slot_bin.shape[0]):
         target = slot_bin[slot]
         length = slot_length[slot]

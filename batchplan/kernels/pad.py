@@ -48,7 +48,7 @@ def cut_padded(lengths, order, window, max_tokens, batch_multiple):
         ``members[offsets[b]:offsets[b + 1]]``, longest first.
     """
     num_entries = order.shape[0]
-    members = np.empty(num_entries, dtype=np.int64)
+    members = np.empty(num_entries, dtype=order.dtype)
     sizes = np.empty(num_entries, dtype=np.int64)
     num_batches = 0
     for begin in range(0, num_entries, window):

@@ -9,34 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["gather_segments", "segment_max", "segment_sum", "sum_by_label"]
-
-
-@njit(cache=True)
-def segment_sum(values, offsets):
-    """Sum of ``values`` over each segment ``[offsets[s], offsets[s + 1])`` as int64."""
-    num_segments = offsets.shape[0] - 1
-    out = np.zeros(num_segments, dtype=np.int64)
-    for segment in range(num_segments):
-        total = 0
-        for i in range(offsets[segment], offsets[segment + 1]):
-            total += values[i]
-        out[segment] = total
-    return out
-
-
-@njit(cache=True)
-def segment_max(values, offsets):
-    """Largest value of each segment; 0 for an empty segment."""
-    num_segments = offsets.shape[0] - 1
-    out = np.zeros(num_segments, dtype=np.int64)
-    for segment in range(num_segments):
-        best = 0
-        for i in range(offsets[segment], offsets[segment + 1]):
-            if values[i] > best:
-                best = values[i]
-        out[segment] = best
-    return out
+__all__ = ["gather_segments", "sum_by_label", "sum_segments"]
 
 
 @njit(cache=True)
@@ -45,6 +18,18 @@ def sum_by_label(labels, values, num_labels):
     out = np.zeros(num_labels, dtype=np.int64)
     for i in range(labels.shape[0]):
         out[labels[i]] += values[i]
+    return out
+
+
+@njit(cache=True)
+def sum_segments(values, members, starts, ends):
+    """Sum of ``values[members[starts[k]:ends[k]]]`` for each segment ``k``, as int64."""
+    out = np.zeros(starts.shape[0], dtype=np.int64)
+    for segment in range(starts.shape[0]):
+        total = 0
+        for i in range(starts[segment], ends[segment]):
+            total += values[members[i]]
+        out[segment] = total
     return out
 
 
