@@ -48,6 +48,12 @@ class Entries:
     def has_spans(self) -> bool:
         return self.start is not None
 
+    def samples_of(self, entries: NDArray[np.integer]) -> NDArray[np.integer]:
+        """Dataset rows of the given entries (no copy when entry i is sample i)."""
+        if self.start is None and not self.dropped:
+            return entries  # nothing dropped or cut: entries are the samples themselves
+        return self.sample[entries]
+
 
 def make_entries(
     lengths: NDArray[np.integer],

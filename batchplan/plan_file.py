@@ -193,7 +193,7 @@ def _rank_batch(schema, plan, epoch: EpochPlan, rows: slice, step_base: int, bef
         "rank": epoch.rank[rows],
         "micro": epoch.micro[rows],
         "num_micro": epoch.num_micro[rows],
-        "samples": _list_array(list_offsets, plan.entries.sample[members], index_type),
+        "samples": _list_array(list_offsets, plan.entries.samples_of(members), index_type),
         "tokens": epoch.tokens[rows],
         "loss_tokens": epoch.loss_tokens[rows],
         "padded_tokens": epoch.padded_tokens[rows],

@@ -2,7 +2,8 @@
 
 Per epoch, with randomness only from ``SeedSequence([seed, epoch, stream])``:
 
-1. micro-batches: ``pack`` = best-fit decreasing with seeded tie-breaking;
+1. micro-batches: ``pack`` = best-fit decreasing with seeded tie-breaking (items of
+   equal length taken in a seeded random order);
    ``pad`` = seeded shuffle, sort inside windows, greedy cut (count x longest <= cap);
 2. their order is shuffled. An incomplete final chunk (fewer than ``world_size``) is
    completed by splitting micro-batches, then with empty micro-batches (zero-weight
@@ -30,9 +31,10 @@ from batchplan.entries import Entries, index_dtype, make_entries
 from batchplan.errors import DatasetError
 from batchplan.cost import attention_coefficient
 from batchplan.kernels.balance import assign_ranks, sort_within_windows
-from batchplan.kernels.pack import pack_segments
+from batchplan.kernels.pack import pack_grouped
+from batchplan.kernels.shuffle import shuffle_by_length
 from batchplan.kernels.pad import cut_padded
-from batchplan.kernels.segments import gather_segments, sum_by_label, sum_segments
+from batchplan.kernels.segments import gather_segments, sum_by_label
 from batchplan.kernels.steps import steps_by_tokens
 
 __all__ = ["EpochPlan", "MicroBatches", "Plan", "build_plan", "epoch_rng", "plan_epoch", "schedule_epoch"]
@@ -143,12 +145,12 @@ def schedule_epoch(entries: Entries, batches: MicroBatches, config: PlanConfig, 
     extended (split halves, empty micro-batches)."""
     schedule = epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER).permutation(batches.count)
     if config.drop_last:
-        schedule, dropped = _drop_last_step(batches, schedule, entries.length, config, epoch)
+        schedule, dropped = _drop_last_step(batches, schedule, config, epoch)
         num_full = schedule.shape[0]
     else:
         num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
-        schedule, dropped = _complete_last_chunk(batches, schedule, entries.length, config.world_size)
-    batch_tokens = batches.sums(entries.length)
+        schedule, dropped = _complete_last_chunk(batches, schedule, config.world_size)
+    batch_tokens = batches.tokens()
     compute = None if config.hidden_size is None else _compute_costs(batches, entries, config)
     costs = compute if config.balance == "compute" else batch_tokens.astype(np.float64)
     rng = epoch_rng(config.seed, epoch, STREAM_CHUNK_ORDER)
@@ -162,12 +164,12 @@ def schedule_epoch(entries: Entries, batches: MicroBatches, config: PlanConfig, 
 def _compute_costs(batches, entries: Entries, config: PlanConfig) -> NDArray[np.float64]:
     """Predicted compute per micro-batch, in tokens: `batchplan.cost` for the model width."""
     coefficient = attention_coefficient(config.hidden_size)
-    lengths = entries.length.astype(np.float64)
     if config.mode == "pack":
-        return batches.sums(lengths + coefficient * lengths**2)
+        lengths = batches.lengths.astype(np.float64)
+        return batches.range_sums(lengths + coefficient * lengths**2)
     # Pad: count x (longest + c longest^2).
     count = batches.ends - batches.starts
-    longest = batches.longest(entries.length).astype(np.float64)
+    longest = batches.longest().astype(np.float64)
     return count * (longest + coefficient * longest**2)
 
 
@@ -184,13 +186,16 @@ def _balanced_chunks(schedule, costs, config: PlanConfig, rng: np.random.Generat
 
 @dataclasses.dataclass
 class MicroBatches:
-    """Micro-batches of an epoch: micro-batch ``k`` holds entries ``members[starts[k]:ends[k]]``.
+    """Micro-batches of an epoch: micro-batch ``k`` holds entries ``members[starts[k]:ends[k]]``,
+    whose lengths are ``lengths[starts[k]:ends[k]]`` (kept beside the members so that sums
+    read memory in order instead of gathering lengths at random).
 
     Start/end pairs (not offsets) let the last chunk split a micro-batch in place,
     and let the final (rank, step, micro) order be gathered in one pass.
     """
 
-    members: NDArray[np.int64]
+    members: NDArray[np.integer]
+    lengths: NDArray[np.int32]
     starts: NDArray[np.int64]
     ends: NDArray[np.int64]
 
@@ -198,21 +203,23 @@ class MicroBatches:
     def count(self) -> int:
         return int(self.starts.shape[0])
 
-    def sums(self, per_entry: NDArray) -> NDArray:
-        """Per micro-batch sum of a per-entry quantity (int64, or float64 for floats)."""
-        if np.issubdtype(per_entry.dtype, np.floating):
-            total = np.concatenate([[0.0], np.cumsum(per_entry[self.members])])
-            return total[self.ends] - total[self.starts]
-        return sum_segments(per_entry, self.members, self.starts, self.ends)
+    def range_sums(self, values: NDArray) -> NDArray:
+        """Sum of ``values[starts[k]:ends[k]]`` (values aligned with members) for each k."""
+        dtype = np.float64 if np.issubdtype(values.dtype, np.floating) else np.int64
+        total = np.concatenate([np.zeros(1, dtype=dtype), np.cumsum(values, dtype=dtype)])
+        return total[self.ends] - total[self.starts]
 
-    def longest(self, entry_lengths: NDArray) -> NDArray[np.int64]:
+    def tokens(self) -> NDArray[np.int64]:
+        return self.range_sums(self.lengths)
+
+    def longest(self) -> NDArray[np.int64]:
         """Pad mode: length of each micro-batch's first entry, its longest (windows are
         cut longest first, and splitting keeps prefixes and suffixes); 0 when empty."""
-        first = self.members[np.minimum(self.starts, self.members.shape[0] - 1)]
-        return np.where(self.ends > self.starts, entry_lengths[first], 0).astype(np.int64)
+        first = np.minimum(self.starts, self.lengths.shape[0] - 1)
+        return np.where(self.ends > self.starts, self.lengths[first], 0).astype(np.int64)
 
-    def tokens_of(self, batch: int, entry_lengths: NDArray) -> int:
-        return int(entry_lengths[self.members[self.starts[batch] : self.ends[batch]]].sum())
+    def tokens_of(self, batch: int) -> int:
+        return int(self.lengths[self.starts[batch] : self.ends[batch]].sum())
 
     def add(self, start: int, end: int) -> int:
         self.starts = np.append(self.starts, start)
@@ -221,17 +228,20 @@ class MicroBatches:
 
 
 def _form_micro_batches(entries: Entries, config: PlanConfig, rng: np.random.Generator) -> MicroBatches:
-    order = rng.permutation(entries.num_entries).astype(index_dtype(entries.num_entries))
+    index = np.empty(0, dtype=index_dtype(entries.num_entries))
     if config.mode == "pack":
-        offsets, members = pack_segments(entries.length, order, config.max_tokens)
+        keys = rng.integers(0, 2**32, size=entries.num_entries, dtype=np.uint32)
+        items, start = shuffle_by_length(entries.length, keys, config.max_tokens, index)
+        offsets, members, lengths = pack_grouped(items, start, config.max_tokens)
     else:
-        offsets, members = cut_padded(
+        order = rng.permutation(entries.num_entries).astype(index.dtype)
+        offsets, members, lengths = cut_padded(
             entries.length, order, config.shuffle_window, config.max_tokens, config.batch_multiple
         )
-    return MicroBatches(members, offsets[:-1].copy(), offsets[1:].copy())
+    return MicroBatches(members, lengths, offsets[:-1].copy(), offsets[1:].copy())
 
 
-def _complete_last_chunk(batches: MicroBatches, schedule, entry_lengths, world_size: int):
+def _complete_last_chunk(batches: MicroBatches, schedule, world_size: int):
     """Make the scheduled count a multiple of world_size: split micro-batches, then add empties.
 
     Returns the new schedule and the (no) entries dropped.
@@ -247,13 +257,13 @@ def _complete_last_chunk(batches: MicroBatches, schedule, entry_lengths, world_s
         splittable = [i for i in range(len(last)) if sizes[i] > 1]
         if not splittable:
             break
-        largest = max(splittable, key=lambda i: batches.tokens_of(last[i], entry_lengths))
-        last.extend(_halve(batches, last.pop(largest), entry_lengths))
+        largest = max(splittable, key=lambda i: batches.tokens_of(last[i]))
+        last.extend(_halve(batches, last.pop(largest)))
     last.extend(batches.add(0, 0) for _ in range(world_size - len(last)))
     return np.concatenate([schedule[:full], np.asarray(last, dtype=np.int64)]), no_drop
 
 
-def _drop_last_step(batches: MicroBatches, schedule, entry_lengths, config: PlanConfig, epoch: int):
+def _drop_last_step(batches: MicroBatches, schedule, config: PlanConfig, epoch: int):
     """Drop the micro-batches of an incomplete final step (``drop_last``).
 
     Incomplete: fewer than ``micro_batches`` per rank, or, with a token target, a last
@@ -266,7 +276,7 @@ def _drop_last_step(batches: MicroBatches, schedule, entry_lengths, config: Plan
     if per_step is not None:
         keep = full - full % (world_size * per_step)
     else:
-        tokens = batches.sums(entry_lengths)[schedule[:full]]
+        tokens = batches.tokens()[schedule[:full]]
         step_offsets = _step_offsets(tokens, config)
         keep = full
         if step_offsets.shape[0] > 1:
@@ -284,10 +294,10 @@ def _drop_last_step(batches: MicroBatches, schedule, entry_lengths, config: Plan
     return schedule[:keep], np.concatenate([np.zeros(0, dtype=np.int64), *gone])
 
 
-def _halve(batches: MicroBatches, batch: int, entry_lengths) -> list[int]:
+def _halve(batches: MicroBatches, batch: int) -> list[int]:
     """Split a micro-batch into a prefix and a suffix of about equal tokens (both non-empty)."""
     start, end = int(batches.starts[batch]), int(batches.ends[batch])
-    cumulative = np.cumsum(entry_lengths[batches.members[start:end]])
+    cumulative = np.cumsum(batches.lengths[start:end])
     cut = int(np.searchsorted(cumulative, cumulative[-1] / 2))
     cut = start + min(max(cut, 1), end - start - 1)
     batches.ends[batch] = cut
@@ -329,8 +339,8 @@ def _assemble(entries, config, epoch, batches, schedule, tokens, costs, step_off
     if entries.loss_is_length_minus_one:
         loss_tokens = tokens - counts
     else:
-        loss_tokens = batches.sums(entries.loss_tokens)[batch_of_row]
-    padded = counts * batches.longest(entries.length)[batch_of_row] if config.mode == "pad" else tokens
+        loss_tokens = batches.range_sums(entries.loss_tokens[batches.members])[batch_of_row]
+    padded = counts * batches.longest()[batch_of_row] if config.mode == "pad" else tokens
     return EpochPlan(
         epoch=epoch,
         world_size=world_size,

@@ -22,6 +22,7 @@ __all__ = [
     "check_guarantees",
     "cut_padded",
     "gather_segments",
+    "shuffle_by_length",
     "sort_within_windows",
     "pack_items",
     "pack_segments",
@@ -88,6 +89,24 @@ def pack_segments(lengths: Sequence[int], order: Sequence[int], max_tokens: int)
     for members in bins:
         offsets.append(offsets[-1] + len(members))
     return offsets, [item for members in bins for item in members]
+
+
+def shuffle_by_length(lengths: Sequence[int], keys: Sequence[int], max_length: int) -> tuple[list[int], list[int]]:
+    """Items grouped by length (shortest first), each group Fisher-Yates shuffled from the
+    last position down, position i swapping with begin + (keys[i] * (i - begin + 1)) >> 32."""
+    groups: list[list[int]] = [[] for _ in range(max_length + 1)]
+    for item, length in enumerate(lengths):
+        groups[length].append(item)
+    items: list[int] = []
+    start = [0]
+    for group in groups:
+        begin = len(items)
+        items += group
+        for last in range(len(items) - 1, begin, -1):
+            pick = begin + ((int(keys[last]) * (last - begin + 1)) >> 32)
+            items[last], items[pick] = items[pick], items[last]
+        start.append(len(items))
+    return items, start
 
 
 def cut_padded(

@@ -13,9 +13,10 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from batchplan.kernels.balance import assign_ranks, sort_within_windows
-from batchplan.kernels.pack import pack_items, pack_segments
+from batchplan.kernels.pack import pack_grouped, pack_items, pack_segments
+from batchplan.kernels.shuffle import shuffle_by_length
 from batchplan.kernels.pad import cut_padded
-from batchplan.kernels.segments import gather_segments, sum_by_label, sum_segments
+from batchplan.kernels.segments import gather_segments, sum_by_label
 from batchplan.segments import segment_max, segment_sum
 from batchplan.kernels.steps import steps_by_tokens
 
@@ -157,7 +158,8 @@ def with_pad_edges(test):
 @with_pad_edges
 def test_cut_padded_matches_reference(case):
     lengths, order, window, max_tokens, batch_multiple = case
-    offsets, members = cut_padded(lengths, order, window, max_tokens, batch_multiple)
+    offsets, members, member_lengths = cut_padded(lengths, order, window, max_tokens, batch_multiple)
+    assert member_lengths.tolist() == lengths[members].tolist()
     want_offsets, want_members = ref.cut_padded(lengths.tolist(), order.tolist(), window, max_tokens, batch_multiple)
     assert offsets.tolist() == want_offsets
     assert members.tolist() == want_members
@@ -167,7 +169,8 @@ def test_cut_padded_matches_reference(case):
 @with_pad_edges
 def test_cut_padded_caps_windows_and_batch_multiple(case):
     lengths, order, window, max_tokens, batch_multiple = case
-    offsets, members = cut_padded(lengths, order, window, max_tokens, batch_multiple)
+    offsets, members, member_lengths = cut_padded(lengths, order, window, max_tokens, batch_multiple)
+    assert member_lengths.tolist() == lengths[members].tolist()
     offsets, members = offsets.tolist(), members.tolist()
     assert sorted(members) == sorted(order.tolist())  # exactly once
     assert offsets[0] == 0 and offsets[-1] == len(order)
@@ -296,6 +299,45 @@ def test_sort_within_windows_matches_reference(costs, window):
     assert order.tolist() == ref.sort_within_windows(costs, window)
 
 
+@given(
+    st.lists(st.integers(0, 12), max_size=80),
+    st.integers(0, 2**32 - 1),
+)
+@example([], 0)
+@example([5], 7)
+@example([3] * 20, 123)
+def test_shuffle_by_length_matches_reference(lengths, seed):
+    keys = np.random.default_rng(seed).integers(0, 2**32, size=len(lengths), dtype=np.uint32)
+    array = np.array(lengths, dtype=np.int32)
+    items, start = shuffle_by_length(array, keys, 12, np.empty(0, dtype=np.int32))
+    assert (items.tolist(), start.tolist()) == ref.shuffle_by_length(lengths, keys.tolist(), 12)
+    assert items.dtype == np.int32
+
+
+def test_shuffle_by_length_is_a_fair_shuffle():
+    """Each of 4 equal-length items lands first about a quarter of the time."""
+    lengths = np.full(4, 3, dtype=np.int32)
+    firsts = np.zeros(4)
+    rng = np.random.default_rng(0)
+    for _ in range(4000):
+        keys = rng.integers(0, 2**32, size=4, dtype=np.uint32)
+        firsts[shuffle_by_length(lengths, keys, 3, np.empty(0, dtype=np.int64))[0][0]] += 1
+    assert np.all(np.abs(firsts / 4000 - 0.25) < 0.03)
+
+
+@given(items())
+@with_edges
+def test_pack_grouped_equals_pack_segments_on_grouped_items(case):
+    lengths, order, max_tokens = case
+    items = order[np.argsort(lengths[order], kind="stable")]  # grouped by length, in `order`
+    start = np.concatenate([[0], np.cumsum(np.bincount(lengths, minlength=max_tokens + 1))])
+    start = np.append(start, start[-1])
+    offsets, members, member_lengths = pack_grouped(items, start, max_tokens)
+    want_offsets, want_members = pack_segments(lengths, order, max_tokens)
+    assert offsets.tolist() == want_offsets.tolist() and members.tolist() == want_members.tolist()
+    assert member_lengths.tolist() == lengths[members].tolist()
+
+
 # --------------------------------------------------------------------------- segments
 
 
@@ -336,9 +378,6 @@ def test_segment_reductions_and_gather_segments_match_reference(case):
     assert segment_sum(values, offsets).tolist() == ref.segment_sum(values.tolist(), offsets.tolist())
     assert segment_max(values, offsets).tolist() == ref.segment_max(values.tolist(), offsets.tolist())
     starts, ends = offsets[:-1].copy(), offsets[1:].copy()
-    by_member = values[np.argsort(members)]  # value of each entry, indexed by entry id
-    want_sums = ref.segment_sum(by_member[members].tolist(), offsets.tolist())
-    assert sum_segments(by_member, members, starts, ends).tolist() == want_sums
     new_offsets, new_members = gather_segments(members, starts, ends, order)
     want = ref.gather_segments(members.tolist(), starts.tolist(), ends.tolist(), order.tolist())
     assert (new_offsets.tolist(), new_members.tolist()) == want

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["pack_items", "pack_segments"]
+__all__ = ["pack_grouped", "pack_items", "pack_segments"]
 
 
 @njit(cache=True)
@@ -80,26 +80,40 @@ def _best_fit_decreasing(histogram, max_tokens, index):
         left = histogram[length]
         while left > 0:
             fit = _tree_first_at_least(tree, size, length)
-            if fit < 0:  # nothing fits: open a bin
-                target = num_bins
-                num_bins += 1
-                _push(head, below, tree, size, target, max_tokens - length)
-                slot_length[slot] = length
-                slot_bin[slot] = target
-                slot += 1
-                left -= 1
-                continue
-            # A bin at residual `fit` that cannot take a second item of this length is
-            # done with the run, so the next item goes to the next bin of that stack.
-            take = 1 if fit - length >= length else min(left, tree[fit + size])
-            for _ in range(take):
-                target = head[fit]
-                head[fit] = below[target]
-                _tree_add(tree, size, fit, -1)
-                _push(head, below, tree, size, target, fit - length)
-                slot_length[slot] = length
-                slot_bin[slot] = target
-                slot += 1
+            if fit < 0 or fit - length >= length:
+                # One bin takes items of this length until it cannot fit another: no other
+                # bin has a residual in [length, fit), so it stays the best fit meanwhile.
+                if fit < 0:  # nothing fits: open a bin
+                    target = num_bins
+                    num_bins += 1
+                    fit = max_tokens
+                else:
+                    target = head[fit]
+                    head[fit] = below[target]
+                    _tree_add(tree, size, fit, -1)
+                take = min(left, fit // length)
+                for _ in range(take):
+                    slot_length[slot] = length
+                    slot_bin[slot] = target
+                    slot += 1
+                _push(head, below, tree, size, target, fit - take * length)
+            else:
+                # Every bin at residual `fit` takes exactly one item of this length, in
+                # stack order: the next item's best fit is the next bin of that stack.
+                take = min(left, tree[fit + size])
+                remaining = fit - length
+                for _ in range(take):
+                    target = head[fit]
+                    head[fit] = below[target]
+                    if remaining > 0:
+                        below[target] = head[remaining]
+                        head[remaining] = target
+                    slot_length[slot] = length
+                    slot_bin[slot] = target
+                    slot += 1
+                _tree_add(tree, size, fit, -take)
+                if remaining > 0:
+                    _tree_add(tree, size, remaining, take)
             left -= take
     return slot_length, slot_bin, num_bins
 
@@ -122,14 +136,6 @@ def _items_by_length(lengths, order, max_tokens):
 
 
 @njit(cache=True)
-def _histogram(lengths, max_tokens):
-    histogram = np.zeros(max_tokens + 1, dtype=np.int64)
-    for length in lengths:
-        histogram[length] += 1
-    return histogram
-
-
-@njit(cache=True)
 def pack_segments(lengths, order, max_tokens):
     """Best-fit decreasing, as micro-batches.
 
@@ -140,25 +146,48 @@ def pack_segments(lengths, order, max_tokens):
 
     Returns:
         ``(offsets, members)``: bin ``b`` holds items ``members[offsets[b]:offsets[b + 1]]``
-        (``members`` of the dtype of ``order``),
-        longest first; bins numbered in order of creation.
+        (``members`` of the dtype of ``order``), longest first; bins numbered in order of
+        creation.
     """
-    slot_length, slot_bin, num_bins = _best_fit_decreasing(_histogram(lengths, max_tokens), max_tokens, order)
-    items, next_item = _items_by_length(lengths, order, max_tokens)
+    items, start = _items_by_length(lengths, order, max_tokens)
+    offsets, members, _ = pack_grouped(items, start, max_tokens)
+    return offsets, members
+
+
+@njit(cache=True)
+def pack_grouped(items, start, max_tokens):
+    """`pack_segments` for items already grouped by length.
+
+    Args:
+        items: item indices, those of length ``s`` at ``items[start[s]:start[s + 1]]``
+            (`batchplan.kernels.shuffle.shuffle_by_length` makes them); within a length,
+            items are consumed in this order.
+        start: offsets of each length in ``items`` (``max_tokens + 2`` of them).
+        max_tokens: bin capacity.
+
+    Returns:
+        ``(offsets, members, member_lengths)``: as `pack_segments`, plus the length of each
+        member (int32), so callers never gather lengths at random.
+    """
+    histogram = np.diff(start)[: max_tokens + 1]
+    slot_length, slot_bin, num_bins = _best_fit_decreasing(histogram, max_tokens, items)
+    next_item = start.copy()
     offsets = np.zeros(num_bins + 1, dtype=np.int64)
     for target in slot_bin:
         offsets[target + 1] += 1
     for target in range(num_bins):
         offsets[target + 1] += offsets[target]
     cursor = offsets[:-1].copy()
-    members = np.empty(slot_bin.shape[0], dtype=order.dtype)
+    members = np.empty(slot_bin.shape[0], dtype=items.dtype)
+    member_lengths = np.empty(slot_bin.shape[0], dtype=np.int32)
     for slot in range(slot_bin.shape[0]):
         target = slot_bin[slot]
         length = slot_length[slot]
         members[cursor[target]] = items[next_item[length]]
+        member_lengths[cursor[target]] = length
         next_item[length] += 1
         cursor[target] += 1
-    return offsets, members
+    return offsets, members, member_lengths
 
 
 @njit(cache=True)

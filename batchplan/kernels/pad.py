@@ -44,11 +44,13 @@ def cut_padded(lengths, order, window, max_tokens, batch_multiple):
         batch_multiple: preferred multiple of the entry count per micro-batch.
 
     Returns:
-        ``(offsets, members)``: micro-batch ``b`` holds entries
-        ``members[offsets[b]:offsets[b + 1]]``, longest first.
+        ``(offsets, members, member_lengths)``: micro-batch ``b`` holds entries
+        ``members[offsets[b]:offsets[b + 1]]``, longest first; ``member_lengths`` (int32)
+        are their lengths.
     """
     num_entries = order.shape[0]
     members = np.empty(num_entries, dtype=order.dtype)
+    member_lengths = np.empty(num_entries, dtype=np.int32)
     sizes = np.empty(num_entries, dtype=np.int64)
     num_batches = 0
     for begin in range(0, num_entries, window):
@@ -57,7 +59,8 @@ def cut_padded(lengths, order, window, max_tokens, batch_multiple):
         chunk_lengths = lengths[chunk]
         ranked = np.argsort(-chunk_lengths, kind="mergesort")
         members[begin:end] = chunk[ranked]
-        num_batches = _cut_window(chunk_lengths[ranked], max_tokens, batch_multiple, sizes, num_batches)
+        member_lengths[begin:end] = chunk_lengths[ranked]
+        num_batches = _cut_window(member_lengths[begin:end], max_tokens, batch_multiple, sizes, num_batches)
     offsets = np.zeros(num_batches + 1, dtype=np.int64)
     offsets[1:] = np.cumsum(sizes[:num_batches])
-    return offsets, members
+    return offsets, members, member_lengths

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["gather_segments", "sum_by_label", "sum_segments"]
+__all__ = ["gather_segments", "sum_by_label"]
 
 
 @njit(cache=True)
@@ -18,18 +18,6 @@ def sum_by_label(labels, values, num_labels):
     out = np.zeros(num_labels, dtype=np.int64)
     for i in range(labels.shape[0]):
         out[labels[i]] += values[i]
-    return out
-
-
-@njit(cache=True)
-def sum_segments(values, members, starts, ends):
-    """Sum of ``values[members[starts[k]:ends[k]]]`` for each segment ``k``, as int64."""
-    out = np.zeros(starts.shape[0], dtype=np.int64)
-    for segment in range(starts.shape[0]):
-        total = 0
-        for i in range(starts[segment], ends[segment]):
-            total += values[members[i]]
-        out[segment] = total
     return out
 
 
@@ -43,6 +31,8 @@ def gather_segments(members, starts, ends, order):
         offsets[i + 1] = offsets[i] + ends[segment] - starts[segment]
     out = np.empty(offsets[num_segments], dtype=members.dtype)
     for i in range(num_segments):
-        segment = order[i]
-        out[offsets[i] : offsets[i + 1]] = members[starts[segment] : ends[segment]]
+        source = starts[order[i]]
+        for position in range(offsets[i], offsets[i + 1]):  # a loop: no slice object per segment
+            out[position] = members[source]
+            source += 1
     return offsets, out
