@@ -112,23 +112,26 @@ def read_lengths(
     """
     files = find_parquet_files(paths)
     column = _pick_length_column(files[0], length_column, tokens_column)
-    length_parts: list[np.ndarray] = []
-    loss_parts: list[np.ndarray] = []
-    counts: list[tuple[str, int]] = []
-    for path in files:
-        parquet = _open_parquet(path)
+    parquets = [_open_parquet(path) for path in files]
+    for path, parquet in zip(files, parquets):
         _check_columns(path, parquet.schema_arrow, column, loss_tokens_column)
-        rows = 0
-        for batch in _iter_batches(path, parquet, column, loss_tokens_column):
-            length_parts.append(_lengths_of(path, batch.column(0), column))
-            if loss_tokens_column is not None:
-                loss_parts.append(_integers_of(path, batch.column(1), loss_tokens_column))
-            rows += batch.num_rows
-        counts.append((str(path), rows))
-    lengths = _concat(length_parts)
-    if lengths.size == 0:
+    total = sum(parquet.metadata.num_rows for parquet in parquets)
+    if total == 0:
         raise DatasetError(f"{', '.join(map(str, files))}: dataset has 0 rows; nothing to plan")
-    loss = _concat(loss_parts) if loss_tokens_column is not None else None
+    # Filled batch by batch: memory is the result plus one batch, never a list of parts.
+    lengths = np.empty(total, dtype=np.int32)
+    loss = None if loss_tokens_column is None else np.empty(total, dtype=np.int32)
+    counts: list[tuple[str, int]] = []
+    row = 0
+    for path, parquet in zip(files, parquets):
+        first = row
+        for batch in _iter_batches(path, parquet, column, loss_tokens_column):
+            end = row + batch.num_rows
+            lengths[row:end] = _lengths_of(path, batch.column(0), column)
+            if loss is not None:
+                loss[row:end] = _integers_of(path, batch.column(1), loss_tokens_column)
+            row = end
+        counts.append((str(path), row - first))
     if loss is not None:
         _check_loss_tokens(files, counts, lengths, loss, loss_tokens_column)
     return SampleLengths(lengths=lengths, loss_tokens=loss, files=tuple(counts), column=column)
@@ -195,12 +198,6 @@ def _integers_of(path: Path, array: pa.Array, column: str) -> np.ndarray:
     if values.size and values.max() > _INT32_MAX:
         raise DatasetError(f"{path}: column {column!r} has a value above 2^31 - 1")
     return values.astype(np.int32, copy=False)
-
-
-def _concat(parts: list[np.ndarray]) -> np.ndarray:
-    if not parts:
-        return np.zeros(0, dtype=np.int32)
-    return np.concatenate(parts).astype(np.int32, copy=False)
 
 
 def _check_loss_tokens(files, counts, lengths, loss, loss_column) -> None:

@@ -21,14 +21,16 @@ contiguous. Cost: O(n log C) to pack, O(n) for the rest, per epoch.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
 from batchplan.entries import Entries, index_dtype, make_entries
-from batchplan.errors import DatasetError
+from batchplan.errors import ConfigError, DatasetError
 from batchplan.cost import attention_coefficient
 from batchplan.kernels.balance import assign_ranks, sort_within_windows
 from batchplan.kernels.pack import pack_grouped
@@ -125,12 +127,26 @@ def build_plan(
     if entries.num_entries == 0:
         dropped = ", ".join(f"{v.size:,} {k}" for k, v in entries.dropped.items())
         raise DatasetError(f"no samples left to plan after dropping {dropped or 'none'}")
-    epochs = []
-    for epoch in range(config.epochs):
-        epochs.append(plan_epoch(entries, config, epoch))
-        if on_epoch is not None:
-            on_epoch(epoch)
+    # Epochs are independent (own seeds) and the kernels release the GIL: plan them on
+    # all cores. The result does not depend on the number of threads.
+    with ThreadPoolExecutor(max_workers=min(config.epochs, num_threads())) as pool:
+        futures = [pool.submit(plan_epoch, entries, config, epoch) for epoch in range(config.epochs)]
+        epochs = []
+        for epoch, future in enumerate(futures):
+            epochs.append(future.result())
+            if on_epoch is not None:
+                on_epoch(epoch)
     return Plan(config=config, num_samples=int(lengths.shape[0]), entries=entries, epochs=tuple(epochs))
+
+
+def num_threads() -> int:
+    """Threads for planning epochs: ``BATCHPLAN_THREADS``, else the usable cores."""
+    value = os.environ.get("BATCHPLAN_THREADS")
+    if value is not None:
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"BATCHPLAN_THREADS must be a positive integer, got {value!r}")
+        return int(value)
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
 def plan_epoch(entries: Entries, config: PlanConfig, epoch: int) -> EpochPlan:

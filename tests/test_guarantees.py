@@ -561,3 +561,16 @@ def test_drop_last_with_a_token_target_drops_a_short_final_step():
     plan = build_plan(lengths, config)
     assert plan.epochs[0].step_tokens.tolist() == [4000, 4000]
     assert plan.epochs[0].dropped_entries.size == 12
+
+
+def test_plan_does_not_depend_on_the_number_of_threads(tmp_path, monkeypatch):
+    """Epochs are planned in parallel threads; one thread or several, the same bytes."""
+    lengths = dataset_lengths("lognormal")
+    config = PlanConfig(max_tokens=2048, world_size=8, epochs=3, oversize="split", hidden_size=512)
+    files = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("BATCHPLAN_THREADS", threads)
+        path = tmp_path / f"plan-{threads}.arrow"
+        build_and_write(lengths, config, path)
+        files.append(path.read_bytes())
+    assert files[0] == files[1] == files[2]

@@ -17,7 +17,7 @@ from numba import njit
 __all__ = ["assign_ranks", "sort_within_windows"]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _assign_step(costs, per_rank, world_size, rank_out, micro_out):
     load = np.zeros(world_size, dtype=np.float64)
     taken = np.zeros(world_size, dtype=np.int64)
@@ -33,7 +33,7 @@ def _assign_step(costs, per_rank, world_size, rank_out, micro_out):
         load[best] += costs[item]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def assign_ranks(costs, step_offsets, world_size):
     """Rank and position within the step of each micro-batch.
 
@@ -62,7 +62,7 @@ def assign_ranks(costs, step_offsets, world_size):
     return rank, micro
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def sort_within_windows(costs, window):
     """Positions ordered by decreasing cost inside each window of ``window`` positions.
 

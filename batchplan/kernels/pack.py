@@ -24,7 +24,7 @@ from numba import njit
 __all__ = ["pack_grouped", "pack_items", "pack_segments"]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _tree_add(tree, size, leaf, delta):
     node = leaf + size
     while node > 0:
@@ -32,7 +32,7 @@ def _tree_add(tree, size, leaf, delta):
         node >>= 1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _tree_first_at_least(tree, size, leaf):
     """Smallest leaf index >= ``leaf`` with a non-zero count, or -1."""
     node = leaf + size
@@ -49,7 +49,7 @@ def _tree_first_at_least(tree, size, leaf):
     return -1
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _push(head, below, tree, size, target, residual):
     """Put bin ``target`` on the stack of its residual (a full bin takes nothing more)."""
     if residual > 0:
@@ -58,14 +58,13 @@ def _push(head, below, tree, size, target, residual):
         _tree_add(tree, size, residual, 1)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _best_fit_decreasing(histogram, max_tokens, index):
-    """Pack a histogram of lengths; returns (slot_length, slot_bin, num_bins) in placement order.
-
-    ``index`` is an array whose dtype (int32 or int64) bins are counted in.
+    """Pack a histogram of lengths; returns (slot_bin, num_bins): the bin of each slot in
+    placement order. Slots are placed longest first, so slot k's length follows from the
+    histogram. ``index`` is an array whose dtype (int32 or int64) bins are counted in.
     """
     num_items = histogram.sum()
-    slot_length = np.empty(num_items, dtype=np.int32)
     slot_bin = np.empty(num_items, dtype=index.dtype)
     size = 1
     while size < max_tokens + 1:
@@ -73,7 +72,12 @@ def _best_fit_decreasing(histogram, max_tokens, index):
     tree = np.zeros(2 * size, dtype=np.int64)
     # One stack of open bins per residual: head[r] -> bin, below[bin] -> next bin down.
     head = np.full(max_tokens + 1, -1, dtype=np.int64)
-    below = np.empty(num_items, dtype=index.dtype)
+    # At most one bin ends up half full or less (an item opening a second such bin
+    # would have fit the first), so bins <= 2 tokens / max_tokens + 1.
+    total = 0
+    for length in range(max_tokens + 1):
+        total += length * histogram[length]
+    below = np.empty(min(num_items, 2 * total // max_tokens + 2), dtype=index.dtype)
     num_bins = 0
     slot = 0
     for length in range(max_tokens, 0, -1):
@@ -93,7 +97,6 @@ def _best_fit_decreasing(histogram, max_tokens, index):
                     _tree_add(tree, size, fit, -1)
                 take = min(left, fit // length)
                 for _ in range(take):
-                    slot_length[slot] = length
                     slot_bin[slot] = target
                     slot += 1
                 _push(head, below, tree, size, target, fit - take * length)
@@ -108,17 +111,16 @@ def _best_fit_decreasing(histogram, max_tokens, index):
                     if remaining > 0:
                         below[target] = head[remaining]
                         head[remaining] = target
-                    slot_length[slot] = length
                     slot_bin[slot] = target
                     slot += 1
                 _tree_add(tree, size, fit, -take)
                 if remaining > 0:
                     _tree_add(tree, size, remaining, take)
             left -= take
-    return slot_length, slot_bin, num_bins
+    return slot_bin, num_bins
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _items_by_length(lengths, order, max_tokens):
     """Counting sort of ``order`` by length: (items, start) with length-s items at start[s]:start[s+1]."""
     start = np.zeros(max_tokens + 2, dtype=np.int64)
@@ -135,7 +137,7 @@ def _items_by_length(lengths, order, max_tokens):
     return items, start
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def pack_segments(lengths, order, max_tokens):
     """Best-fit decreasing, as micro-batches.
 
@@ -154,7 +156,7 @@ def pack_segments(lengths, order, max_tokens):
     return offsets, members
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def pack_grouped(items, start, max_tokens):
     """`pack_segments` for items already grouped by length.
 
@@ -170,8 +172,7 @@ def pack_grouped(items, start, max_tokens):
         member (int32), so callers never gather lengths at random.
     """
     histogram = np.diff(start)[: max_tokens + 1]
-    slot_length, slot_bin, num_bins = _best_fit_decreasing(histogram, max_tokens, items)
-    next_item = start.copy()
+    slot_bin, num_bins = _best_fit_decreasing(histogram, max_tokens, items)
     offsets = np.zeros(num_bins + 1, dtype=np.int64)
     for target in slot_bin:
         offsets[target + 1] += 1
@@ -180,17 +181,18 @@ def pack_grouped(items, start, max_tokens):
     cursor = offsets[:-1].copy()
     members = np.empty(slot_bin.shape[0], dtype=items.dtype)
     member_lengths = np.empty(slot_bin.shape[0], dtype=np.int32)
-    for slot in range(slot_bin.shape[0]):
-        target = slot_bin[slot]
-        length = slot_length[slot]
-        members[cursor[target]] = items[next_item[length]]
-        member_lengths[cursor[target]] = length
-        next_item[length] += 1
-        cursor[target] += 1
+    slot = 0
+    for length in range(max_tokens, 0, -1):  # the placement order of the slots
+        for item in range(start[length], start[length + 1]):
+            target = slot_bin[slot]
+            members[cursor[target]] = items[item]
+            member_lengths[cursor[target]] = length
+            cursor[target] += 1
+            slot += 1
     return offsets, members, member_lengths
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def pack_items(lengths, order, max_tokens):
     """Best-fit decreasing, as the bin of each item (see `pack_segments`)."""
     offsets, members = pack_segments(lengths, order, max_tokens)

@@ -16,7 +16,7 @@ from numba import njit
 __all__ = ["cut_padded"]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _cut_window(sorted_lengths, max_tokens, batch_multiple, sizes, num_batches):
     """Append the sizes of the micro-batches of one sorted window to ``sizes``."""
     position = 0
@@ -32,7 +32,7 @@ def _cut_window(sorted_lengths, max_tokens, batch_multiple, sizes, num_batches):
     return num_batches
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def cut_padded(lengths, order, window, max_tokens, batch_multiple):
     """Cut entries into padded micro-batches.
 

@@ -12,7 +12,7 @@ from numba import njit
 __all__ = ["gather_segments", "sum_by_label"]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def sum_by_label(labels, values, num_labels):
     """Sum of ``values`` per label as int64."""
     out = np.zeros(num_labels, dtype=np.int64)
@@ -21,7 +21,7 @@ def sum_by_label(labels, values, num_labels):
     return out
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def gather_segments(members, starts, ends, order):
     """Concatenate segments ``members[starts[k]:ends[k]]`` for ``k`` in ``order`` into CSR form."""
     num_segments = order.shape[0]

@@ -16,7 +16,7 @@ from numba import njit
 __all__ = ["shuffle_by_length"]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def shuffle_by_length(lengths, keys, max_length, index):
     """Items grouped by length (shortest first), randomly ordered within each length.
 

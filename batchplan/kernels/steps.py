@@ -14,7 +14,7 @@ from numba import njit
 __all__ = ["steps_by_tokens"]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def steps_by_tokens(chunk_tokens, target):
     """Step boundaries over chunks.
 
