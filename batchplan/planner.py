@@ -248,7 +248,9 @@ def _form_micro_batches(entries: Entries, config: PlanConfig, rng: np.random.Gen
     if config.mode == "pack":
         keys = rng.integers(0, 2**32, size=entries.num_entries, dtype=np.uint32)
         items, start = shuffle_by_length(entries.length, keys, config.max_tokens, index)
+        del keys  # 4 bytes per entry, no longer needed while packing
         offsets, members, lengths = pack_grouped(items, start, config.max_tokens)
+        del items
     else:
         order = rng.permutation(entries.num_entries).astype(index.dtype)
         offsets, members, lengths = cut_padded(
