@@ -32,11 +32,12 @@ from batchplan.config import PlanConfig
 from batchplan.entries import Entries, index_dtype, make_entries
 from batchplan.errors import ConfigError, DatasetError
 from batchplan.cost import attention_coefficient
+from batchplan.kernels.assemble import order_rows
 from batchplan.kernels.balance import assign_ranks, sort_within_windows
 from batchplan.kernels.pack import pack_grouped
 from batchplan.kernels.shuffle import shuffle_by_length
 from batchplan.kernels.pad import cut_padded
-from batchplan.kernels.segments import gather_segments, sum_by_label
+from batchplan.kernels.segments import gather_segments
 from batchplan.kernels.steps import steps_by_tokens
 
 __all__ = ["EpochPlan", "MicroBatches", "Plan", "build_plan", "epoch_rng", "plan_epoch", "schedule_epoch"]
@@ -234,13 +235,12 @@ class MicroBatches:
         first = np.minimum(self.starts, self.lengths.shape[0] - 1)
         return np.where(self.ends > self.starts, self.lengths[first], 0).astype(np.int64)
 
-    def tokens_of(self, batch: int) -> int:
-        return int(self.lengths[self.starts[batch] : self.ends[batch]].sum())
-
-    def add(self, start: int, end: int) -> int:
-        self.starts = np.append(self.starts, start)
-        self.ends = np.append(self.ends, end)
-        return self.count - 1
+    def extend(self, pairs: NDArray[np.int64]) -> NDArray[np.int64]:
+        """Add micro-batches ``members[start:end]`` for each row of ``pairs``; return their ids."""
+        first = self.count
+        self.starts = np.concatenate([self.starts, pairs[:, 0]])
+        self.ends = np.concatenate([self.ends, pairs[:, 1]])
+        return np.arange(first, self.count, dtype=np.int64)
 
 
 def _form_micro_batches(entries: Entries, config: PlanConfig, rng: np.random.Generator) -> MicroBatches:
@@ -269,16 +269,20 @@ def _complete_last_chunk(batches: MicroBatches, schedule, world_size: int):
     no_drop = np.zeros(0, dtype=np.int64)
     if full == count:
         return schedule, no_drop
-    last = list(schedule[full:])
-    while len(last) < world_size:
-        sizes = batches.ends[last] - batches.starts[last]
-        splittable = [i for i in range(len(last)) if sizes[i] > 1]
+    # The last chunk as (start, end) pairs: split the largest in two until every rank has
+    # one, then add empties; appended to the micro-batches at once.
+    pairs = [(int(batches.starts[k]), int(batches.ends[k])) for k in schedule[full:]]
+    while len(pairs) < world_size:
+        splittable = [i for i, (start, end) in enumerate(pairs) if end - start > 1]
         if not splittable:
             break
-        largest = max(splittable, key=lambda i: batches.tokens_of(last[i]))
-        last.extend(_halve(batches, last.pop(largest)))
-    last.extend(batches.add(0, 0) for _ in range(world_size - len(last)))
-    return np.concatenate([schedule[:full], np.asarray(last, dtype=np.int64)]), no_drop
+        largest = max(splittable, key=lambda i: int(batches.lengths[pairs[i][0] : pairs[i][1]].sum()))
+        start, end = pairs.pop(largest)
+        cut = start + _halving_point(batches.lengths[start:end])
+        pairs += [(start, cut), (cut, end)]
+    pairs += [(0, 0)] * (world_size - len(pairs))
+    last = batches.extend(np.array(pairs, dtype=np.int64).reshape(-1, 2))
+    return np.concatenate([schedule[:full], last]), no_drop
 
 
 def _drop_last_step(batches: MicroBatches, schedule, config: PlanConfig, epoch: int):
@@ -312,14 +316,11 @@ def _drop_last_step(batches: MicroBatches, schedule, config: PlanConfig, epoch: 
     return schedule[:keep], np.concatenate([np.zeros(0, dtype=np.int64), *gone])
 
 
-def _halve(batches: MicroBatches, batch: int) -> list[int]:
-    """Split a micro-batch into a prefix and a suffix of about equal tokens (both non-empty)."""
-    start, end = int(batches.starts[batch]), int(batches.ends[batch])
-    cumulative = np.cumsum(batches.lengths[start:end])
+def _halving_point(lengths: NDArray[np.int32]) -> int:
+    """Where to cut a micro-batch into a prefix and a suffix of about equal tokens (both non-empty)."""
+    cumulative = np.cumsum(lengths)
     cut = int(np.searchsorted(cumulative, cumulative[-1] / 2))
-    cut = start + min(max(cut, 1), end - start - 1)
-    batches.ends[batch] = cut
-    return [batch, batches.add(cut, end)]
+    return min(max(cut, 1), lengths.shape[0] - 1)
 
 
 def _step_offsets(tokens: NDArray[np.int64], config: PlanConfig) -> NDArray[np.int64]:
@@ -340,39 +341,37 @@ def _step_offsets(tokens: NDArray[np.int64], config: PlanConfig) -> NDArray[np.i
 
 def _assemble(entries, config, epoch, batches, schedule, tokens, costs, step_offsets, rank, micro, dropped) -> EpochPlan:
     """Order micro-batches by (rank, step, micro) and compute the per-row columns."""
-    world_size = config.world_size
-    num_steps = step_offsets.shape[0] - 1
-    per_rank = np.diff(step_offsets) // world_size  # micro-batches per rank, each step
-    before = np.concatenate([[0], np.cumsum(per_rank)])  # per rank, rows before each step
-    rows_per_rank = int(before[-1])
-    step = np.repeat(np.arange(num_steps, dtype=np.int64), np.diff(step_offsets))
-    row = rank * rows_per_rank + before[step] + micro
-    by_row = np.empty_like(row)
-    by_row[row] = np.arange(row.shape[0], dtype=np.int64)
-    batch_of_row = schedule[by_row]
+    position, step, rank, micro, num_micro = order_rows(step_offsets, rank, micro, config.world_size)
+    batch_of_row = schedule[position]
     offsets, members = gather_segments(batches.members, batches.starts, batches.ends, batch_of_row)
-    tokens = tokens[by_row]
-    step = step[by_row]
-    counts = np.diff(offsets)
     if entries.loss_is_length_minus_one:
-        loss_tokens = tokens - counts
+        loss = tokens - (batches.ends - batches.starts)[schedule]
     else:
-        loss_tokens = batches.range_sums(entries.loss_tokens[batches.members])[batch_of_row]
-    padded = counts * batches.longest()[batch_of_row] if config.mode == "pad" else tokens
+        loss = batches.range_sums(entries.loss_tokens[batches.members])[schedule]
+    # Step sums in schedule order, where each step is a contiguous run of positions.
+    step_tokens = _step_sums(tokens, step_offsets)
+    step_loss_tokens = _step_sums(loss, step_offsets)
+    tokens = tokens[position]
+    padded = np.diff(offsets) * batches.longest()[batch_of_row] if config.mode == "pad" else tokens
     return EpochPlan(
         epoch=epoch,
-        world_size=world_size,
+        world_size=config.world_size,
         offsets=offsets,
         members=members,
         step=step,
-        rank=rank[by_row].astype(np.int32),
-        micro=micro[by_row].astype(np.int32),
-        num_micro=per_rank[step].astype(np.int32),
+        rank=rank,
+        micro=micro,
+        num_micro=num_micro,
         tokens=tokens,
-        loss_tokens=loss_tokens,
+        loss_tokens=loss[position],
         padded_tokens=padded,
         cost=None if costs is None else costs[batch_of_row],
-        step_tokens=sum_by_label(step, tokens, num_steps),
-        step_loss_tokens=sum_by_label(step, loss_tokens, num_steps),
+        step_tokens=step_tokens,
+        step_loss_tokens=step_loss_tokens,
         dropped_entries=dropped,
     )
+
+
+def _step_sums(values: NDArray[np.int64], step_offsets: NDArray[np.int64]) -> NDArray[np.int64]:
+    total = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values, dtype=np.int64)])
+    return total[step_offsets[1:]] - total[step_offsets[:-1]]

@@ -9,6 +9,7 @@ from the Arrow file alone (tests/test_guarantees.py).
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from collections import defaultdict
@@ -30,7 +31,6 @@ __all__ = [
     "segment_sum",
     "sort_by_length_desc",
     "steps_by_tokens",
-    "sum_by_label",
     ]
 
 
@@ -192,13 +192,6 @@ def segment_max(values: Sequence[int], offsets: Sequence[int]) -> list[int]:
     return [max([0, *(int(v) for v in values[offsets[s] : offsets[s + 1]])]) for s in range(len(offsets) - 1)]
 
 
-def sum_by_label(labels: Sequence[int], values: Sequence[int], num_labels: int) -> list[int]:
-    out = [0] * num_labels
-    for label, value in zip(labels, values):
-        out[int(label)] += int(value)
-    return out
-
-
 def gather_segments(
     members: Sequence[int], starts: Sequence[int], ends: Sequence[int], order: Sequence[int]
 ) -> tuple[list[int], list[int]]:
@@ -247,6 +240,11 @@ def check_guarantees(
     step, caps, exact token / loss-token / per-step counts, exactly-once coverage with
     every drop listed under a reason that holds.
 
+    A resharded plan (metadata ``resharded_from``) continues its parent from step
+    ``first_step``: epochs before the resumed one hold no rows, steps and
+    ``tokens_before_step`` run on from the parent's, and the resumed epoch's coverage
+    counts the samples and pieces listed under ``consumed`` (trained on the parent).
+
     Args:
         plan_file: a path, or an object with a ``path`` attribute (`PlanFile`).
         lengths: the dataset's sample lengths.
@@ -263,11 +261,18 @@ def check_guarantees(
         if not _check_header(reader, meta, lengths, loss_column, config, problems):
             return problems
         _check_drop_lists(meta, lengths, problems)
-        step_base = 0
-        tokens_base = 0
+        step_base = meta.get("first_step", 0)
+        tokens_base = meta.get("tokens_before_first_step", 0)
+        first_epoch = meta.get("resharded_from", {}).get("epoch", 0)
         for epoch in range(meta["epochs"]):
             batches = [reader.get_batch(epoch * meta["world_size"] + r).to_pydict() for r in range(meta["world_size"])]
+            if epoch < first_epoch:  # trained on the parent: nothing left here
+                if any(batch["step"] for batch in batches) or meta["steps_per_epoch"][epoch]:
+                    problems.add("layout", f"epoch {epoch} was trained on the parent plan but holds rows")
+                continue
+            trained = _trained_before(meta, epoch, len(lengths))
             checker = _EpochCheck(meta, epoch, batches, lengths, loss_column, step_base, tokens_base, problems)
+            checker.trained_before = trained
             checker.run()
             step_base += checker.num_steps
             tokens_base += checker.total_tokens
@@ -310,6 +315,25 @@ def _check_header(reader, meta, lengths, loss_column, config, problems: _Problem
     return not problems
 
 
+def _trained_before(meta, epoch: int, num_samples: int) -> tuple[set[int], list[tuple[int, int, int]]]:
+    """What the parent trained of ``epoch`` before ``first_step``: samples trained whole
+    (bit ``i % 8`` of byte ``i // 8`` of the base64 bitmap) and pieces ``(sample, start, length)``."""
+    consumed = meta.get("consumed")
+    if not consumed or consumed["epoch"] != epoch:
+        return set(), []
+    bitmap = base64.b64decode(consumed["samples"])
+    whole = {i for i in range(num_samples) if i // 8 < len(bitmap) and bitmap[i // 8] >> (i % 8) & 1}
+    return whole, [tuple(piece) for piece in consumed["spans"]]
+
+
+def _drop_limit(cfg, world_size: int) -> int:
+    """Most tokens (whole samples) that drop_last may drop in one epoch: an incomplete step."""
+    if cfg["tokens_per_step"] is not None:
+        # the partial chunk, plus a final step that had not reached its target
+        return (world_size - 1) * cfg["max_tokens"] + cfg["tokens_per_step"]
+    return (world_size * (cfg["micro_batches"] or 1) - 1) * cfg["max_tokens"]
+
+
 def _check_drop_lists(meta, lengths, problems: _Problems) -> None:
     """Each always-dropped sample is listed under a reason that holds, and each sample that
     a policy must drop is listed."""
@@ -343,6 +367,7 @@ class _EpochCheck:
         self.world_size, self.max_tokens, self.mode = meta["world_size"], meta["max_tokens"], meta["mode"]
         self.num_steps = 0
         self.total_tokens = 0
+        self.trained_before: tuple[set[int], list[tuple[int, int, int]]] = (set(), [])
 
     def add(self, guarantee: str, message: str) -> None:
         self.problems.add(guarantee, f"epoch {self.epoch}: {message}")
@@ -497,6 +522,13 @@ class _EpochCheck:
                 for sample, start, length in self.entries_of(batch, row):
                     pieces[sample].append((start, length))
         spans = "starts" in self.batches[0]
+        # A resharded plan: what its parent trained of this epoch before first_step counts too.
+        whole, trained_pieces = self.trained_before
+        for sample in whole:
+            want = self.lengths[sample]
+            pieces[sample].append((0, min(want, self.max_tokens) if self.cfg["oversize"] == "truncate" else want))
+        for sample, start, length in trained_pieces:
+            pieces[sample].append((start, length))
         # With spans, drop_last may drop only some pieces of a split sample: the plan lists
         # them as [sample, start, length]; planned plus dropped pieces must tile the sample.
         dropped_pieces: dict[int, list[tuple[int, int]]] = defaultdict(list)
@@ -534,11 +566,11 @@ class _EpochCheck:
         holds, so fewer than that many times max_tokens tokens (whole samples only)."""
         if "starts" in self.batches[0]:
             return
-        if self.cfg["tokens_per_step"] is not None:
-            # the partial chunk, plus a final step that had not reached its target
-            limit = (self.world_size - 1) * self.max_tokens + self.cfg["tokens_per_step"]
-        else:
-            limit = (self.world_size * (self.cfg["micro_batches"] or 1) - 1) * self.max_tokens
+        limit = _drop_limit(self.cfg, self.world_size)
+        parent = self.meta.get("resharded_from")
+        while parent is not None:  # a resharded plan keeps what each parent dropped
+            limit += _drop_limit(parent["config"], parent["world_size"])
+            parent = parent.get("resharded_from")
         tokens = sum(self.lengths[s] for s in last)
         if tokens > limit:
             self.add("dropped", f"drop_last dropped {len(last)} samples of {tokens} tokens, more than "

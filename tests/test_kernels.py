@@ -16,7 +16,7 @@ from batchplan.kernels.balance import assign_ranks, sort_within_windows
 from batchplan.kernels.pack import pack_grouped, pack_items, pack_segments
 from batchplan.kernels.shuffle import shuffle_by_length
 from batchplan.kernels.pad import cut_padded
-from batchplan.kernels.segments import gather_segments, sum_by_label
+from batchplan.kernels.segments import gather_segments
 from batchplan.segments import segment_max, segment_sum
 from batchplan.kernels.steps import steps_by_tokens
 
@@ -339,21 +339,6 @@ def test_pack_grouped_equals_pack_segments_on_grouped_items(case):
 
 
 # --------------------------------------------------------------------------- segments
-
-
-@st.composite
-def labelled(draw):
-    num_labels = draw(st.integers(1, 8))
-    labels = draw(st.lists(st.integers(0, num_labels - 1), max_size=40))
-    values = draw(st.lists(st.integers(0, 10_000), min_size=len(labels), max_size=len(labels)))
-    return np.array(labels, dtype=np.int64), np.array(values, dtype=np.int64), num_labels
-
-
-@given(labelled())
-def test_sum_by_label_matches_reference(case):
-    labels, values, num_labels = case
-    want = ref.sum_by_label(labels.tolist(), values.tolist(), num_labels)
-    assert sum_by_label(labels, values, num_labels).tolist() == want
 
 
 @st.composite

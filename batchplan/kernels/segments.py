@@ -1,4 +1,4 @@
-"""Segment helpers: gather segments into CSR form, reduce segments and labels.
+"""Gather segments into CSR form.
 
 A CSR grouping is ``(offsets, members)``: segment ``s`` holds
 ``members[offsets[s]:offsets[s + 1]]``. All O(n), stable (items keep their order).
@@ -9,16 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["gather_segments", "sum_by_label"]
-
-
-@njit(cache=True, nogil=True)
-def sum_by_label(labels, values, num_labels):
-    """Sum of ``values`` per label as int64."""
-    out = np.zeros(num_labels, dtype=np.int64)
-    for i in range(labels.shape[0]):
-        out[labels[i]] += values[i]
-    return out
+__all__ = ["gather_segments"]
 
 
 @njit(cache=True, nogil=True)
