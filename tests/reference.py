@@ -25,6 +25,7 @@ __all__ = [
     "gather_segments",
     "shuffle_by_length",
     "sort_within_windows",
+    "order_rows",
     "pack_items",
     "pack_segments",
     "segment_max",
@@ -107,6 +108,16 @@ def shuffle_by_length(lengths: Sequence[int], keys: Sequence[int], max_length: i
             items[last], items[pick] = items[pick], items[last]
         start.append(len(items))
     return items, start
+
+
+def order_rows(step_offsets: Sequence[int], rank: Sequence[int], micro: Sequence[int], world_size: int):
+    """Rows sorted by (rank, step, micro): for each row, (position, step, rank, micro, num_micro)."""
+    keyed = []
+    for step in range(len(step_offsets) - 1):
+        per_rank = (step_offsets[step + 1] - step_offsets[step]) // world_size
+        for p in range(step_offsets[step], step_offsets[step + 1]):
+            keyed.append(((rank[p], step, micro[p]), (p, step, rank[p], micro[p], per_rank)))
+    return [row for _, row in sorted(keyed)]
 
 
 def cut_padded(

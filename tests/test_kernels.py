@@ -12,6 +12,7 @@ import reference as ref
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from batchplan.kernels.assemble import order_rows
 from batchplan.kernels.balance import assign_ranks, sort_within_windows
 from batchplan.kernels.pack import pack_grouped, pack_items, pack_segments
 from batchplan.kernels.shuffle import shuffle_by_length
@@ -275,6 +276,15 @@ def test_assign_ranks_matches_reference(case):
     want_rank, want_micro = ref.assign_ranks(costs.tolist(), offsets.tolist(), world_size)
     assert rank.tolist() == want_rank
     assert micro.tolist() == want_micro
+
+
+@given(balance_inputs())
+def test_order_rows_matches_reference(case):
+    costs, offsets, world_size = case
+    rank, micro = assign_ranks(costs, offsets, world_size)
+    found = order_rows(offsets, rank, micro, world_size)
+    rows = list(zip(*(column.tolist() for column in found)))
+    assert rows == ref.order_rows(offsets.tolist(), rank.tolist(), micro.tolist(), world_size)
 
 
 @given(balance_inputs())
