@@ -19,10 +19,15 @@ __all__ = ["assign_ranks", "sort_within_windows"]
 
 @njit(cache=True, nogil=True)
 def _assign_step(costs, per_rank, world_size, rank_out, micro_out):
+    order = np.argsort(-costs, kind="mergesort")  # stable: depends only on the input order
+    if per_rank == 1:  # every rank starts empty and takes one: the k-th largest goes to rank k
+        for position in range(order.shape[0]):
+            rank_out[order[position]] = position
+            micro_out[order[position]] = 0
+        return
     load = np.zeros(world_size, dtype=np.float64)
     taken = np.zeros(world_size, dtype=np.int64)
-    # Stable on equal costs, so the result depends only on the input order.
-    for item in np.argsort(-costs, kind="mergesort"):
+    for item in order:
         best = -1
         for rank in range(world_size):
             if taken[rank] < per_rank and (best < 0 or load[rank] < load[best]):
