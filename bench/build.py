@@ -1,0 +1,112 @@
+"""End-to-end `batchplan build` benchmark against the permutation yardstick.
+
+    python -m bench.build --samples 1e7                  # lognormal lengths, pack, world size 64
+    python -m bench.build --file ../shared/data/wikipedia_bert512.parquet --max-tokens 512
+    python -m bench.build --samples 1e8 --epochs 1 --mode pad
+
+For each case: write the lengths to Parquet (not timed), run `batchplan build` once to
+warm the numba cache, then time it as a subprocess (wall time, peak resident memory
+from getrusage) and, in the same run, `numpy.random.default_rng(0).permutation(N)`:
+the work no plan can avoid. Prints a table; --json for machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+
+def lognormal_lengths(num_samples: int, max_tokens: int, seed: int = 0) -> np.ndarray:
+    """Lognormal lengths, median 300 tokens, sigma 1, clipped to [1, max_tokens]."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.lognormal(mean=np.log(300), sigma=1.0, size=num_samples)
+    return np.clip(lengths, 1, max_tokens).astype(np.int32)
+
+
+def write_lengths(lengths: np.ndarray, path: Path) -> None:
+    pq.write_table(pa.table({"length": lengths}), path, row_group_size=1 << 22)
+
+
+def time_permutation(num_samples: int, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.random.default_rng(0).permutation(num_samples)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run_build(dataset: Path, output: Path, args) -> tuple[float, float]:
+    """Wall seconds and peak RSS (GiB) of one `batchplan build` subprocess."""
+    command = [sys.executable, "-m", "batchplan_cli.main", "build", str(dataset), "-o", str(output),
+               "--max-tokens", str(args.max_tokens), "--mode", args.mode, "--world-size", str(args.world_size),
+               "--epochs", str(args.epochs), "--oversize", "truncate", "-q"]  # fmt: skip
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    start = time.perf_counter()
+    subprocess.run(command, check=True)
+    wall = time.perf_counter() - start
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    # ru_maxrss of children is the max over all children so far: report it only if it grew.
+    return wall, max(peak_kib, before) / 2**20
+
+
+def fill_of(plan: Path) -> float:
+    from batchplan.plan_file import open_plan
+    from batchplan.summary import summarize_plan
+
+    return summarize_plan(open_plan(plan))["fill"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=float, default=1e7, help="synthetic lognormal samples")
+    parser.add_argument("--file", type=Path, help="a Parquet file with a `length` column instead")
+    parser.add_argument("--max-tokens", type=int, default=8192)
+    parser.add_argument("--mode", default="pack")
+    parser.add_argument("--world-size", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=1, help="timed builds (best is reported)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        tmp = Path(tmp)
+        if args.file is None:
+            dataset = tmp / "lengths.parquet"
+            write_lengths(lognormal_lengths(int(args.samples), args.max_tokens), dataset)
+            name = f"lognormal {int(args.samples):.0e}"
+        else:
+            dataset, name = args.file, args.file.stem
+        num_samples = pq.ParquetFile(dataset).metadata.num_rows
+        plan = tmp / "plan.arrow"
+        run_build(dataset, plan, args)  # warm the numba cache and the page cache
+        wall = min(run_build(dataset, plan, args)[0] for _ in range(args.repeats))
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+        permutation = time_permutation(num_samples)
+        row = {
+            "case": name, "samples": num_samples, "mode": args.mode, "max_tokens": args.max_tokens,
+            "world_size": args.world_size, "epochs": args.epochs, "build_s": round(wall, 3),
+            "permutation_s": round(permutation, 3), "ratio": round(wall / permutation, 2),
+            "peak_rss_gib": round(peak, 2), "fill": round(fill_of(plan), 5),
+            "plan_mib": round(plan.stat().st_size / 2**20, 1),
+        }  # fmt: skip
+    if args.json:
+        print(json.dumps(row))
+        return
+    for key, value in row.items():
+        print(f"{key:>14}: {value}")
+
+
+if __name__ == "__main__":
+    main()
