@@ -33,6 +33,24 @@ def _cut_window(sorted_lengths, max_tokens, batch_multiple, sizes, num_batches):
 
 
 @njit(cache=True, nogil=True)
+def _sort_window_by_counting(lengths, order, begin, end, counts, members, member_lengths):
+    """Stable sort of ``order[begin:end]`` by decreasing length into ``members[begin:end]``."""
+    max_tokens = counts.shape[0] - 2
+    counts[:] = 0
+    for i in range(begin, end):
+        counts[max_tokens - lengths[order[i]] + 1] += 1
+    counts[0] = begin
+    for key in range(1, max_tokens + 2):
+        counts[key] += counts[key - 1]
+    for i in range(begin, end):
+        entry = order[i]
+        key = max_tokens - lengths[entry]
+        members[counts[key]] = entry
+        member_lengths[counts[key]] = lengths[entry]
+        counts[key] += 1
+
+
+@njit(cache=True, nogil=True)
 def cut_padded(lengths, order, window, max_tokens, batch_multiple):
     """Cut entries into padded micro-batches.
 
@@ -52,14 +70,18 @@ def cut_padded(lengths, order, window, max_tokens, batch_multiple):
     members = np.empty(num_entries, dtype=order.dtype)
     member_lengths = np.empty(num_entries, dtype=np.int32)
     sizes = np.empty(num_entries, dtype=np.int64)
+    counts = np.zeros(max_tokens + 2, dtype=np.int64)
     num_batches = 0
     for begin in range(0, num_entries, window):
         end = min(begin + window, num_entries)
-        chunk = order[begin:end]
-        chunk_lengths = lengths[chunk]
-        ranked = np.argsort(-chunk_lengths, kind="mergesort")
-        members[begin:end] = chunk[ranked]
-        member_lengths[begin:end] = chunk_lengths[ranked]
+        if max_tokens <= 4 * window:  # a counting sort is cheaper than a comparison sort
+            _sort_window_by_counting(lengths, order, begin, end, counts, members, member_lengths)
+        else:
+            chunk = order[begin:end]
+            chunk_lengths = lengths[chunk]
+            ranked = np.argsort(-chunk_lengths, kind="mergesort")
+            members[begin:end] = chunk[ranked]
+            member_lengths[begin:end] = chunk_lengths[ranked]
         num_batches = _cut_window(member_lengths[begin:end], max_tokens, batch_multiple, sizes, num_batches)
     offsets = np.zeros(num_batches + 1, dtype=np.int64)
     offsets[1:] = np.cumsum(sizes[:num_batches])
