@@ -80,6 +80,7 @@ def write_plan(
     dataset: dict[str, Any] | None = None,
     lengths_fingerprint: str | None = None,
     on_batch: Callable[[int], None] | None = None,
+    lineage: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write ``plan`` atomically to ``path``; return the metadata written.
 
@@ -90,12 +91,19 @@ def write_plan(
         dataset: description of the input (files, column), stored in the metadata.
         lengths_fingerprint: fingerprint of the input lengths (`fingerprint_lengths`).
         on_batch: called after each record batch is built (progress bars).
+        lineage: for a plan continuing another (`batchplan.reshard`): keys merged into
+            the metadata. Its ``first_step`` and ``tokens_before_first_step`` shift the
+            ``step`` and ``tokens_before_step`` columns, so they run on from the parent's.
     """
     path = Path(path)
     if not path.parent.is_dir():
         raise PlanFormatError(f"{path}: directory {path.parent} does not exist; create it first")
     batches = list(_record_batches(plan, on_batch))
-    metadata = plan_metadata(plan, dataset=dataset, lengths_fingerprint=lengths_fingerprint)
+    metadata = plan_metadata(plan, dataset=dataset, lengths_fingerprint=lengths_fingerprint, lineage=lineage)
+    if lineage:
+        shifts = {"step": lineage.get("first_step", 0),
+                  "tokens_before_step": lineage.get("tokens_before_first_step", 0)}  # fmt: skip
+        batches = [_shift_columns(batch, shifts) for batch in batches]
     metadata["content_hash"] = _content_hash(metadata, batches)
     schema = plan_schema(plan.num_samples, plan.entries.has_spans, metadata, has_cost=_has_cost(plan))
     with _atomic_path(path) as temporary:
@@ -105,8 +113,8 @@ def write_plan(
     return metadata
 
 
-def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None) -> dict[str, Any]:
-    """The JSON metadata of a plan (everything but the content hash)."""
+def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None, lineage=None) -> dict[str, Any]:
+    """The JSON metadata of a plan (everything but the content hash); ``lineage`` keys last."""
     import numba
 
     from batchplan import __version__
@@ -119,7 +127,7 @@ def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None) -> dict
         dropped["drop_last"] = {str(e.epoch): _dropped_samples(plan, e) for e in last}
         if plan.entries.has_spans:  # a split sample may lose only some of its pieces
             dropped["drop_last_spans"] = {str(e.epoch): _dropped_spans(plan, e) for e in last}
-    return {
+    metadata = {
         "format_version": FORMAT_VERSION,
         "num_samples": plan.num_samples,
         "num_entries": plan.entries.num_entries,
@@ -145,6 +153,17 @@ def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None) -> dict
             "pyarrow": pa.__version__,
         },
     }
+    return {**metadata, **(lineage or {})}
+
+
+def _shift_columns(batch: pa.RecordBatch, shifts: dict[str, int]) -> pa.RecordBatch:
+    """``batch`` with ``shifts[name]`` added to each named int64 column."""
+    for name, shift in shifts.items():
+        if shift:
+            index = batch.schema.get_field_index(name)
+            shifted = pa.array(batch.column(index).to_numpy() + np.int64(shift), type=pa.int64())
+            batch = batch.set_column(index, batch.schema.field(index), shifted)
+    return batch
 
 
 def _has_cost(plan: Plan) -> bool:

@@ -138,7 +138,7 @@ def plot_plan(plan: PlanFile, lengths: NDArray[np.integer] | None = None, length
 def _plan_arrays(plan: PlanFile) -> dict[str, Any]:
     table = plan.read_all()
     world_size = plan.world_size
-    step = table.column("step").to_numpy()
+    step = table.column("step").to_numpy() - plan.metadata.get("first_step", 0)  # resharded plans start later
     rank = table.column("rank").to_numpy()
     tokens = table.column("tokens").to_numpy()
     num_steps = plan.num_steps

@@ -10,6 +10,9 @@ All numbers come from the plan file alone (no dataset needed). Definitions:
 - ``token_imbalance``: mean over steps of (max rank tokens / mean rank tokens - 1), over
   the same steps as ``fill`` (an epoch's last step is completed by splitting and empty
   micro-batches, and is imbalanced by design).
+
+A resharded plan (``batchplan reshard``) starts at step ``first_step`` and its epochs
+before the resumed one are empty; the numbers cover the steps it holds.
 """
 
 from __future__ import annotations
@@ -28,14 +31,16 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
     meta = plan.metadata
     table = plan.read_all()
     world_size = plan.world_size
-    step = table.column("step").to_numpy()
+    first_step = int(meta.get("first_step", 0))
+    step = table.column("step").to_numpy() - first_step  # 0-based over the steps this plan holds
     rank = table.column("rank").to_numpy()
     tokens = table.column("tokens").to_numpy()
     padded = table.column("padded_tokens").to_numpy()
     counts = np.diff(table.column("samples").combine_chunks().offsets.to_numpy())
     num_steps = plan.num_steps
 
-    last_steps = np.cumsum(meta["steps_per_epoch"]) - 1
+    steps_per_epoch = np.asarray(meta["steps_per_epoch"], dtype=np.int64)
+    last_steps = (np.cumsum(steps_per_epoch) - 1)[steps_per_epoch > 0]  # empty epochs have none
     not_last = ~np.isin(step, last_steps)
     capacity = int(not_last.sum()) * plan.metadata["max_tokens"]
     # shape (num_steps, world_size): tokens of each rank in each step
@@ -73,9 +78,17 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
         "tokens_per_step": _spread(step_tokens),
         "micro_batches_per_rank_per_step": _spread(micro_per_step),
         "steps_per_epoch": meta["steps_per_epoch"],
+        "first_step": first_step,
+        "resharded_from": _parent(meta.get("resharded_from")),
         "dropped_samples": _count_dropped(dropped),
         "dropped": {reason: _count_dropped({reason: v}) for reason, v in dropped.items()},
     }
+
+
+def _parent(parent: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not parent:
+        return None
+    return {key: parent.get(key) for key in ("content_hash", "world_size", "from_step", "epoch")}
 
 
 def _mean(values: np.ndarray | None) -> float | None:

@@ -11,11 +11,18 @@ Checks (each violation names its guarantee):
   step, numbered 0..m-1.
 - ``counts``: tokens, loss tokens and the per-step sums (the loss normaliser) are exact.
 
+A resharded plan (``batchplan reshard``) continues its parent from ``first_step``: its
+epochs before the resumed one must be empty, steps and token counts run on from the
+parent's, and coverage of the resumed epoch counts what the parent trained before
+(``consumed``): together they hold every sample exactly once.
+
 Vectorised numpy: a plan of the 16 M-sample Wikipedia file checks in seconds.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 
 import numpy as np
@@ -67,10 +74,16 @@ def validate_plan(
         if any(v.guarantee == "dataset" for v in found):
             return found
         found += _check_dropped_reasons(plan, lengths)
-    step_base, tokens_base = 0, 0
+    lineage, problems = _read_lineage(plan)
+    found += problems
+    step_base, tokens_base = lineage.first_step, lineage.tokens_before
     for epoch in range(plan.num_epochs):
         try:
-            checker = _EpochChecker(plan, epoch, lengths, loss_tokens, step_base, tokens_base)
+            if epoch < lineage.first_epoch:
+                found += _check_trained_on_parent(plan, epoch)
+                continue
+            trained = lineage.trained_before(epoch, plan.num_samples)
+            checker = _EpochChecker(plan, epoch, lengths, loss_tokens, step_base, tokens_base, trained)
             found += checker.run()
         except (PlanFormatError, pa.ArrowException, OSError, ValueError, IndexError, TypeError) as error:
             # Structure too damaged to check (list offsets out of range, unreadable batch).
@@ -79,6 +92,72 @@ def validate_plan(
         step_base += plan.metadata["steps_per_epoch"][epoch]
         tokens_base += checker.total_tokens
     return found
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lineage:
+    """Where a plan starts: 0 for a built plan; for a resharded one, its parent's step."""
+
+    first_step: int = 0
+    tokens_before: int = 0
+    first_epoch: int = 0  # epochs before it were trained on the parent and hold no rows
+    consumed_whole: NDArray[np.bool_] | None = None  # samples trained before first_step
+    consumed_spans: NDArray[np.int64] | None = None  # shape (n, 3): pieces trained before it
+
+    def trained_before(self, epoch: int, num_samples: int) -> tuple[NDArray[np.bool_], NDArray[np.int64]]:
+        """What the parent trained of ``epoch`` before ``first_step``: (whole samples, pieces)."""
+        if epoch != self.first_epoch or self.consumed_whole is None:
+            return np.zeros(num_samples, dtype=bool), np.zeros((0, 3), dtype=np.int64)
+        return self.consumed_whole, self.consumed_spans
+
+
+def _read_lineage(plan: PlanFile) -> tuple[_Lineage, list[Violation]]:
+    meta = plan.metadata
+    if "resharded_from" not in meta and "first_step" not in meta:
+        return _Lineage(), []
+    try:
+        parent, consumed = meta["resharded_from"], meta["consumed"]
+        lineage = _Lineage(
+            first_step=_non_negative(meta["first_step"]),
+            tokens_before=_non_negative(meta["tokens_before_first_step"]),
+            first_epoch=_non_negative(parent["epoch"]),
+            consumed_whole=_decode_bitmap(consumed["samples"], plan.num_samples),
+            consumed_spans=np.asarray(consumed["spans"], dtype=np.int64).reshape(-1, 3),
+        )
+        if consumed["epoch"] != lineage.first_epoch or lineage.first_epoch >= plan.num_epochs:
+            raise ValueError(f"consumed epoch {consumed['epoch']} / resumed epoch {lineage.first_epoch} mismatch")
+        spans = lineage.consumed_spans
+        if spans.size and ((spans[:, 0] < 0) | (spans[:, 0] >= plan.num_samples) | (spans[:, 1] < 0)
+                           | (spans[:, 2] < 1)).any():  # fmt: skip
+            raise ValueError("a consumed piece lies outside the dataset")
+    except (KeyError, TypeError, ValueError, binascii.Error) as error:
+        message = f"the lineage of a resharded plan (first_step, resharded_from, consumed) is malformed ({error})"
+        return _Lineage(), [Violation("integrity", message)]
+    return lineage, []
+
+
+def _non_negative(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not an integer >= 0")
+    return value
+
+
+def _decode_bitmap(text: str, size: int) -> NDArray[np.bool_]:
+    """Bit ``i % 8`` of byte ``i // 8`` of the base64 ``text`` is item ``i`` (trailing zero bytes cut)."""
+    packed = np.frombuffer(base64.b64decode(text, validate=True), dtype=np.uint8)
+    if packed.shape[0] > (size + 7) // 8 or np.unpackbits(packed, bitorder="little")[size:].any():
+        raise ValueError(f"the consumed-samples bitmap holds more than {size:,} samples")
+    full = np.zeros((size + 7) // 8, dtype=np.uint8)  # unpackbits does not zero its own padding
+    full[: packed.shape[0]] = packed
+    return np.unpackbits(full, count=size, bitorder="little").astype(bool)
+
+
+def _check_trained_on_parent(plan: PlanFile, epoch: int) -> list[Violation]:
+    rows = sum(plan.read_rank(epoch, rank).num_rows for rank in range(plan.world_size))
+    if rows or plan.metadata["steps_per_epoch"][epoch] or plan.metadata["rows_per_rank"][epoch]:
+        return [Violation("integrity", f"epoch {epoch}: trained on the parent plan before step "
+                          f"{plan.metadata.get('first_step')}, but it holds rows or steps")]  # fmt: skip
+    return []
 
 
 def _check_dataset(plan: PlanFile, lengths, loss_tokens) -> list[Violation]:
@@ -114,8 +193,9 @@ def _check_dropped_reasons(plan: PlanFile, lengths) -> list[Violation]:
 class _EpochChecker:
     """The checks of one epoch; each method returns its violations."""
 
-    def __init__(self, plan, epoch, lengths, loss_tokens, step_base, tokens_base):
+    def __init__(self, plan, epoch, lengths, loss_tokens, step_base, tokens_base, trained_before):
         self.plan, self.epoch, self.lengths = plan, epoch, lengths
+        self.trained_whole, self.trained_spans = trained_before  # what a parent trained before
         self.loss_column = loss_tokens
         self.step_base, self.tokens_base = step_base, tokens_base
         self.meta = plan.metadata
@@ -238,11 +318,14 @@ class _EpochChecker:
         dropped = self.meta.get("dropped", {})
         always = np.concatenate([np.asarray(dropped.get(r, []), dtype=np.int64) for r in ("empty", "oversize")])
         last = np.asarray(dropped.get("drop_last", {}).get(str(self.epoch), []), dtype=np.int64)
-        seen = np.bincount(self.samples, minlength=num_samples)
+        seen = np.bincount(self.samples, minlength=num_samples) + self.trained_whole
+        seen += np.bincount(self.trained_spans[:, 0], minlength=num_samples)
         if (seen[always] > 0).any():
-            return self.fail("coverage", "a sample listed as dropped is in the plan")
+            return self.fail("coverage", "a sample listed as dropped is in the plan (or was trained before it)")
         if "starts" in self.col:
             return self.check_spans(always, last)
+        if self.trained_spans.size:
+            return self.fail("coverage", "pieces of samples are listed as consumed in a plan without spans")
         expected = np.ones(num_samples, dtype=bool)
         expected[always] = False
         expected[last] = False
@@ -252,19 +335,35 @@ class _EpochChecker:
             return self.fail("coverage", f"{wrong.size:,} samples are not planned exactly once "
                              f"(sample {first:,} appears {int(seen[first])} times)")  # fmt: skip
         if (seen[last] > 0).any():
-            return self.fail("coverage", "a sample dropped by drop_last is in the plan")
+            return self.fail("coverage", "a sample dropped by drop_last is in the plan (or was trained before it)")
         return []
 
+    def kept_lengths(self) -> NDArray[np.int64]:
+        """Tokens of each sample that an epoch covers (truncate keeps the first max_tokens)."""
+        want = self.lengths.astype(np.int64)
+        if self.meta["config"]["oversize"] == "truncate":
+            want = np.minimum(want, self.meta["max_tokens"])
+        return want
+
     def check_spans(self, always, last) -> list[Violation]:
-        """Truncated or split samples: the planned pieces and the pieces dropped by
-        drop_last never overlap and tile each sample's kept tokens exactly."""
+        """Truncated or split samples: the planned pieces, the pieces dropped by drop_last
+        and (resharded plans) the pieces trained before never overlap and tile each
+        sample's kept tokens exactly."""
         spans = self.meta.get("dropped", {}).get("drop_last_spans", {}).get(str(self.epoch), [])
         spans = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
         if not np.array_equal(np.unique(spans[:, 0]), np.unique(last)):
             return self.fail("coverage", "drop_last lists other samples than its dropped pieces")
-        sample = np.concatenate([self.samples, spans[:, 0]])
-        start = np.concatenate([self.col["starts"].values.to_numpy().astype(np.int64), spans[:, 1]])
-        length = np.concatenate([self.col["lengths"].values.to_numpy().astype(np.int64), spans[:, 2]])
+        trained = self.trained_spans
+        sample = np.concatenate([self.samples, spans[:, 0], trained[:, 0]])
+        start = np.concatenate([self.col["starts"].values.to_numpy().astype(np.int64), spans[:, 1], trained[:, 1]])
+        length = np.concatenate([self.col["lengths"].values.to_numpy().astype(np.int64), spans[:, 2], trained[:, 2]])
+        whole = np.flatnonzero(self.trained_whole)
+        if np.isin(whole, sample).any():
+            return self.fail("coverage", "a sample trained whole before the plan's first step is planned again")
+        want = None if self.lengths is None else self.kept_lengths()
+        if want is not None:  # a sample trained whole is one piece covering it
+            sample, start = np.concatenate([sample, whole]), np.concatenate([start, np.zeros_like(whole)])
+            length = np.concatenate([length, want[whole]])
         order = np.lexsort((start, sample))
         sample, start, length = sample[order], start[order], length[order]
         same = sample[1:] == sample[:-1]
@@ -272,14 +371,11 @@ class _EpochChecker:
             return self.fail("coverage", "two pieces of a sample overlap")
         expected = np.ones(self.plan.num_samples, dtype=bool)
         expected[always] = False
-        pieces = np.bincount(sample, minlength=expected.size)
-        if self.lengths is None:
+        pieces = np.bincount(sample, minlength=expected.size) + self.trained_whole
+        if want is None:
             if (pieces[expected] == 0).any():
-                return self.fail("coverage", "a sample is neither planned nor listed as dropped")
+                return self.fail("coverage", "a sample is neither planned, trained before, nor listed as dropped")
             return []
-        want = self.lengths.astype(np.int64)
-        if self.meta["config"]["oversize"] == "truncate":
-            want = np.minimum(want, self.meta["max_tokens"])
         if (start + length > want[sample]).any():
             return self.fail("coverage", "a piece reaches past the end of its sample")
         first_piece = np.concatenate([[True], ~same])

@@ -209,6 +209,45 @@ def validate(
     typer.echo(f"{plan}: OK, every guarantee holds ({checked}, {against})")
 
 
+@app.command()
+@_fail_cleanly
+def reshard(
+    plan: Annotated[Path, typer.Argument(help="The plan the run trained on (the parent).")],
+    world_size: Annotated[int, typer.Option(help="Data-parallel ranks of the continued run.")],
+    from_step: Annotated[int, typer.Option(help="First step of the new plan: optimizer steps done at the checkpoint.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="New plan file to write (.arrow).")],
+    micro_batches: Annotated[
+        Optional[int], typer.Option(help="Micro-batches per rank per step (default: the old step re-divided).")
+    ] = None,
+    tokens_per_step: Annotated[Optional[int], typer.Option(help="Global token target per step instead.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary.")] = False,
+) -> None:
+    """Re-plan the steps from --from-step on for another world size (resume with fewer or more machines)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    from batchplan.reshard import reshard_plan_file
+
+    metadata = reshard_plan_file(
+        plan, output, world_size=world_size, from_step=from_step, micro_batches=micro_batches,
+        tokens_per_step=tokens_per_step,
+    )  # fmt: skip
+    if quiet:
+        return
+    from batchplan.plan_file import open_plan
+    from batchplan.summary import summarize_plan
+    from batchplan_cli.render import print_summary
+
+    parent, new = summarize_plan(open_plan(plan)), summarize_plan(open_plan(output))
+    print_summary(new, title=f"wrote {output}")
+    config = metadata["config"]
+    step = (f"{config['micro_batches']} micro-batch(es) per rank" if config["tokens_per_step"] is None
+            else f"a target of {config['tokens_per_step']:,} tokens")  # fmt: skip
+    mean_tokens = new["tokens_per_step"]["mean"], parent["tokens_per_step"]["mean"]
+    typer.echo(
+        f"steps {from_step:,}.. on {world_size} ranks (was {parent['world_size']}): {step} per step, "
+        "{:,.0f} tokens per step on average (was {:,.0f})".format(*mean_tokens)
+    )
+
+
 def main() -> None:
     """Console-script entry point."""
     app(prog_name="batchplan")

@@ -151,3 +151,17 @@ def test_compare_without_matplotlib_fails_before_computing(monkeypatch, tmp_path
     result = runner.invoke(app, ["compare", str(SQUAD), "--max-tokens", "4096", "--world-size", "2",
                                  "--plot", str(tmp_path / "c.png")])  # fmt: skip
     assert result.exit_code == 1 and "pip install 'batchplan[plot]'" in result.stderr
+
+
+def test_a_resharded_plan_plots(tmp_path):
+    """Steps of a resharded plan start at its first_step; the figure handles that."""
+    from batchplan.plan_file import write_plan
+    from batchplan.planner import build_plan
+    from batchplan.reshard import reshard_plan_file
+
+    lengths = np.random.default_rng(0).integers(1, 200, 5000).astype(np.int32)
+    parent, child = tmp_path / "parent.arrow", tmp_path / "child.arrow"
+    write_plan(build_plan(lengths, PlanConfig(max_tokens=512, world_size=4, epochs=2)), parent)
+    reshard_plan_file(parent, child, world_size=3, from_step=50)
+    plan = open_plan(child)
+    assert len(plot_plan(plan, *plan_lengths(plan, None)).axes) == 6

@@ -211,12 +211,19 @@ class PlanSampler(Sampler[list[int]]):
 
         A following ``set_epoch`` with the saved epoch keeps the position.
 
+        A plan made by ``batchplan reshard`` also accepts a state of the plan it was
+        resharded from (any rank, any world size of that plan) saved exactly at the
+        step it was resharded from, and continues at that step: see docs/resharding.md.
+
         Raises:
             PlanMismatchError: the state belongs to another plan, rank or world size
-                (the message names both values).
+                (the message names both values), or, for a resharded plan, is a
+                parent's state saved at another step.
             PlanFormatError: ``state`` is not a PlanSampler state of a known version.
         """
-        epoch, position = check_state(state, self._identity, self._rows_per_epoch)
+        parent = self._plan.metadata.get("resharded_from")
+        parent = parent if isinstance(parent, dict) else None
+        epoch, position = check_state(state, self._identity, self._rows_per_epoch, parent)
         self._move_to(epoch, position, resume=True)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -105,9 +105,10 @@ def token_lr_lambda(
     total = int(seen[-1]) if total_tokens is None else total_tokens
     _check_schedule(warmup_tokens, decay, min_lr_ratio, total)
     last = seen.shape[0] - 1
+    first = int(_plan_file(plan).metadata.get("first_step", 0))  # a resharded plan starts later
 
     def lr_lambda(step: int) -> float:
-        at = int(seen[min(max(step, 0), last)])
+        at = int(seen[min(max(step - first, 0), last)])
         return token_lr_factor(
             at, warmup_tokens=warmup_tokens, total_tokens=total, decay=decay, min_lr_ratio=min_lr_ratio
         )

@@ -5,6 +5,10 @@ position *in*: the plan's content hash and config fingerprint, the rank and the
 world size. Loading it into a sampler of another plan, rank or world size is a
 `PlanMismatchError` that names both values: a silent resume on the wrong plan
 would train on the wrong data without any visible symptom. About 300 bytes.
+
+One exception: a plan made by ``batchplan reshard`` continues its parent from a step
+``S`` on another world size, so it accepts a state of its parent (any rank) taken
+exactly at the start of step ``S``, and resumes at its own start.
 """
 
 from __future__ import annotations
@@ -25,7 +29,12 @@ def make_state(identity: dict[str, Any], epoch: int, position: int) -> dict[str,
     return {"kind": STATE_KIND, "version": STATE_VERSION, **identity, "epoch": epoch, "position": position}
 
 
-def check_state(state: dict[str, Any], identity: dict[str, Any], rows_per_epoch: list[int]) -> tuple[int, int]:
+def check_state(
+    state: dict[str, Any],
+    identity: dict[str, Any],
+    rows_per_epoch: list[int],
+    parent: dict[str, Any] | None = None,
+) -> tuple[int, int]:
     """Validate ``state`` against this sampler's identity; return ``(epoch, position)``.
 
     Args:
@@ -34,12 +43,22 @@ def check_state(state: dict[str, Any], identity: dict[str, Any], rows_per_epoch:
         identity: this sampler's ``content_hash``, ``config_fingerprint``,
             ``world_size`` and ``rank``.
         rows_per_epoch: this rank's micro-batch count in each epoch.
+        parent: the plan's ``resharded_from`` metadata, for a resharded plan.
 
     Raises:
         PlanFormatError: not a PlanSampler state, a newer version, or missing keys.
-        PlanMismatchError: another plan, rank or world size; an impossible position.
+        PlanMismatchError: another plan, rank or world size; an impossible position;
+            a parent's state not taken at the step the plan was resharded from.
     """
     _check_shape(state)
+    if parent is not None and state["content_hash"] != identity["content_hash"]:
+        if state["content_hash"] == parent.get("content_hash"):
+            return _check_parent_state(state, parent)
+        raise PlanMismatchError(
+            f"sampler state was saved for a plan with content hash {state['content_hash']!r} but this "
+            f"sampler's plan has {identity['content_hash']!r} and was resharded from {parent.get('content_hash')!r}; "
+            "give it a state of this plan or of the plan it was resharded from"
+        )
     for key, what, fix in (
         ("content_hash", "a plan with content hash", "resume with the plan file the run started with"),
         ("config_fingerprint", "a plan with config fingerprint", "resume with the plan file the run started with"),
@@ -63,6 +82,42 @@ def check_state(state: dict[str, Any], identity: dict[str, Any], rows_per_epoch:
             f"{rows_per_epoch[epoch]} there; the state does not belong to this plan"
         )
     return epoch, position
+
+
+def _check_parent_state(state: dict[str, Any], parent: dict[str, Any]) -> tuple[int, int]:
+    """A state of the plan this one was resharded from: accepted when it is exactly at the
+    start of the step the reshard began at; the resume starts at this plan's beginning."""
+    needed = {"config_fingerprint", "world_size", "rows_per_rank", "epoch", "position", "from_step"}
+    missing = sorted(needed - set(parent))
+    if missing:
+        raise PlanFormatError(f"the plan's resharded_from metadata lacks {missing}; the plan is corrupt, reshard again")
+    for key, what in (("config_fingerprint", "config fingerprint"), ("world_size", "world_size")):
+        if state[key] != parent[key]:
+            raise PlanMismatchError(
+                f"sampler state was saved for {what} {state[key]!r} but the plan this one was resharded "
+                f"from has {what} {parent[key]!r}; the state does not belong to that plan"
+            )
+    rows = parent["rows_per_rank"]
+    epoch, position = state["epoch"], state["position"]
+    if not (isinstance(epoch, int) and 0 <= epoch < len(rows) and isinstance(position, int)
+            and 0 <= position <= rows[epoch]):  # fmt: skip
+        raise PlanMismatchError(
+            f"sampler state is at micro-batch {position!r} of epoch {epoch!r}, which the plan it was "
+            "saved on does not have; the state is corrupt"
+        )
+    # Per rank, micro-batches done since the parent's first row: equal at the same point.
+    done = sum(rows[:epoch]) + position
+    wanted = sum(rows[: parent["epoch"]]) + parent["position"]
+    if done != wanted:
+        where = "before" if done < wanted else "after"
+        raise PlanMismatchError(
+            f"sampler state is at micro-batch {position} of epoch {epoch} of the parent plan, "
+            f"{abs(done - wanted):,} micro-batch(es) per rank {where} step {parent['from_step']:,}, where this "
+            f"plan was resharded from (micro-batch {parent['position']} of epoch {parent['epoch']}); "
+            "reshard the parent again with --from-step set to the optimizer steps done when the state was "
+            "saved (save states right after an optimizer step)"
+        )
+    return parent["epoch"], 0
 
 
 def _check_shape(state: Any) -> None:
