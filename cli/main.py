@@ -59,7 +59,7 @@ def build(
     world_size: Annotated[int, typer.Option(help="Data-parallel ranks.")] = 1,
     epochs: Annotated[int, typer.Option(help="Epochs to plan.")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of every shuffle.")] = 0,
-    micro_batches: Annotated[Optional[int], typer.Option(help="Micro-batches per rank per step [default: 1].")] = None,
+    micro_batches: Annotated[Optional[int], typer.Option(help="Micro-batches per rank per step (default: 1).")] = None,
     tokens_per_step: Annotated[Optional[int], typer.Option(help="Global token target per step.")] = None,
     oversize: Annotated[str, typer.Option(help="Samples above max_tokens: error, drop, truncate or split.")] = "error",
     drop_empty: Annotated[bool, typer.Option(help="Drop samples of length 0 or null.")] = False,
@@ -68,7 +68,7 @@ def build(
     batch_multiple: Annotated[int, typer.Option(help="Pad mode: samples per micro-batch a multiple of this.")] = 1,
     hidden_size: Annotated[Optional[int], typer.Option(help="Model width: adds the attention term to the cost.")] = None,
     balance: Annotated[
-        Optional[str], typer.Option(help="Balance ranks by tokens or compute [default: compute with --hidden-size].")
+        Optional[str], typer.Option(help="Balance ranks by tokens or compute (default: compute with --hidden-size).")
     ] = None,
     balance_window: Annotated[
         int, typer.Option(help="Steps formed from similar-cost micro-batches within this many steps; 1 = random.")
@@ -150,7 +150,7 @@ def compare(
     max_tokens: Annotated[int, typer.Option(help="Memory budget of one micro-batch, in tokens, for every strategy.")],
     world_size: Annotated[int, typer.Option(help="Data-parallel ranks.")],
     micro_batches: Annotated[int, typer.Option(help="Micro-batches per rank per step.")] = 1,
-    hidden_size: Annotated[Optional[int], typer.Option(help="Model width (attention cost) [default: 4096].")] = None,
+    hidden_size: Annotated[Optional[int], typer.Option(help="Model width for the attention cost (default: 4096).")] = None,
     oversize: Annotated[str, typer.Option(help="Samples above max_tokens: truncate, split, drop, error.")] = "truncate",
     drop_empty: Annotated[bool, typer.Option(help="Drop samples of length 0 or null.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of every shuffle.")] = 0,

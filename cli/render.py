@@ -31,6 +31,7 @@ def print_summary(summary: dict[str, Any], *, title: str) -> None:
         ("token imbalance", f"{summary['token_imbalance']:.3%} mean, {summary['token_imbalance_p99']:.3%} p99"),
         ("cost imbalance", _cost_imbalance(summary)),
         ("dropped samples", _dropped(summary)),
+        *_lineage(summary),
     ]
     for name, value in rows:
         table.add_row(name, value)
@@ -44,6 +45,13 @@ def _cost_imbalance(summary: dict[str, Any]) -> str:
         f"{summary['cost_imbalance']:.3%} mean, {summary['cost_imbalance_p99']:.3%} p99 "
         f"(hidden size {summary['hidden_size']:,}, balanced by {summary['balance']})"
     )
+
+
+def _lineage(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    parent = summary.get("resharded_from")
+    if not parent:
+        return []
+    return [("resharded from", f"step {summary.get('first_step', 0):,} of a {parent.get('world_size')}-rank plan")]
 
 
 def _dropped(summary: dict[str, Any]) -> str:
