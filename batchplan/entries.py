@@ -18,41 +18,49 @@ from batchplan.errors import DatasetError
 __all__ = ["Entries", "index_dtype", "make_entries"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Entries:
     """The units the planner places.
 
     Attributes:
-        sample: dataset row of each entry (int32 below 2^31 samples, else int64).
+        length: tokens of each entry (int32).
+        dropped: reason -> sample indices left out of every epoch.
+        sample: dataset row of each entry (int32 below 2^31 samples, else int64), or
+            None when entry ``i`` is sample ``i`` (nothing dropped or cut: no array).
         start: first token of each entry within its sample, or None when every
             entry is a whole sample.
-        length: tokens of each entry (int32).
-        loss_tokens: tokens carrying a label in each entry (int32).
-        dropped: reason -> sample indices left out of every epoch.
-        loss_is_length_minus_one: no loss-token column: every entry's loss tokens are
-            its length - 1 (lets the planner count them without a pass over entries).
+        loss_tokens: tokens carrying a label in each entry (int32), or None when every
+            entry has ``length - 1`` (no loss-token column: the planner then counts
+            them without a pass over entries, and keeps no array).
     """
 
-    sample: NDArray[np.integer]
-    start: NDArray[np.int64] | None
     length: NDArray[np.int32]
-    loss_tokens: NDArray[np.int32]
     dropped: dict[str, NDArray[np.int64]]
-    loss_is_length_minus_one: bool = True
+    sample: NDArray[np.integer] | None = None
+    start: NDArray[np.int64] | None = None
+    loss_tokens: NDArray[np.int32] | None = None
 
     @property
     def num_entries(self) -> int:
-        return int(self.sample.shape[0])
+        return int(self.length.shape[0])
 
     @property
     def has_spans(self) -> bool:
         return self.start is not None
 
+    @property
+    def loss_is_length_minus_one(self) -> bool:
+        return self.loss_tokens is None
+
     def samples_of(self, entries: NDArray[np.integer]) -> NDArray[np.integer]:
-        """Dataset rows of the given entries (no copy when entry i is sample i)."""
-        if self.start is None and not self.dropped:
-            return entries  # nothing dropped or cut: entries are the samples themselves
-        return self.sample[entries]
+        """Dataset rows of the given entries."""
+        return entries if self.sample is None else self.sample[entries]
+
+    def loss_of(self, entries: NDArray[np.integer]) -> NDArray[np.int32]:
+        """Loss tokens of the given entries."""
+        if self.loss_tokens is None:
+            return self.length[entries] - np.int32(1)
+        return self.loss_tokens[entries]
 
 
 def make_entries(
@@ -98,7 +106,7 @@ def make_entries(
 
     index = index_dtype(num_samples)
     if keep is None:
-        sample = np.arange(num_samples, dtype=index)
+        sample = None  # entry i is sample i
         kept_lengths = lengths.astype(np.int32, copy=False)
         kept_loss = None if loss_tokens is None else np.asarray(loss_tokens).astype(np.int32, copy=False)
     else:
@@ -106,10 +114,9 @@ def make_entries(
         kept_lengths = lengths[sample].astype(np.int32, copy=False)
         kept_loss = None if loss_tokens is None else np.asarray(loss_tokens)[sample].astype(np.int32)
     if oversize is not None and config.oversize in ("truncate", "split"):
-        return _spans(sample, kept_lengths, config, dropped)
-    if kept_loss is not None:
-        return Entries(sample, None, kept_lengths, kept_loss, dropped, loss_is_length_minus_one=False)
-    return Entries(sample, None, kept_lengths, kept_lengths - np.int32(1), dropped)
+        every = np.arange(num_samples, dtype=index) if sample is None else sample
+        return _spans(every, kept_lengths, config, dropped)
+    return Entries(length=kept_lengths, dropped=dropped, sample=sample, loss_tokens=kept_loss)
 
 
 def index_dtype(count: int) -> np.dtype:
@@ -150,5 +157,5 @@ def _spans(sample, lengths, config: PlanConfig, dropped) -> Entries:
     piece = np.arange(entry_sample.shape[0], dtype=np.int64) - np.repeat(first_piece, pieces)
     start = piece * cap
     length = np.minimum(cap, np.repeat(lengths, pieces) - start).astype(np.int32)
-    # Each span is trained as its own sequence: its first token has no target.
-    return Entries(entry_sample, start, length, length - np.int32(1), dropped)
+    # Each span is trained as its own sequence: its first token has no target (length - 1).
+    return Entries(length=length, dropped=dropped, sample=entry_sample, start=start)

@@ -171,13 +171,13 @@ def _has_cost(plan: Plan) -> bool:
 
 
 def _dropped_samples(plan: Plan, epoch: EpochPlan) -> list[int]:
-    return np.unique(plan.entries.sample[epoch.dropped_entries]).tolist()
+    return np.unique(plan.entries.samples_of(epoch.dropped_entries)).tolist()
 
 
 def _dropped_spans(plan: Plan, epoch: EpochPlan) -> list[list[int]]:
     """``[sample, start, length]`` of each dropped entry, sorted."""
     entries = np.sort(epoch.dropped_entries)  # entries are numbered in (sample, start) order
-    spans = np.stack([plan.entries.sample[entries], plan.entries.start[entries], plan.entries.length[entries]])
+    spans = np.stack([plan.entries.samples_of(entries), plan.entries.start[entries], plan.entries.length[entries]])
     return spans.T.tolist()
 
 

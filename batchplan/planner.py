@@ -347,7 +347,7 @@ def _assemble(entries, config, epoch, batches, schedule, tokens, costs, step_off
     if entries.loss_is_length_minus_one:
         loss = tokens - (batches.ends - batches.starts)[schedule]
     else:
-        loss = batches.range_sums(entries.loss_tokens[batches.members])[schedule]
+        loss = batches.range_sums(entries.loss_of(batches.members))[schedule]
     # Step sums in schedule order, where each step is a contiguous run of positions.
     step_tokens = _step_sums(tokens, step_offsets)
     step_loss_tokens = _step_sums(loss, step_offsets)

@@ -323,8 +323,7 @@ def _index_entries(plan: PlanFile, rows: list[_Rows], drops: list[NDArray[np.int
             keep[samples] = False
         sample = np.flatnonzero(keep).astype(index_dtype(plan.num_samples))
         unknown = np.zeros(sample.shape[0], dtype=np.int32)  # per-sample lengths are not in the file
-        entries = Entries(sample=sample, start=None, length=unknown, loss_tokens=unknown, dropped=always,
-                          loss_is_length_minus_one=False)  # fmt: skip
+        entries = Entries(sample=sample, start=None, length=unknown, loss_tokens=unknown, dropped=always)
         return entries, [_entry_of(sample, part.sample) for part in rows], [_entry_of(sample, d[:, 0]) for d in drops]
     pieces = [np.stack([part.sample, part.start, part.length], axis=1) for part in rows] + list(drops)
     every = np.concatenate(pieces)
@@ -337,7 +336,7 @@ def _index_entries(plan: PlanFile, rows: list[_Rows], drops: list[NDArray[np.int
     unique = ordered[new]
     length = unique[:, 2].astype(np.int32)
     entries = Entries(sample=unique[:, 0].astype(index_dtype(plan.num_samples)), start=unique[:, 1].copy(),
-                      length=length, loss_tokens=length - np.int32(1), dropped=always)  # fmt: skip
+                      length=length, dropped=always)  # fmt: skip
     bounds = np.cumsum([0] + [p.shape[0] for p in pieces])
     ids = [inverse[bounds[i] : bounds[i + 1]] for i in range(len(pieces))]
     return entries, ids[: len(rows)], ids[len(rows) :]
@@ -364,8 +363,7 @@ def _schedule(part: _Rows, entry_ids, dropped_ids, config: PlanConfig, epoch: in
     # One unit per parent micro-batch: its length is the micro-batch's tokens.
     starts = np.arange(count, dtype=np.int64)
     length = part.tokens.astype(np.int32)
-    units = Entries(sample=starts, start=None, length=length, loss_tokens=part.loss_tokens.astype(np.int32),
-                    dropped={}, loss_is_length_minus_one=False)  # fmt: skip
+    units = Entries(sample=starts, start=None, length=length, loss_tokens=part.loss_tokens.astype(np.int32), dropped={})
     batches = MicroBatches(members=starts.astype(index_dtype(count)), lengths=length, starts=starts, ends=starts + 1)
     scheduled = schedule_epoch(units, batches, config, epoch)
     return _expand(scheduled, part, entry_ids, dropped_ids)

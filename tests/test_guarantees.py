@@ -384,7 +384,7 @@ def test_epochs_and_seeds_differ(plans, case):
     plan = build_plan(built.lengths, other_seed, loss_tokens=built.loss_tokens)
     epoch = plan.epochs[0]
     other = [
-        tuple(plan.entries.sample[epoch.members[epoch.offsets[i] : epoch.offsets[i + 1]]].tolist())
+        tuple(plan.entries.samples_of(epoch.members[epoch.offsets[i] : epoch.offsets[i + 1]]).tolist())
         for i in range(epoch.num_rows)
     ]
     assert other != sequences[0], "another seed gave the same epoch 0"
