@@ -48,11 +48,15 @@ class PlanConfig:
         shuffle_window: pad mode: samples sorted by length inside windows of this size.
         batch_multiple: pad mode: keep samples per micro-batch a multiple of this.
         balance: what steps and ranks are balanced on: ``"tokens"``, or ``"compute"``
-            (tokens + attention, `batchplan.cost`; needs ``hidden_size``). Default:
-            compute when ``hidden_size`` is given, else tokens.
+            (tokens + attention, `batchplan.cost`; needs ``hidden_size`` or
+            ``attention_coefficient``). Default: compute when either is given, else tokens.
         balance_window: steps are formed from micro-batches of similar cost (tokens or
             compute) within windows of this many steps, then shuffled; 1 = random steps.
-        hidden_size: model width, for the attention term of the cost model.
+        hidden_size: model width, for the attention term of the cost model
+            (coefficient ``1 / (12 hidden_size)``).
+        attention_coefficient: the attention term's coefficient given directly (e.g.
+            fitted to measured step times, as ``bench/balance.py`` does); instead of
+            ``hidden_size``.
     """
 
     max_tokens: int
@@ -70,26 +74,44 @@ class PlanConfig:
     balance: Literal["tokens", "compute"] | None = None
     balance_window: int = DEFAULT_BALANCE_WINDOW
     hidden_size: int | None = None
+    attention_coefficient: float | None = None
 
     def __post_init__(self) -> None:
-        if self.balance is None:  # resolved here, so the stored config is explicit
-            object.__setattr__(self, "balance", "tokens" if self.hidden_size is None else "compute")
         _check_int("max_tokens", self.max_tokens, minimum=1, flag="--max-tokens")
         _check_int("world_size", self.world_size, minimum=1, flag="--world-size")
         _check_int("epochs", self.epochs, minimum=1, flag="--epochs")
         _check_int("seed", self.seed, minimum=0, flag="--seed")
         _check_int("shuffle_window", self.shuffle_window, minimum=1, flag="--shuffle-window")
         _check_int("batch_multiple", self.batch_multiple, minimum=1, flag="--batch-multiple")
+        _check_int("balance_window", self.balance_window, minimum=1, flag="--balance-window")
         _check_choice("mode", self.mode, MODES)
         _check_choice("oversize", self.oversize, OVERSIZE_POLICIES)
-        _check_choice("balance", self.balance, BALANCE_MODES)
-        _check_int("balance_window", self.balance_window, minimum=1, flag="--balance-window")
+        self._check_cost_model()
+        self._check_steps()
+        self._check_padding()
+
+    def _check_cost_model(self) -> None:
         if self.hidden_size is not None:
             _check_int("hidden_size", self.hidden_size, minimum=1, flag="--hidden-size")
-        elif self.balance == "compute":
+        if self.attention_coefficient is not None:
+            value = self.attention_coefficient
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ConfigError(f"--attention-coefficient must be a finite number >= 0, got {value!r}")
+            if self.hidden_size is not None:
+                raise ConfigError(
+                    "--hidden-size and --attention-coefficient were both given; the width only sets the "
+                    "coefficient (1 / (12 x width)), pass one of them"
+                )
+        if self.balance is None:  # resolved here, so the stored config is explicit
+            object.__setattr__(self, "balance", "tokens" if self.cost_coefficient is None else "compute")
+        _check_choice("balance", self.balance, BALANCE_MODES)
+        if self.balance == "compute" and self.cost_coefficient is None:
             raise ConfigError(
-                "--balance compute needs the model width for the attention term; pass --hidden-size"
+                "--balance compute needs the attention term of the cost model; pass --hidden-size "
+                "or --attention-coefficient"
             )
+
+    def _check_steps(self) -> None:
         if self.micro_batches is not None and self.tokens_per_step is not None:
             raise ConfigError(
                 "--micro-batches and --tokens-per-step were both given; steps are sized "
@@ -107,6 +129,8 @@ class PlanConfig:
                     f"per rank (world_size {self.world_size} x max_tokens {self.max_tokens:,} = "
                     f"{smallest:,}); raise --tokens-per-step or use --micro-batches"
                 )
+
+    def _check_padding(self) -> None:
         if self.batch_multiple > 1 and self.mode != "pad":
             raise ConfigError(
                 f"--batch-multiple {self.batch_multiple} only applies to --mode pad "
@@ -118,6 +142,15 @@ class PlanConfig:
                 f"{self.batch_multiple:,} samples of length >= 1 exceeds max_tokens "
                 f"{self.max_tokens:,}; lower --batch-multiple"
             )
+
+    @property
+    def cost_coefficient(self) -> float | None:
+        """The cost model's attention coefficient, or None (no compute cost)."""
+        if self.attention_coefficient is not None:
+            return float(self.attention_coefficient)
+        if self.hidden_size is not None:
+            return 1.0 / (12.0 * self.hidden_size)  # batchplan.cost.attention_coefficient
+        return None
 
     @property
     def micro_batches_per_step(self) -> int | None:

@@ -118,7 +118,6 @@ def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None, lineage
     import numba
 
     from batchplan import __version__
-    from batchplan.cost import attention_coefficient
 
     config = plan.config
     dropped: dict[str, Any] = {reason: samples.tolist() for reason, samples in plan.entries.dropped.items()}
@@ -142,7 +141,7 @@ def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None, lineage
         "dataset": dataset,
         "has_spans": plan.entries.has_spans,
         "hidden_size": config.hidden_size,
-        "attention_coefficient": None if config.hidden_size is None else attention_coefficient(config.hidden_size),
+        "attention_coefficient": config.cost_coefficient,
         "steps_per_epoch": [e.num_steps for e in plan.epochs],
         "rows_per_rank": [e.rows_per_rank for e in plan.epochs],
         "dropped": dropped,
@@ -167,7 +166,7 @@ def _shift_columns(batch: pa.RecordBatch, shifts: dict[str, int]) -> pa.RecordBa
 
 
 def _has_cost(plan: Plan) -> bool:
-    return plan.config.hidden_size is not None
+    return plan.config.cost_coefficient is not None
 
 
 def _dropped_samples(plan: Plan, epoch: EpochPlan) -> list[int]:
@@ -410,7 +409,7 @@ class PlanFile:
         if missing:
             raise PlanFormatError(f"{self.path}: required column(s) {missing} missing; not a valid plan")
         # Every column of this format version, with its type; more columns are allowed.
-        has_cost = self.metadata.get("hidden_size") is not None
+        has_cost = self.metadata.get("attention_coefficient") is not None
         for field in plan_schema(self.num_samples, bool(self.metadata.get("has_spans")), has_cost=has_cost):
             found = self.schema.field(field.name).type if field.name in self.schema.names else None
             if found != field.type:

@@ -31,7 +31,6 @@ from numpy.typing import NDArray
 from batchplan.config import PlanConfig
 from batchplan.entries import Entries, index_dtype, make_entries
 from batchplan.errors import ConfigError, DatasetError
-from batchplan.cost import attention_coefficient
 from batchplan.kernels.assemble import order_rows
 from batchplan.kernels.balance import assign_ranks, sort_within_windows
 from batchplan.kernels.pack import pack_grouped
@@ -73,7 +72,7 @@ class EpochPlan:
     tokens: NDArray[np.int64]
     loss_tokens: NDArray[np.int64]
     padded_tokens: NDArray[np.int64]  # count x longest in pad mode, tokens in pack mode
-    cost: NDArray[np.float64] | None  # tokens + attention term (`batchplan.cost`), with hidden_size
+    cost: NDArray[np.float64] | None  # tokens + attention term (`batchplan.cost`), with a coefficient
     step_tokens: NDArray[np.int64]  # per epoch-local step, all ranks
     step_loss_tokens: NDArray[np.int64]
     dropped_entries: NDArray[np.int64]  # entries left out by drop_last
@@ -168,7 +167,7 @@ def schedule_epoch(entries: Entries, batches: MicroBatches, config: PlanConfig, 
         num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
         schedule, dropped = _complete_last_chunk(batches, schedule, config.world_size)
     batch_tokens = batches.tokens()
-    compute = None if config.hidden_size is None else _compute_costs(batches, entries, config)
+    compute = None if config.cost_coefficient is None else _compute_costs(batches, entries, config)
     costs = compute if config.balance == "compute" else batch_tokens.astype(np.float64)
     rng = epoch_rng(config.seed, epoch, STREAM_CHUNK_ORDER)
     schedule = np.concatenate([_balanced_chunks(schedule[:num_full], costs, config, rng), schedule[num_full:]])
@@ -180,7 +179,7 @@ def schedule_epoch(entries: Entries, batches: MicroBatches, config: PlanConfig, 
 
 def _compute_costs(batches, entries: Entries, config: PlanConfig) -> NDArray[np.float64]:
     """Predicted compute per micro-batch, in tokens: `batchplan.cost` for the model width."""
-    coefficient = attention_coefficient(config.hidden_size)
+    coefficient = config.cost_coefficient
     if config.mode == "pack":
         lengths = batches.lengths.astype(np.float64)
         return batches.range_sums(lengths + coefficient * lengths**2)

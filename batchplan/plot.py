@@ -322,6 +322,8 @@ def _settings_line(plan: PlanFile) -> str:
     ]
     if meta.get("hidden_size"):
         parts.append(f"hidden_size {meta['hidden_size']:,}")
+    elif meta.get("attention_coefficient") is not None:
+        parts.append(f"attention coefficient {meta['attention_coefficient']:.3g}")
     return ", ".join(parts)
 
 

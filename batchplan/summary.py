@@ -74,6 +74,7 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
         "cost_imbalance": _mean(cost_imbalance),
         "cost_imbalance_p99": _p99(cost_imbalance),
         "hidden_size": meta.get("hidden_size"),
+        "attention_coefficient": meta.get("attention_coefficient"),
         "balance": meta["config"].get("balance", "tokens"),
         "tokens_per_step": _spread(step_tokens),
         "micro_batches_per_rank_per_step": _spread(micro_per_step),

@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
-from batchplan.cost import attention_coefficient, micro_batch_costs
+from batchplan.cost import micro_batch_costs
 from batchplan.errors import PlanFormatError
 from batchplan.lengths import fingerprint_lengths
 from batchplan.plan_file import PlanFile
@@ -291,7 +291,7 @@ class _EpochChecker:
         return found
 
     def check_cost(self, lengths) -> list[Violation]:
-        coefficient = attention_coefficient(self.meta["hidden_size"])
+        coefficient = float(self.meta["attention_coefficient"])
         expected = micro_batch_costs(lengths, self.offsets, self.meta["mode"], coefficient)
         if not np.allclose(self.col["cost"].to_numpy(), expected, rtol=1e-9, atol=0.0):
             return self.fail("counts", "a micro-batch's cost differs from the cost model of its samples")

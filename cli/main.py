@@ -67,6 +67,9 @@ def build(
     shuffle_window: Annotated[Optional[int], typer.Option(help="Pad mode: samples sorted within windows of this size.")] = None,
     batch_multiple: Annotated[int, typer.Option(help="Pad mode: samples per micro-batch a multiple of this.")] = 1,
     hidden_size: Annotated[Optional[int], typer.Option(help="Model width: adds the attention term to the cost.")] = None,
+    attention_coefficient: Annotated[
+        Optional[float], typer.Option(help="The attention term's coefficient, instead of --hidden-size.")
+    ] = None,
     balance: Annotated[
         Optional[str], typer.Option(help="Balance ranks by tokens or compute (default: compute with --hidden-size).")
     ] = None,
@@ -88,7 +91,8 @@ def build(
         max_tokens=max_tokens, mode=mode, world_size=world_size, epochs=epochs, seed=seed,
         micro_batches=micro_batches, tokens_per_step=tokens_per_step, oversize=oversize,
         drop_empty=drop_empty, drop_last=drop_last, batch_multiple=batch_multiple,
-        hidden_size=hidden_size, balance=balance, balance_window=balance_window,
+        hidden_size=hidden_size, attention_coefficient=attention_coefficient, balance=balance,
+        balance_window=balance_window,
         shuffle_window=DEFAULT_SHUFFLE_WINDOW if shuffle_window is None else shuffle_window,
     )  # fmt: skip
     columns = {"length_column": length_column, "tokens_column": tokens_column,

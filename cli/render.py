@@ -41,9 +41,14 @@ def print_summary(summary: dict[str, Any], *, title: str) -> None:
 def _cost_imbalance(summary: dict[str, Any]) -> str:
     if summary.get("cost_imbalance") is None:
         return "- (build with --hidden-size for the compute cost)"
+    model = (
+        f"hidden size {summary['hidden_size']:,}"
+        if summary.get("hidden_size")
+        else f"attention coefficient {summary['attention_coefficient']:.3g}"
+    )
     return (
         f"{summary['cost_imbalance']:.3%} mean, {summary['cost_imbalance_p99']:.3%} p99 "
-        f"(hidden size {summary['hidden_size']:,}, balanced by {summary['balance']})"
+        f"({model}, balanced by {summary['balance']})"
     )
 
 

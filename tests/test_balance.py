@@ -105,9 +105,30 @@ def test_balance_defaults_and_errors():
     assert PlanConfig(max_tokens=8).balance == "tokens"
     assert PlanConfig(max_tokens=8, hidden_size=64).balance == "compute"
     assert PlanConfig(max_tokens=8, hidden_size=64, balance="tokens").balance == "tokens"
-    with pytest.raises(ConfigError, match="needs the model width"):
+    with pytest.raises(ConfigError, match="needs the attention term"):
         PlanConfig(max_tokens=8, balance="compute")
     with pytest.raises(ConfigError, match="--balance-window must be >= 1"):
         PlanConfig(max_tokens=8, balance_window=0)
     with pytest.raises(ConfigError, match="--hidden-size must be >= 1"):
         PlanConfig(max_tokens=8, hidden_size=0)
+
+
+def test_attention_coefficient_can_be_given_directly(tmp_path):
+    """A coefficient fitted to measured times (bench/balance.py) instead of a width: the same
+    plan as the width that implies it, and the metadata records it."""
+    lengths = lognormal(20_000)
+    by_width = PlanConfig(max_tokens=8192, world_size=8, hidden_size=1024)
+    by_value = PlanConfig(max_tokens=8192, world_size=8, attention_coefficient=1 / (12 * 1024))
+    assert by_value.balance == "compute" and by_value.cost_coefficient == by_width.cost_coefficient
+    first, second = build_plan(lengths, by_width), build_plan(lengths, by_value)
+    np.testing.assert_array_equal(first.epochs[0].cost, second.epochs[0].cost)
+    path = tmp_path / "plan.arrow"
+    write_plan(second, path)
+    plan = open_plan(path)
+    assert plan.metadata["hidden_size"] is None
+    assert plan.metadata["attention_coefficient"] == pytest.approx(1 / (12 * 1024))
+    assert validate_plan(plan, lengths) == []
+    with pytest.raises(ConfigError, match="both given"):
+        PlanConfig(max_tokens=8, hidden_size=64, attention_coefficient=0.001)
+    with pytest.raises(ConfigError, match="finite number >= 0"):
+        PlanConfig(max_tokens=8, attention_coefficient=-1.0)
