@@ -53,6 +53,7 @@ from batchplan.cost import attention_coefficient
 from batchplan.planner import Plan, build_plan
 from batchplan.runtime import PackCollator, token_loss_sum
 from batchplan.runtime.toy import TinyGPT
+from bench.train_throughput import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD_SIZE = 8
@@ -343,16 +344,6 @@ def describe_run(args, source: str, lengths, plan: Plan, features: dict, times, 
         "repeat_spread_median": float(spread),
         "identical_pack_noise": dict(zip(("relative_std", "packs"), identical_pack_noise(features, median))),
     }
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def command_line(args: argparse.Namespace) -> str:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from batchplan.kernels.shuffle import length_offsets
+
 __all__ = ["pack_grouped", "pack_items", "pack_segments"]
 
 
@@ -123,11 +125,7 @@ def _best_fit_decreasing(histogram, max_tokens, index):
 @njit(cache=True, nogil=True)
 def _items_by_length(lengths, order, max_tokens):
     """Counting sort of ``order`` by length: (items, start) with length-s items at start[s]:start[s+1]."""
-    start = np.zeros(max_tokens + 2, dtype=np.int64)
-    for item in range(lengths.shape[0]):
-        start[lengths[item] + 1] += 1
-    for length in range(1, max_tokens + 2):
-        start[length] += start[length - 1]
+    start = length_offsets(lengths, max_tokens)
     cursor = start.copy()
     items = np.empty(order.shape[0], dtype=order.dtype)
     for item in order:

@@ -13,7 +13,18 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["shuffle_by_length"]
+__all__ = ["length_offsets", "shuffle_by_length"]
+
+
+@njit(cache=True, nogil=True)
+def length_offsets(lengths, max_length):
+    """Where each length's group starts when items are grouped by length (shortest first)."""
+    start = np.zeros(max_length + 2, dtype=np.int64)
+    for item in range(lengths.shape[0]):
+        start[lengths[item] + 1] += 1
+    for length in range(1, max_length + 2):
+        start[length] += start[length - 1]
+    return start
 
 
 @njit(cache=True, nogil=True)
@@ -29,11 +40,7 @@ def shuffle_by_length(lengths, keys, max_length, index):
     Returns:
         ``(items, start)``: items of length ``s`` at ``items[start[s]:start[s + 1]]``.
     """
-    start = np.zeros(max_length + 2, dtype=np.int64)
-    for item in range(lengths.shape[0]):
-        start[lengths[item] + 1] += 1
-    for length in range(1, max_length + 2):
-        start[length] += start[length - 1]
+    start = length_offsets(lengths, max_length)
     cursor = start.copy()
     items = np.empty(lengths.shape[0], dtype=index.dtype)
     for item in range(lengths.shape[0]):
