@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from batchplan.errors import ConfigError
 
-__all__ = ["MODES", "OVERSIZE_POLICIES", "PlanConfig"]
+__all__ = ["MODES", "OVERSIZE_POLICIES", "PlanConfig", "parse_pair"]
 
 MODES = ("pack", "pad")
 OVERSIZE_POLICIES = ("error", "drop", "truncate", "split")
@@ -57,6 +57,15 @@ class PlanConfig:
         attention_coefficient: the attention term's coefficient given directly (e.g.
             fitted to measured step times, as ``bench/balance.py`` does); instead of
             ``hidden_size``.
+        rampup_start: batch-size ramp-up: global tokens per step at the start of the run
+            (with ``rampup_tokens``). Steps grow linearly in the tokens done to the full
+            step: ``tokens_per_step``, or with ``micro_batches`` M the mean tokens of a
+            step of M micro-batches per rank (then exactly M once the ramp is over).
+        rampup_tokens: tokens of the run (across epochs) over which the ramp-up runs.
+        seqlen_warmup_min: sequence-length warmup: during the first
+            ``seqlen_warmup_tokens`` tokens of the run, samples are split into pieces of at
+            most a cap that grows from this to ``max_tokens`` (`batchplan.warmup`).
+        seqlen_warmup_tokens: tokens of the first epoch over which the cap grows.
     """
 
     max_tokens: int
@@ -75,6 +84,10 @@ class PlanConfig:
     balance_window: int = DEFAULT_BALANCE_WINDOW
     hidden_size: int | None = None
     attention_coefficient: float | None = None
+    rampup_start: int | None = None
+    rampup_tokens: int | None = None
+    seqlen_warmup_min: int | None = None
+    seqlen_warmup_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, minimum=1, flag="--max-tokens")
@@ -89,6 +102,8 @@ class PlanConfig:
         self._check_cost_model()
         self._check_steps()
         self._check_padding()
+        self._check_rampup()
+        self._check_seqlen_warmup()
 
     def _check_cost_model(self) -> None:
         if self.hidden_size is not None:
@@ -143,6 +158,58 @@ class PlanConfig:
                 f"{self.max_tokens:,}; lower --batch-multiple"
             )
 
+    def _check_rampup(self) -> None:
+        if not _check_pair("--rampup", "START:TOKENS", self.rampup_start, self.rampup_tokens):
+            return
+        _check_int("rampup_start", self.rampup_start, minimum=1, flag="--rampup START")
+        _check_int("rampup_tokens", self.rampup_tokens, minimum=1, flag="--rampup TOKENS")
+        chunk = self.world_size * self.max_tokens  # the smallest step: one micro-batch per rank
+        if self.rampup_start < chunk:
+            raise ConfigError(
+                f"--rampup START {self.rampup_start:,} is smaller than one micro-batch per rank "
+                f"(world_size {self.world_size} x max_tokens {self.max_tokens:,} = {chunk:,}), the "
+                f"smallest step; raise START to at least {chunk:,}"
+            )
+        if self.tokens_per_step is not None:
+            if self.rampup_start >= self.tokens_per_step:
+                raise ConfigError(
+                    f"--rampup START {self.rampup_start:,} must be below --tokens-per-step "
+                    f"{self.tokens_per_step:,} (the ramp grows the step up to it); lower START"
+                )
+            return
+        per_step = self.micro_batches_per_step
+        if per_step == 1:
+            raise ConfigError(
+                "--rampup needs a full step larger than one micro-batch per rank (the smallest "
+                "step): pass --tokens-per-step T (the ramp's target) or --micro-batches M > 1"
+            )
+        full = chunk * per_step
+        if self.rampup_start >= full:
+            raise ConfigError(
+                f"--rampup START {self.rampup_start:,} must be below a full step of --micro-batches "
+                f"{per_step} (at most {per_step} x {chunk:,} = {full:,} tokens); lower START or raise "
+                "--micro-batches"
+            )
+
+    def _check_seqlen_warmup(self) -> None:
+        if not _check_pair("--seqlen-warmup", "MIN:TOKENS", self.seqlen_warmup_min, self.seqlen_warmup_tokens):
+            return
+        _check_int("seqlen_warmup_min", self.seqlen_warmup_min, minimum=1, flag="--seqlen-warmup MIN")
+        _check_int("seqlen_warmup_tokens", self.seqlen_warmup_tokens, minimum=1, flag="--seqlen-warmup TOKENS")
+        if self.seqlen_warmup_min >= self.max_tokens:
+            raise ConfigError(
+                f"--seqlen-warmup MIN {self.seqlen_warmup_min:,} must be below max_tokens "
+                f"{self.max_tokens:,} (the cap grows from MIN to max_tokens); lower MIN"
+            )
+
+    @property
+    def has_rampup(self) -> bool:
+        return self.rampup_start is not None
+
+    @property
+    def has_seqlen_warmup(self) -> bool:
+        return self.seqlen_warmup_min is not None
+
     @property
     def cost_coefficient(self) -> float | None:
         """The cost model's attention coefficient, or None (no compute cost)."""
@@ -185,6 +252,40 @@ def _check_int(name: str, value: object, *, minimum: int, flag: str) -> None:
         raise ConfigError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{flag} must be >= {minimum}, got {value:,}")
+
+
+def _check_pair(flag: str, form: str, first: object, second: object) -> bool:
+    """Both halves of a ``FIRST:SECOND`` option given (True) or neither (False)."""
+    if (first is None) != (second is None):
+        raise ConfigError(f"{flag} takes {form}: both values or neither, got {first!r} and {second!r}")
+    return first is not None
+
+
+def parse_pair(flag: str, form: str, text: str | None) -> tuple[int, int] | tuple[None, None]:
+    """``"A:B"`` -> ``(A, B)`` for an option such as ``--rampup START:TOKENS``; None -> (None, None).
+
+    Integers may use ``_`` separators and a ``k``/``M``/``G`` suffix (powers of 1,000).
+    """
+    if text is None:
+        return None, None
+    parts = text.split(":")
+    try:
+        if len(parts) != 2:
+            raise ValueError(text)
+        return _parse_count(parts[0]), _parse_count(parts[1])
+    except ValueError:
+        raise ConfigError(
+            f"{flag} takes {form} (two integers, e.g. 262144:100M), got {text!r}"
+        ) from None
+
+
+def _parse_count(text: str) -> int:
+    text = text.strip()
+    scale = {"k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
+    digits = text[:-1] if scale > 1 else text
+    if not digits.replace("_", "").isdigit():
+        raise ValueError(text)
+    return int(digits) * scale
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

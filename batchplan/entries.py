@@ -72,10 +72,17 @@ def make_entries(
 
     Raises:
         DatasetError: empty samples without ``drop_empty``; oversize samples under
-            ``oversize="error"``; truncating or splitting when a loss-token column
-            is given (where the labelled tokens lie inside a sample is unknown).
+            ``oversize="error"``; truncating or splitting (also by a sequence-length
+            warmup) when a loss-token column is given (where the labelled tokens lie
+            inside a sample is unknown).
     """
     lengths = np.asarray(lengths)
+    if loss_tokens is not None and config.has_seqlen_warmup:
+        raise DatasetError(
+            "--seqlen-warmup splits samples into pieces, and with a loss-tokens column where the "
+            "labelled tokens lie inside a sample is unknown (no exact loss-token count per piece); "
+            "leave out --seqlen-warmup or the loss-tokens column"
+        )
     num_samples = lengths.shape[0]
     shortest = int(lengths.min()) if num_samples else 1
     longest = int(lengths.max()) if num_samples else 0

@@ -11,8 +11,15 @@ Per epoch, with randomness only from ``SeedSequence([seed, epoch, stream])``:
 3. "chunks" of ``world_size`` micro-batches of similar cost are formed within windows
    of ``balance_window`` chunks (cost = tokens, or tokens + attention), and shuffled;
 4. consecutive chunks form steps: a fixed number per step, or as many as bring the
-   step closest to a token target;
+   step closest to a token target; with a ramp-up (``rampup_start``/``rampup_tokens``)
+   the target grows with the tokens of the run done before the step
+   (`batchplan.kernels.steps.ramp_steps`), so epoch ``e`` needs the tokens of epochs
+   before it (exact up front: each epoch holds every token once, unless ``drop_last``);
 5. inside each step, micro-batches go to ranks (equal counts, balanced cost).
+
+A sequence-length warmup (`batchplan.warmup`) changes epoch 0 only: its first tokens
+are pieces cut to a growing cap, formed into micro-batches stage by stage and
+scheduled first, in stage order, ahead of the rest of the epoch (steps 1-3 as usual).
 
 Rows come out ordered by (rank, step, micro), so one rank's rows of an epoch are
 contiguous. Cost: O(n log C) to pack, O(n) for the rest, per epoch.
@@ -37,7 +44,8 @@ from batchplan.kernels.pack import pack_grouped
 from batchplan.kernels.shuffle import shuffle_by_length
 from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import gather_segments
-from batchplan.kernels.steps import steps_by_tokens
+from batchplan.kernels.steps import ramp_steps, ramp_target, steps_by_tokens
+from batchplan.warmup import SeqlenWarmup, add_warmup_pieces
 
 __all__ = ["EpochPlan", "MicroBatches", "Plan", "build_plan", "epoch_rng", "plan_epoch", "schedule_epoch"]
 
@@ -45,6 +53,7 @@ __all__ = ["EpochPlan", "MicroBatches", "Plan", "build_plan", "epoch_rng", "plan
 STREAM_ENTRY_ORDER = 0
 STREAM_MICRO_BATCH_ORDER = 1
 STREAM_CHUNK_ORDER = 2
+STREAM_SEQLEN_WARMUP = 3
 
 
 def epoch_rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
@@ -127,16 +136,43 @@ def build_plan(
     if entries.num_entries == 0:
         dropped = ", ".join(f"{v.size:,} {k}" for k, v in entries.dropped.items())
         raise DatasetError(f"no samples left to plan after dropping {dropped or 'none'}")
-    # Epochs are independent (own seeds) and the kernels release the GIL: plan them on
-    # all cores. The result does not depend on the number of threads.
-    with ThreadPoolExecutor(max_workers=min(config.epochs, num_threads())) as pool:
-        futures = [pool.submit(plan_epoch, entries, config, epoch) for epoch in range(config.epochs)]
-        epochs = []
-        for epoch, future in enumerate(futures):
+    warmup = None
+    if config.has_seqlen_warmup:
+        entries, warmup = add_warmup_pieces(entries, config, epoch_rng(config.seed, 0, STREAM_SEQLEN_WARMUP))
+    epochs = _plan_epochs(entries, config, warmup, on_epoch)
+    return Plan(config=config, num_samples=int(lengths.shape[0]), entries=entries, epochs=tuple(epochs))
+
+
+def _plan_epochs(entries: Entries, config: PlanConfig, warmup: SeqlenWarmup | None, on_epoch) -> list[EpochPlan]:
+    """Plan every epoch. Epochs are independent (own seeds) and the kernels release the
+    GIL: they are planned on all cores, and the result does not depend on the number of
+    threads. A ramp-up needs the tokens before each epoch: known up front (an epoch
+    holds every entry once), except under drop_last, where the epochs that begin inside
+    the ramp are planned in order first."""
+    num_base = entries.num_entries if warmup is None else warmup.num_base
+    epoch_tokens = int(entries.length[:num_base].sum(dtype=np.int64))
+    epochs: list[EpochPlan] = []
+    tokens_before = 0
+    if config.has_rampup and config.drop_last:
+        while len(epochs) < config.epochs and tokens_before < config.rampup_tokens:
+            epochs.append(plan_epoch(entries, config, len(epochs), tokens_before=tokens_before, warmup=warmup))
+            tokens_before += int(epochs[-1].step_tokens.sum())
+            if on_epoch is not None:
+                on_epoch(len(epochs) - 1)
+    first = len(epochs)
+    # Past the ramp (or without drop_last, exactly) each later epoch starts at
+    # tokens_before + k * epoch_tokens; past the ramp the value no longer matters.
+    befores = [tokens_before + k * epoch_tokens for k in range(config.epochs - first)]
+    with ThreadPoolExecutor(max_workers=max(1, min(config.epochs - first, num_threads()))) as pool:
+        futures = [
+            pool.submit(plan_epoch, entries, config, epoch, tokens_before=before, warmup=warmup)
+            for epoch, before in zip(range(first, config.epochs), befores)
+        ]
+        for epoch, future in enumerate(futures, start=first):
             epochs.append(future.result())
             if on_epoch is not None:
                 on_epoch(epoch)
-    return Plan(config=config, num_samples=int(lengths.shape[0]), entries=entries, epochs=tuple(epochs))
+    return epochs
 
 
 def num_threads() -> int:
@@ -149,20 +185,64 @@ def num_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
-def plan_epoch(entries: Entries, config: PlanConfig, epoch: int) -> EpochPlan:
-    """Plan one epoch (see the module docstring)."""
-    batches = _form_micro_batches(entries, config, epoch_rng(config.seed, epoch, STREAM_ENTRY_ORDER))
-    return schedule_epoch(entries, batches, config, epoch)
+def plan_epoch(
+    entries: Entries,
+    config: PlanConfig,
+    epoch: int,
+    *,
+    tokens_before: int = 0,
+    warmup: SeqlenWarmup | None = None,
+) -> EpochPlan:
+    """Plan one epoch (see the module docstring).
+
+    Args:
+        entries: the plan's entries (with ``warmup``: also epoch 0's warmup pieces).
+        config: the build configuration.
+        epoch: the epoch to plan.
+        tokens_before: tokens of the run planned before this epoch (for a ramp-up).
+        warmup: epoch 0's sequence-length warmup (`batchplan.warmup`), if any.
+    """
+    rng = epoch_rng(config.seed, epoch, STREAM_ENTRY_ORDER)
+    if warmup is None:
+        batches = _form_micro_batches(entries.length, config, rng)
+        return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before)
+    if epoch > 0:
+        batches = _form_micro_batches(entries.length[: warmup.num_base], config, rng)
+        return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before)
+    batches, ordered = _form_warmup_micro_batches(entries, config, warmup, rng)
+    return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before, ordered=ordered)
 
 
-def schedule_epoch(entries: Entries, batches: MicroBatches, config: PlanConfig, epoch: int) -> EpochPlan:
+def schedule_epoch(
+    entries: Entries,
+    batches: MicroBatches,
+    config: PlanConfig,
+    epoch: int,
+    *,
+    tokens_before: int | None = None,
+    ordered: int = 0,
+) -> EpochPlan:
     """Steps 2-5 of the module docstring for formed micro-batches: shuffle them, complete
     or drop the last chunk, form balanced steps, assign ranks. ``batches`` may be
-    extended (split halves, empty micro-batches)."""
-    schedule = epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER).permutation(batches.count)
+    extended (split halves, empty micro-batches).
+
+    Args:
+        tokens_before: tokens of the run before this epoch; needed with a ramp-up.
+        ordered: the first ``ordered`` micro-batches keep their order and go first
+            (a sequence-length warmup's stages), unbalanced; the rest are shuffled.
+    """
+    if config.has_rampup and tokens_before is None:
+        raise ConfigError(
+            f"epoch {epoch}: with --rampup the steps depend on the tokens trained before the epoch, "
+            "which were not given (resharding a plan built with --rampup is not supported yet)"
+        )
+    sizing = _StepSizing.of(config, tokens_before or 0, batches)
+    rest = epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER).permutation(batches.count - ordered)
+    schedule = rest if ordered == 0 else np.concatenate([np.arange(ordered), ordered + rest])
     if config.drop_last:
-        schedule, dropped = _drop_last_step(batches, schedule, config, epoch)
-        num_full = schedule.shape[0]
+        if not config.has_rampup:
+            schedule, dropped = _drop_last_step(batches, schedule, config, epoch)
+        num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
     else:
         num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
         schedule, dropped = _complete_last_chunk(batches, schedule, config.world_size)
@@ -170,11 +250,45 @@ def schedule_epoch(entries: Entries, batches: MicroBatches, config: PlanConfig, 
     compute = None if config.cost_coefficient is None else _compute_costs(batches, entries, config)
     costs = compute if config.balance == "compute" else batch_tokens.astype(np.float64)
     rng = epoch_rng(config.seed, epoch, STREAM_CHUNK_ORDER)
-    schedule = np.concatenate([_balanced_chunks(schedule[:num_full], costs, config, rng), schedule[num_full:]])
+    kept = min(num_full, -(-ordered // config.world_size) * config.world_size)  # whole chunks
+    balanced = _balanced_chunks(schedule[kept:num_full], costs, config, rng)
+    schedule = np.concatenate([schedule[:kept], balanced, schedule[num_full:]])
     tokens = batch_tokens[schedule]
-    step_offsets = _step_offsets(tokens, config)
+    if config.drop_last and config.has_rampup:
+        # The ramp makes step boundaries depend on the order: decide on the final steps.
+        step_offsets = _step_offsets(tokens[:num_full], config, sizing)
+        schedule, step_offsets, dropped = _drop_last_ramp_step(batches, schedule, step_offsets, config, epoch, sizing)
+        tokens = tokens[: schedule.shape[0]]
+    else:
+        step_offsets = _step_offsets(tokens, config, sizing)
     rank, micro = assign_ranks(costs[schedule], step_offsets, config.world_size)
     return _assemble(entries, config, epoch, batches, schedule, tokens, compute, step_offsets, rank, micro, dropped)
+
+
+@dataclasses.dataclass(frozen=True)
+class _StepSizing:
+    """What a ramp-up needs to size an epoch's steps."""
+
+    tokens_before: int  # tokens of the run before the epoch
+    full_step: float  # tokens per step once the ramp is over (0.0 without a ramp)
+
+    @classmethod
+    def of(cls, config: PlanConfig, tokens_before: int, batches: MicroBatches) -> _StepSizing:
+        """The target is ``tokens_per_step``; with ``micro_batches`` M, the mean tokens of a
+        step of M micro-batches per rank, from the micro-batches as formed (before the last
+        chunk is completed or dropped, so the drop decision sees the same steps)."""
+        full = 0.0
+        if config.has_rampup:
+            if config.tokens_per_step is not None:
+                full = float(config.tokens_per_step)
+            else:
+                mean = float(batches.lengths.sum(dtype=np.int64)) / max(batches.count, 1)
+                full = mean * config.world_size * config.micro_batches_per_step
+        return cls(int(tokens_before), full)
+
+    def target(self, config: PlanConfig, done: int) -> float:
+        """Tokens wanted for a step that begins after ``done`` tokens of the run."""
+        return float(ramp_target(done, float(config.rampup_start), self.full_step, config.rampup_tokens))
 
 
 def _compute_costs(batches, entries: Entries, config: PlanConfig) -> NDArray[np.float64]:
@@ -242,20 +356,56 @@ class MicroBatches:
         return np.arange(first, self.count, dtype=np.int64)
 
 
-def _form_micro_batches(entries: Entries, config: PlanConfig, rng: np.random.Generator) -> MicroBatches:
-    index = np.empty(0, dtype=index_dtype(entries.num_entries))
+def _form_micro_batches(lengths: NDArray[np.int32], config: PlanConfig, rng: np.random.Generator) -> MicroBatches:
+    """Micro-batches over entries ``0..len(lengths)-1`` (members index ``lengths``)."""
+    count = lengths.shape[0]
+    index = np.empty(0, dtype=index_dtype(count))
     if config.mode == "pack":
-        keys = rng.integers(0, 2**32, size=entries.num_entries, dtype=np.uint32)
-        items, start = shuffle_by_length(entries.length, keys, config.max_tokens, index)
+        keys = rng.integers(0, 2**32, size=count, dtype=np.uint32)
+        items, start = shuffle_by_length(lengths, keys, config.max_tokens, index)
         del keys  # 4 bytes per entry, no longer needed while packing
-        offsets, members, lengths = pack_grouped(items, start, config.max_tokens)
+        offsets, members, batch_lengths = pack_grouped(items, start, config.max_tokens)
         del items
     else:
-        order = rng.permutation(entries.num_entries).astype(index.dtype)
-        offsets, members, lengths = cut_padded(
-            entries.length, order, config.shuffle_window, config.max_tokens, config.batch_multiple
+        order = rng.permutation(count).astype(index.dtype)
+        offsets, members, batch_lengths = cut_padded(
+            lengths, order, config.shuffle_window, config.max_tokens, config.batch_multiple
         )
-    return MicroBatches(members, lengths, offsets[:-1].copy(), offsets[1:].copy())
+    return MicroBatches(members, batch_lengths, offsets[:-1].copy(), offsets[1:].copy())
+
+
+def _form_warmup_micro_batches(entries: Entries, config: PlanConfig, warmup: SeqlenWarmup, rng):
+    """Epoch 0 with a sequence-length warmup: each stage's pieces form micro-batches on
+    their own, stage after stage (shuffled within a stage), then the rest of the epoch.
+
+    Returns the micro-batches and how many come from the stages (their order is kept).
+    """
+    stage_rng = epoch_rng(config.seed, 0, STREAM_SEQLEN_WARMUP)
+    parts = []
+    for stage in range(warmup.num_stages):
+        first, end = int(warmup.stage_offsets[stage]), int(warmup.stage_offsets[stage + 1])
+        if end > first:
+            formed = _form_micro_batches(entries.length[first:end], config, stage_rng)
+            parts.append((formed, first + np.arange(end - first, dtype=np.int64), stage_rng.permutation(formed.count)))
+    ordered = sum(part[0].count for part in parts)
+    if warmup.rest.size:
+        formed = _form_micro_batches(entries.length[warmup.rest], config, rng)
+        parts.append((formed, warmup.rest, np.arange(formed.count)))
+    return _concatenate(parts, entries.num_entries), ordered
+
+
+def _concatenate(parts, num_entries: int) -> MicroBatches:
+    """One `MicroBatches` of ``(batches, entry_ids, order)`` parts: each part's micro-batches
+    in ``order``, their members mapped from part-local positions to ``entry_ids``."""
+    members, lengths, starts, ends = [], [], [], []
+    base = 0
+    for batches, ids, order in parts:
+        members.append(ids[batches.members].astype(index_dtype(num_entries)))
+        lengths.append(batches.lengths)
+        starts.append(base + batches.starts[order])
+        ends.append(base + batches.ends[order])
+        base += batches.members.shape[0]
+    return MicroBatches(np.concatenate(members), np.concatenate(lengths), np.concatenate(starts), np.concatenate(ends))
 
 
 def _complete_last_chunk(batches: MicroBatches, schedule, world_size: int):
@@ -298,21 +448,58 @@ def _drop_last_step(batches: MicroBatches, schedule, config: PlanConfig, epoch: 
         keep = full - full % (world_size * per_step)
     else:
         tokens = batches.tokens()[schedule[:full]]
-        step_offsets = _step_offsets(tokens, config)
+        step_offsets = _step_offsets(tokens, config, _StepSizing(0, 0.0))
         keep = full
         if step_offsets.shape[0] > 1:
             last_step = int(tokens[step_offsets[-2] :].sum())
             next_chunk = tokens.sum() / max(1, full // world_size)
             if abs(last_step + next_chunk - config.tokens_per_step) < abs(last_step - config.tokens_per_step):
                 keep = int(step_offsets[-2])
+    _check_keeps_some(keep, schedule.shape[0], config, epoch)
+    return schedule[:keep], _members_of(batches, schedule[keep:])
+
+
+def _drop_last_ramp_step(batches: MicroBatches, schedule, step_offsets, config: PlanConfig, epoch: int, sizing):
+    """``drop_last`` under a ramp-up, on the final steps over the whole chunks of
+    ``schedule``: drop the partial chunk, and the last step if it is incomplete (see
+    `_last_step_incomplete`). Returns the kept schedule, its step offsets, the dropped entries."""
+    tokens = batches.tokens()[schedule[: step_offsets[-1]]]
+    keep = int(step_offsets[-1])
+    if step_offsets.shape[0] > 1 and _last_step_incomplete(tokens, step_offsets, config, sizing):
+        keep, step_offsets = int(step_offsets[-2]), step_offsets[:-1]
+    _check_keeps_some(keep, schedule.shape[0], config, epoch)
+    return schedule[:keep], step_offsets, _members_of(batches, schedule[keep:])
+
+
+def _check_keeps_some(keep: int, count: int, config: PlanConfig, epoch: int) -> None:
     if keep == 0:
         raise DatasetError(
-            f"--drop-last would drop all {schedule.shape[0]:,} micro-batches of epoch {epoch}: they do "
-            f"not fill one step of {world_size} ranks; use fewer ranks or micro-batches per step, "
+            f"--drop-last would drop all {count:,} micro-batches of epoch {epoch}: they do "
+            f"not fill one step of {config.world_size} ranks; use fewer ranks or micro-batches per step, "
             "or leave out --drop-last"
         )
-    gone = [batches.members[batches.starts[k] : batches.ends[k]] for k in schedule[keep:]]
-    return schedule[:keep], np.concatenate([np.zeros(0, dtype=np.int64), *gone])
+
+
+def _members_of(batches: MicroBatches, gone) -> NDArray[np.int64]:
+    parts = [batches.members[batches.starts[k] : batches.ends[k]] for k in gone]
+    return np.concatenate([np.zeros(0, dtype=np.int64), *parts])
+
+
+def _last_step_incomplete(tokens, step_offsets, config: PlanConfig, sizing: _StepSizing) -> bool:
+    """Under a ramp-up, would the last step have taken another (average) chunk: fewer than
+    ``micro_batches`` per rank once the ramp is over, or (during the ramp, or with a
+    token target) further from its target than with one more chunk."""
+    world_size = config.world_size
+    begin = int(step_offsets[-2])
+    chunks = (tokens.shape[0] - begin) // world_size
+    per_step = config.micro_batches_per_step
+    done = sizing.tokens_before + int(tokens[:begin].sum())
+    if per_step is not None and (done >= config.rampup_tokens or chunks >= per_step):
+        return chunks < per_step
+    last_step = int(tokens[begin:].sum())
+    next_chunk = tokens.sum() / max(1, tokens.shape[0] // world_size)
+    target = sizing.target(config, done)
+    return abs(last_step + next_chunk - target) < abs(last_step - target)
 
 
 def _halving_point(lengths: NDArray[np.int32]) -> int:
@@ -322,19 +509,25 @@ def _halving_point(lengths: NDArray[np.int32]) -> int:
     return min(max(cut, 1), lengths.shape[0] - 1)
 
 
-def _step_offsets(tokens: NDArray[np.int64], config: PlanConfig) -> NDArray[np.int64]:
+def _step_offsets(tokens: NDArray[np.int64], config: PlanConfig, sizing: _StepSizing) -> NDArray[np.int64]:
     """Step boundaries over the (shuffled) micro-batches; each step a whole number of chunks."""
     world_size = config.world_size
     num_chunks = tokens.shape[0] // world_size
     per_step = config.micro_batches_per_step
-    if per_step is not None:
+    if per_step is not None and not config.has_rampup:
         chunk_offsets = np.append(np.arange(0, num_chunks, per_step), num_chunks)
         if num_chunks == 0:
             chunk_offsets = np.zeros(1, dtype=np.int64)
     else:
         # shape (num_chunks, world_size): one micro-batch per rank in each chunk
         chunk_tokens = tokens.reshape(num_chunks, world_size).sum(axis=1)
-        chunk_offsets = steps_by_tokens(chunk_tokens, config.tokens_per_step)
+        if config.has_rampup:
+            chunk_offsets = ramp_steps(
+                chunk_tokens, sizing.tokens_before, float(config.rampup_start), sizing.full_step,
+                config.rampup_tokens, per_step or 0,
+            )  # fmt: skip
+        else:
+            chunk_offsets = steps_by_tokens(chunk_tokens, config.tokens_per_step)
     return chunk_offsets.astype(np.int64) * world_size
 
 

@@ -327,10 +327,10 @@ def _index_entries(plan: PlanFile, rows: list[_Rows], drops: list[NDArray[np.int
         return entries, [_entry_of(sample, part.sample) for part in rows], [_entry_of(sample, d[:, 0]) for d in drops]
     pieces = [np.stack([part.sample, part.start, part.length], axis=1) for part in rows] + list(drops)
     every = np.concatenate(pieces)
-    order = np.lexsort((every[:, 1], every[:, 0]))
+    order = np.lexsort((every[:, 2], every[:, 1], every[:, 0]))
     ordered = every[order]
     new = np.ones(ordered.shape[0], dtype=bool)
-    new[1:] = np.any(ordered[1:, :2] != ordered[:-1, :2], axis=1)
+    new[1:] = np.any(ordered[1:] != ordered[:-1], axis=1)
     inverse = np.empty(every.shape[0], dtype=np.int64)
     inverse[order] = np.cumsum(new) - 1
     unique = ordered[new]

@@ -11,6 +11,12 @@ All numbers come from the plan file alone (no dataset needed). Definitions:
   the same steps as ``fill`` (an epoch's last step is completed by splitting and empty
   micro-batches, and is imbalanced by design).
 
+- ``rampup`` (plans built with ``--rampup``): tokens of the first step and of the ramp's
+  last step, the first step past the ramp (``end_step``, None if the plan ends inside it),
+  and the mean tokens per step after it.
+- ``seqlen_warmup`` (plans built with ``--seqlen-warmup``): the cap's range, the longest
+  sequence of the first step, and the first step past the warmup.
+
 A resharded plan (``batchplan reshard``) starts at step ``first_step`` and its epochs
 before the resumed one are empty; the numbers cover the steps it holds.
 """
@@ -54,6 +60,8 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
         )
         cost_imbalance = _imbalance(np.delete(rank_cost.reshape(num_steps, world_size), last_steps, axis=0))
     step_tokens = rank_tokens.sum(axis=1)
+    # shape (num_steps,): tokens of the run before each step this plan holds
+    tokens_before = int(meta.get("tokens_before_first_step", 0)) + np.cumsum(step_tokens) - step_tokens
     micro_per_step = np.bincount(step, minlength=num_steps) // world_size
     dropped = meta.get("dropped", {})
     return {
@@ -79,10 +87,49 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
         "tokens_per_step": _spread(step_tokens),
         "micro_batches_per_rank_per_step": _spread(micro_per_step),
         "steps_per_epoch": meta["steps_per_epoch"],
+        "rampup": _rampup(meta["config"], step_tokens.astype(np.int64), tokens_before, first_step),
+        "seqlen_warmup": _seqlen_warmup(meta["config"], table, step, tokens_before, first_step),
         "first_step": first_step,
         "resharded_from": _parent(meta.get("resharded_from")),
         "dropped_samples": _count_dropped(dropped),
         "dropped": {reason: _count_dropped({reason: v}) for reason, v in dropped.items()},
+    }
+
+
+def _rampup(config: dict[str, Any], step_tokens, tokens_before, first_step: int) -> dict[str, Any] | None:
+    if config.get("rampup_start") is None:
+        return None
+    inside = tokens_before < config["rampup_tokens"]
+    after = step_tokens[~inside]
+    end = np.flatnonzero(~inside)
+    return {
+        "start_tokens": config["rampup_start"],
+        "ramp_tokens": config["rampup_tokens"],
+        "target": config.get("tokens_per_step"),
+        "micro_batches": config.get("micro_batches"),
+        "steps_in_ramp": int(inside.sum()),
+        "first_step_tokens": int(step_tokens[0]) if step_tokens.size else 0,
+        "last_ramp_step_tokens": int(step_tokens[inside][-1]) if inside.any() else None,
+        "end_step": first_step + int(end[0]) if end.size else None,
+        "tokens_per_step_after": float(after.mean()) if after.size else None,
+    }
+
+
+def _seqlen_warmup(config: dict[str, Any], table, step, tokens_before, first_step: int) -> dict[str, Any] | None:
+    if config.get("seqlen_warmup_min") is None:
+        return None
+    end = np.flatnonzero(tokens_before >= config["seqlen_warmup_tokens"])
+    first_longest = None
+    if "lengths" in table.column_names and step.size:
+        rows = np.flatnonzero(step == 0)
+        lengths = table.column("lengths").take(rows).combine_chunks().values.to_numpy()
+        first_longest = int(lengths.max()) if lengths.size else 0
+    return {
+        "min_tokens": config["seqlen_warmup_min"],
+        "max_tokens": config["max_tokens"],
+        "warmup_tokens": config["seqlen_warmup_tokens"],
+        "first_step_longest": first_longest,
+        "end_step": first_step + int(end[0]) if end.size else None,
     }
 
 

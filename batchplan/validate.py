@@ -10,6 +10,8 @@ Checks (each violation names its guarantee):
 - ``equal_micro_batches``: every rank runs the same number of micro-batches in every
   step, numbered 0..m-1.
 - ``counts``: tokens, loss tokens and the per-step sums (the loss normaliser) are exact.
+- ``seqlen_warmup``: with a sequence-length warmup, a step that ends after ``t`` tokens
+  of the run holds no sequence longer than the warmup cap at ``t`` (`batchplan.warmup`).
 
 A resharded plan (``batchplan reshard``) continues its parent from ``first_step``: its
 epochs before the resumed one must be empty, steps and token counts run on from the
@@ -217,7 +219,7 @@ class _EpochChecker:
             return found
         if self.samples.size and (self.samples.min() < 0 or self.samples.max() >= self.plan.num_samples):
             return self.fail("integrity", "a sample index is outside the dataset")
-        return self.check_caps() + self.check_counts() + self.check_coverage()
+        return self.check_caps() + self.check_counts() + self.check_seqlen_warmup() + self.check_coverage()
 
     def check_ranks(self) -> list[Violation]:
         steps = [b.column("step").to_numpy() for b in self.batches]
@@ -312,6 +314,32 @@ class _EpochChecker:
         if not np.array_equal(before[step], self.col["tokens_before_step"].to_numpy()):
             found += self.fail("counts", "tokens_before_step is not the running total of step tokens")
         return found
+
+    def check_seqlen_warmup(self) -> list[Violation]:
+        """No sequence above the warmup cap at the end of its step (not checked on a
+        resharded plan, which schedules the rest of a warmup anew)."""
+        config = self.meta["config"]
+        low, span = config.get("seqlen_warmup_min"), config.get("seqlen_warmup_tokens")
+        if low is None or "resharded_from" in self.meta:
+            return []
+        if "lengths" not in self.col:
+            return self.fail("seqlen_warmup", "the plan has a sequence-length warmup but no spans")
+        step = self.col["step"].to_numpy() - self.step_base
+        sums = np.zeros(self.meta["steps_per_epoch"][self.epoch], dtype=np.int64)
+        np.add.at(sums, step, self.tokens)
+        step_end = self.tokens_base + np.cumsum(sums)
+        warm = np.flatnonzero(step_end < span)  # steps that end inside the warmup
+        # Exact integer caps (Python ints: no overflow), one per step inside the warmup.
+        cap = np.full(sums.shape[0], self.meta["max_tokens"], dtype=np.int64)
+        cap[warm] = [low + (self.meta["max_tokens"] - low) * int(t) // span for t in step_end[warm]]
+        longest = segment_max(self.col["lengths"].values.to_numpy().astype(np.int64), self.offsets)
+        over = np.flatnonzero(longest > cap[step])
+        if over.size:
+            row = int(over[0])
+            where = f"step {int(step[row]) + self.step_base}: {int(longest[row]):,} > {int(cap[step[row]]):,}"
+            message = f"{over.size:,} micro-batches hold a sequence above the warmup cap ({where})"
+            return self.fail("seqlen_warmup", message)
+        return []
 
     def check_coverage(self) -> list[Violation]:
         num_samples = self.plan.num_samples

@@ -76,6 +76,14 @@ def build(
     balance_window: Annotated[
         int, typer.Option(help="Steps formed from similar-cost micro-batches within this many steps; 1 = random.")
     ] = DEFAULT_BALANCE_WINDOW,
+    rampup: Annotated[
+        Optional[str],
+        typer.Option(help="START:TOKENS: global tokens per step grow from START to the full step over TOKENS."),
+    ] = None,
+    seqlen_warmup: Annotated[
+        Optional[str],
+        typer.Option(help="MIN:TOKENS: samples split to a cap growing from MIN to max_tokens over TOKENS tokens."),
+    ] = None,
     length_column: Annotated[str, typer.Option(help="Integer column of token counts.")] = "length",
     tokens_column: Annotated[str, typer.Option(help="List column of token ids (when no length column).")] = "input_ids",
     loss_tokens_column: Annotated[Optional[str], typer.Option(help="Integer column: tokens carrying a label.")] = None,
@@ -85,14 +93,17 @@ def build(
     # SIGTERM unwinds like Ctrl-C, so the half-written temporary file is removed.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from batchplan.build import build_plan_file
-    from batchplan.config import DEFAULT_SHUFFLE_WINDOW, PlanConfig
+    from batchplan.config import DEFAULT_SHUFFLE_WINDOW, PlanConfig, parse_pair
 
+    rampup_start, rampup_tokens = parse_pair("--rampup", "START:TOKENS", rampup)
+    warmup_min, warmup_tokens = parse_pair("--seqlen-warmup", "MIN:TOKENS", seqlen_warmup)
     config = PlanConfig(
         max_tokens=max_tokens, mode=mode, world_size=world_size, epochs=epochs, seed=seed,
         micro_batches=micro_batches, tokens_per_step=tokens_per_step, oversize=oversize,
         drop_empty=drop_empty, drop_last=drop_last, batch_multiple=batch_multiple,
         hidden_size=hidden_size, attention_coefficient=attention_coefficient, balance=balance,
-        balance_window=balance_window,
+        balance_window=balance_window, rampup_start=rampup_start, rampup_tokens=rampup_tokens,
+        seqlen_warmup_min=warmup_min, seqlen_warmup_tokens=warmup_tokens,
         shuffle_window=DEFAULT_SHUFFLE_WINDOW if shuffle_window is None else shuffle_window,
     )  # fmt: skip
     columns = {"length_column": length_column, "tokens_column": tokens_column,

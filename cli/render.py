@@ -31,6 +31,8 @@ def print_summary(summary: dict[str, Any], *, title: str) -> None:
         ("token imbalance", f"{summary['token_imbalance']:.3%} mean, {summary['token_imbalance_p99']:.3%} p99"),
         ("cost imbalance", _cost_imbalance(summary)),
         ("dropped samples", _dropped(summary)),
+        *_rampup(summary),
+        *_seqlen_warmup(summary),
         *_lineage(summary),
     ]
     for name, value in rows:
@@ -50,6 +52,32 @@ def _cost_imbalance(summary: dict[str, Any]) -> str:
         f"{summary['cost_imbalance']:.3%} mean, {summary['cost_imbalance_p99']:.3%} p99 "
         f"({model}, balanced by {summary['balance']})"
     )
+
+
+def _rampup(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    ramp = summary.get("rampup")
+    if not ramp:
+        return []
+    target = (f"{ramp['target']:,}" if ramp.get("target") is not None
+              else f"{ramp.get('micro_batches')} micro-batches per rank")  # fmt: skip
+    end = "beyond the plan" if ramp["end_step"] is None else f"at step {ramp['end_step']:,}"
+    last = "-" if ramp["last_ramp_step_tokens"] is None else f"{ramp['last_ramp_step_tokens']:,}"
+    after = "" if ramp["tokens_per_step_after"] is None else f", then {ramp['tokens_per_step_after']:,.0f} mean"
+    return [
+        ("ramp-up", f"{ramp['start_tokens']:,} -> {target} tokens per step over {ramp['ramp_tokens']:,} tokens"),
+        ("ramp-up steps", f"{ramp['first_step_tokens']:,} .. {last} tokens in {ramp['steps_in_ramp']:,} steps, "
+                          f"ends {end}{after}"),
+    ]  # fmt: skip
+
+
+def _seqlen_warmup(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    warmup = summary.get("seqlen_warmup")
+    if not warmup:
+        return []
+    end = "beyond the plan" if warmup["end_step"] is None else f"at step {warmup['end_step']:,}"
+    first = "" if warmup["first_step_longest"] is None else f"; longest in step 0: {warmup['first_step_longest']:,}"
+    return [("sequence-length warmup", f"cap {warmup['min_tokens']:,} -> {warmup['max_tokens']:,} over "
+             f"{warmup['warmup_tokens']:,} tokens, ends {end}{first}")]  # fmt: skip
 
 
 def _lineage(summary: dict[str, Any]) -> list[tuple[str, str]]:

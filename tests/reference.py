@@ -28,6 +28,7 @@ __all__ = [
     "order_rows",
     "pack_items",
     "pack_segments",
+    "ramp_steps",
     "segment_max",
     "segment_sum",
     "sort_by_length_desc",
@@ -162,6 +163,44 @@ def steps_by_tokens(chunk_tokens: Sequence[int], target: int) -> list[int]:
         total += tokens
     if len(chunk_tokens):
         offsets.append(len(chunk_tokens))
+    return offsets
+
+
+def ramp_target(done: int, start: float, target: float, ramp_tokens: int) -> float:
+    """Tokens wanted for a step after ``done`` tokens: linear from ``start`` to ``target``."""
+    return target if done >= ramp_tokens else start + (target - start) * (done / ramp_tokens)
+
+
+def ramp_steps(
+    chunk_tokens: Sequence[int], tokens_before: int, start: float, target: float, ramp_tokens: int, max_chunks: int
+) -> list[int]:
+    """Steps for a target that ramps with the tokens done (``tokens_before`` + earlier steps).
+
+    Once ``done >= ramp_tokens`` with ``max_chunks > 0``: exactly ``max_chunks`` chunks per
+    step. Otherwise a step keeps taking the next chunk while that brings its total strictly
+    closer to the target of its start, at most ``max_chunks`` (when > 0), at least one.
+    """
+    steps: list[list[int]] = []
+    done = tokens_before
+    position = 0
+    while position < len(chunk_tokens):
+        goal = ramp_target(done, start, target, ramp_tokens)
+        fixed = max_chunks > 0 and done >= ramp_tokens
+        step = [int(chunk_tokens[position])]
+        position += 1
+        while position < len(chunk_tokens):
+            if max_chunks > 0 and len(step) == max_chunks:
+                break
+            nxt = int(chunk_tokens[position])
+            if not fixed and not abs(sum(step) + nxt - goal) < abs(sum(step) - goal):
+                break
+            step.append(nxt)
+            position += 1
+        steps.append(step)
+        done += sum(step)
+    offsets = [0]
+    for step in steps:
+        offsets.append(offsets[-1] + len(step))
     return offsets
 
 
@@ -392,6 +431,7 @@ class _EpochCheck:
         self.total_tokens = sum(step_tokens.values())
         self.check_step_sums(step_tokens, step_loss)
         self.check_step_sizes(per_step, step_tokens)
+        self.check_seqlen_warmup(step_tokens)
         self.check_coverage()
 
     def check_layout(self) -> dict[int, int] | None:
@@ -502,8 +542,14 @@ class _EpochCheck:
 
     def check_step_sizes(self, per_step, step_tokens) -> None:
         """Fixed micro-batches: every step but the epoch's last holds exactly that many per
-        rank (all of them with drop_last). Token target: steps land within half a chunk."""
+        rank (all of them with drop_last). Token target: steps land within half a chunk.
+        Ramp-up: the target of a step is linear in the tokens before it, from the ramp's
+        start to the full step (with micro-batches: at most that many per rank, exactly
+        that many once the ramp is over)."""
         steps = sorted(per_step)
+        if self.cfg.get("rampup_start") is not None:
+            self.check_ramp_sizes(steps, per_step, step_tokens)
+            return
         fixed = self.cfg["micro_batches"] if self.cfg["tokens_per_step"] is None else None
         if self.cfg["tokens_per_step"] is None:
             fixed = 1 if fixed is None else fixed
@@ -519,6 +565,53 @@ class _EpochCheck:
             tokens = step_tokens[step]
             if tokens > target + half_chunk or (step != steps[-1] and tokens < target - half_chunk):
                 self.add("step_size", f"step {step} holds {tokens} tokens, target {target} +- {half_chunk}")
+
+    def check_ramp_sizes(self, steps, per_step, step_tokens) -> None:
+        start, ramp = self.cfg["rampup_start"], self.cfg["rampup_tokens"]
+        fixed = self.cfg["micro_batches"] if self.cfg["tokens_per_step"] is None else None
+        chunk = self.world_size * self.max_tokens
+        # With micro-batches the full step is the mean of M chunks: at most M x chunk.
+        full = self.cfg["tokens_per_step"] if fixed is None else fixed * chunk
+        done = self.tokens_base
+        for step in steps:
+            tokens = step_tokens[step]
+            goal = full if done >= ramp else start + (full - start) * done / ramp
+            last = step == steps[-1]
+            if fixed is not None and done >= ramp:
+                if per_step[step] != fixed and not (last and not self.cfg["drop_last"] and per_step[step] < fixed):
+                    self.add("step_size", f"step {step}: {per_step[step]} micro-batches per rank after the ramp, "
+                             f"expected {fixed}")  # fmt: skip
+            elif fixed is not None and per_step[step] > fixed:
+                self.add("step_size", f"step {step}: {per_step[step]} micro-batches per rank, above {fixed}")
+            if tokens > goal + chunk / 2 or (fixed is None and not last and tokens < goal - chunk / 2):
+                self.add("step_size", f"step {step} holds {tokens} tokens after {done}, ramp target {goal:.0f} "
+                         f"+- {chunk / 2}")  # fmt: skip
+            done += tokens
+
+    def check_seqlen_warmup(self, step_tokens) -> None:
+        """Sequence-length warmup: a step that ends after ``t`` tokens of the run holds no
+        sequence (sample or piece) longer than ``low + (max_tokens - low) * t // tokens``.
+        Not checked on a resharded plan (its rest of a warmup is scheduled anew)."""
+        low, span = self.cfg.get("seqlen_warmup_min"), self.cfg.get("seqlen_warmup_tokens")
+        if low is None or "resharded_from" in self.meta:
+            return
+        if "starts" not in self.batches[0]:
+            self.add("seqlen_warmup", "a plan with a sequence-length warmup has no spans")
+            return
+        end_of = {}
+        done = self.tokens_base
+        for step in sorted(step_tokens):
+            done += step_tokens[step]
+            end_of[step] = done
+        for rank, batch in enumerate(self.batches):
+            for row, step in enumerate(batch["step"]):
+                t = end_of[step]
+                cap = self.max_tokens if t >= span else low + (self.max_tokens - low) * t // span
+                longest = max([0] + [length for _, _, length in self.entries_of(batch, row)])
+                if longest > cap:
+                    self.add("seqlen_warmup", f"rank {rank} step {step}: a sequence of {longest} tokens, "
+                             f"above the warmup cap {cap} after {t} tokens")  # fmt: skip
+                    return
 
     def check_coverage(self) -> None:
         """Every sample exactly once (spans: its pieces tile it), except listed drops."""

@@ -19,7 +19,7 @@ from batchplan.kernels.shuffle import shuffle_by_length
 from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import gather_segments
 from batchplan.segments import segment_max, segment_sum
-from batchplan.kernels.steps import steps_by_tokens
+from batchplan.kernels.steps import ramp_steps, steps_by_tokens
 
 # --------------------------------------------------------------------------- strategies
 
@@ -242,6 +242,55 @@ def test_steps_by_tokens_stays_within_half_a_chunk(case):
             assert total - target < tokens[end - 1] / 2 or total <= target
         if end < len(tokens):  # stopped because the next chunk would not bring it closer
             assert abs(total + tokens[end] - target) >= abs(total - target)
+
+
+@st.composite
+def ramp_inputs(draw):
+    """``(chunk_tokens, tokens_before, start, target, ramp_tokens, max_chunks)``: ramps that end
+    inside the chunks, before them (tokens_before past the ramp) or beyond them; no ramp (0);
+    chunk limits 0 (token target) or 1..5 (micro-batches)."""
+    tokens, target = draw(step_inputs())
+    total = int(tokens.sum())
+    start = draw(st.integers(1, target))
+    ramp_tokens = draw(st.one_of(st.just(0), st.integers(1, max(1, total)), st.integers(total + 1, 2 * total + 2)))
+    tokens_before = draw(st.one_of(st.just(0), st.integers(0, 2 * total + 2)))
+    max_chunks = draw(st.integers(0, 5))
+    return tokens, tokens_before, float(start), float(target), ramp_tokens, max_chunks
+
+
+@given(ramp_inputs())
+@example((np.zeros(0, dtype=np.int64), 0, 1.0, 10.0, 5, 0))  # no chunks
+@example((np.full(7, 3, dtype=np.int64), 0, 3.0, 9.0, 0, 2))  # no ramp: fixed steps of 2 chunks
+def test_ramp_steps_matches_reference(case):
+    assert ramp_steps(*case).tolist() == ref.ramp_steps(case[0].tolist(), *case[1:])
+
+
+@given(ramp_inputs())
+def test_ramp_steps_follow_the_ramp(case):
+    """Each step lands within half its last chunk of its own target, the target grows
+    linearly with the tokens done, and past the ramp a chunk limit is an exact count."""
+    tokens, before, start, target, ramp_tokens, max_chunks = case
+    offsets = ramp_steps(*case).tolist()
+    tokens = tokens.tolist()
+    done = before
+    for s in range(len(offsets) - 1):
+        begin, end = offsets[s], offsets[s + 1]
+        assert end > begin, "every step takes at least one chunk"
+        goal = target if done >= ramp_tokens else start + (target - start) * done / ramp_tokens
+        assert min(start, target) <= goal <= max(start, target)
+        total = sum(tokens[begin:end])
+        if max_chunks:
+            assert end - begin <= max_chunks
+            if done >= ramp_tokens and end < len(tokens):
+                assert end - begin == max_chunks
+        elif end - begin > 1:
+            assert total - goal < tokens[end - 1] / 2 or total <= goal
+        done += total
+
+
+def test_steps_by_tokens_is_ramp_steps_without_a_ramp():
+    tokens = np.random.default_rng(0).integers(0, 100, 500)
+    assert steps_by_tokens(tokens, 350).tolist() == ramp_steps(tokens, 0, 350.0, 350.0, 0, 0).tolist()
 
 
 # --------------------------------------------------------------------------- balance
