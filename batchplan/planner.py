@@ -36,18 +36,16 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
-from batchplan.entries import Entries, index_dtype, make_entries
+from batchplan.entries import Entries, make_entries
 from batchplan.errors import ConfigError, DatasetError
 from batchplan.kernels.assemble import order_rows
 from batchplan.kernels.balance import assign_ranks, sort_within_windows
-from batchplan.kernels.pack import pack_grouped
-from batchplan.kernels.shuffle import shuffle_by_length
-from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import gather_segments
 from batchplan.kernels.steps import ramp_steps, ramp_target, steps_by_tokens
+from batchplan.micro_batches import MicroBatches, compute_costs, form_micro_batches, form_warmup_micro_batches
 from batchplan.warmup import SeqlenWarmup, add_warmup_pieces
 
-__all__ = ["EpochPlan", "MicroBatches", "Plan", "build_plan", "epoch_rng", "plan_epoch", "schedule_epoch"]
+__all__ = ["EpochPlan", "Plan", "build_plan", "epoch_rng", "plan_epoch", "schedule_epoch"]
 
 # Independent random streams of one epoch.
 STREAM_ENTRY_ORDER = 0
@@ -204,12 +202,14 @@ def plan_epoch(
     """
     rng = epoch_rng(config.seed, epoch, STREAM_ENTRY_ORDER)
     if warmup is None:
-        batches = _form_micro_batches(entries.length, config, rng)
+        batches = form_micro_batches(entries.length, config, rng)
         return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before)
     if epoch > 0:
-        batches = _form_micro_batches(entries.length[: warmup.num_base], config, rng)
+        batches = form_micro_batches(entries.length[: warmup.num_base], config, rng)
         return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before)
-    batches, ordered = _form_warmup_micro_batches(entries, config, warmup, rng)
+    batches, ordered = form_warmup_micro_batches(
+        entries, config, warmup, rng, epoch_rng(config.seed, 0, STREAM_SEQLEN_WARMUP)
+    )
     return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before, ordered=ordered)
 
 
@@ -247,7 +247,7 @@ def schedule_epoch(
         num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
         schedule, dropped = _complete_last_chunk(batches, schedule, config.world_size)
     batch_tokens = batches.tokens()
-    compute = None if config.cost_coefficient is None else _compute_costs(batches, entries, config)
+    compute = None if config.cost_coefficient is None else compute_costs(batches, config)
     costs = compute if config.balance == "compute" else batch_tokens.astype(np.float64)
     rng = epoch_rng(config.seed, epoch, STREAM_CHUNK_ORDER)
     kept = min(num_full, -(-ordered // config.world_size) * config.world_size)  # whole chunks
@@ -291,18 +291,6 @@ class _StepSizing:
         return float(ramp_target(done, float(config.rampup_start), self.full_step, config.rampup_tokens))
 
 
-def _compute_costs(batches, entries: Entries, config: PlanConfig) -> NDArray[np.float64]:
-    """Predicted compute per micro-batch, in tokens: `batchplan.cost` for the model width."""
-    coefficient = config.cost_coefficient
-    if config.mode == "pack":
-        lengths = batches.lengths.astype(np.float64)
-        return batches.range_sums(lengths + coefficient * lengths**2)
-    # Pad: count x (longest + c longest^2).
-    count = batches.ends - batches.starts
-    longest = batches.longest().astype(np.float64)
-    return count * (longest + coefficient * longest**2)
-
-
 def _balanced_chunks(schedule, costs, config: PlanConfig, rng: np.random.Generator):
     """Reorder so each chunk of world_size holds similar costs; shuffle the chunks."""
     world_size = config.world_size
@@ -312,100 +300,6 @@ def _balanced_chunks(schedule, costs, config: PlanConfig, rng: np.random.Generat
     # shape (num_chunks, world_size): one micro-batch per rank in each chunk
     chunks = schedule[order].reshape(-1, world_size)
     return chunks[rng.permutation(chunks.shape[0])].reshape(-1)
-
-
-@dataclasses.dataclass
-class MicroBatches:
-    """Micro-batches of an epoch: micro-batch ``k`` holds entries ``members[starts[k]:ends[k]]``,
-    whose lengths are ``lengths[starts[k]:ends[k]]`` (kept beside the members so that sums
-    read memory in order instead of gathering lengths at random).
-
-    Start/end pairs (not offsets) let the last chunk split a micro-batch in place,
-    and let the final (rank, step, micro) order be gathered in one pass.
-    """
-
-    members: NDArray[np.integer]
-    lengths: NDArray[np.int32]
-    starts: NDArray[np.int64]
-    ends: NDArray[np.int64]
-
-    @property
-    def count(self) -> int:
-        return int(self.starts.shape[0])
-
-    def range_sums(self, values: NDArray) -> NDArray:
-        """Sum of ``values[starts[k]:ends[k]]`` (values aligned with members) for each k."""
-        dtype = np.float64 if np.issubdtype(values.dtype, np.floating) else np.int64
-        total = np.concatenate([np.zeros(1, dtype=dtype), np.cumsum(values, dtype=dtype)])
-        return total[self.ends] - total[self.starts]
-
-    def tokens(self) -> NDArray[np.int64]:
-        return self.range_sums(self.lengths)
-
-    def longest(self) -> NDArray[np.int64]:
-        """Pad mode: length of each micro-batch's first entry, its longest (windows are
-        cut longest first, and splitting keeps prefixes and suffixes); 0 when empty."""
-        first = np.minimum(self.starts, self.lengths.shape[0] - 1)
-        return np.where(self.ends > self.starts, self.lengths[first], 0).astype(np.int64)
-
-    def extend(self, pairs: NDArray[np.int64]) -> NDArray[np.int64]:
-        """Add micro-batches ``members[start:end]`` for each row of ``pairs``; return their ids."""
-        first = self.count
-        self.starts = np.concatenate([self.starts, pairs[:, 0]])
-        self.ends = np.concatenate([self.ends, pairs[:, 1]])
-        return np.arange(first, self.count, dtype=np.int64)
-
-
-def _form_micro_batches(lengths: NDArray[np.int32], config: PlanConfig, rng: np.random.Generator) -> MicroBatches:
-    """Micro-batches over entries ``0..len(lengths)-1`` (members index ``lengths``)."""
-    count = lengths.shape[0]
-    index = np.empty(0, dtype=index_dtype(count))
-    if config.mode == "pack":
-        keys = rng.integers(0, 2**32, size=count, dtype=np.uint32)
-        items, start = shuffle_by_length(lengths, keys, config.max_tokens, index)
-        del keys  # 4 bytes per entry, no longer needed while packing
-        offsets, members, batch_lengths = pack_grouped(items, start, config.max_tokens)
-        del items
-    else:
-        order = rng.permutation(count).astype(index.dtype)
-        offsets, members, batch_lengths = cut_padded(
-            lengths, order, config.shuffle_window, config.max_tokens, config.batch_multiple
-        )
-    return MicroBatches(members, batch_lengths, offsets[:-1].copy(), offsets[1:].copy())
-
-
-def _form_warmup_micro_batches(entries: Entries, config: PlanConfig, warmup: SeqlenWarmup, rng):
-    """Epoch 0 with a sequence-length warmup: each stage's pieces form micro-batches on
-    their own, stage after stage (shuffled within a stage), then the rest of the epoch.
-
-    Returns the micro-batches and how many come from the stages (their order is kept).
-    """
-    stage_rng = epoch_rng(config.seed, 0, STREAM_SEQLEN_WARMUP)
-    parts = []
-    for stage in range(warmup.num_stages):
-        first, end = int(warmup.stage_offsets[stage]), int(warmup.stage_offsets[stage + 1])
-        if end > first:
-            formed = _form_micro_batches(entries.length[first:end], config, stage_rng)
-            parts.append((formed, first + np.arange(end - first, dtype=np.int64), stage_rng.permutation(formed.count)))
-    ordered = sum(part[0].count for part in parts)
-    if warmup.rest.size:
-        formed = _form_micro_batches(entries.length[warmup.rest], config, rng)
-        parts.append((formed, warmup.rest, np.arange(formed.count)))
-    return _concatenate(parts, entries.num_entries), ordered
-
-
-def _concatenate(parts, num_entries: int) -> MicroBatches:
-    """One `MicroBatches` of ``(batches, entry_ids, order)`` parts: each part's micro-batches
-    in ``order``, their members mapped from part-local positions to ``entry_ids``."""
-    members, lengths, starts, ends = [], [], [], []
-    base = 0
-    for batches, ids, order in parts:
-        members.append(ids[batches.members].astype(index_dtype(num_entries)))
-        lengths.append(batches.lengths)
-        starts.append(base + batches.starts[order])
-        ends.append(base + batches.ends[order])
-        base += batches.members.shape[0]
-    return MicroBatches(np.concatenate(members), np.concatenate(lengths), np.concatenate(starts), np.concatenate(ends))
 
 
 def _complete_last_chunk(batches: MicroBatches, schedule, world_size: int):

@@ -56,7 +56,8 @@ from batchplan.config import PlanConfig
 from batchplan.entries import Entries, index_dtype
 from batchplan.errors import ConfigError
 from batchplan.plan_file import PlanFile, open_plan, write_plan
-from batchplan.planner import EpochPlan, MicroBatches, Plan, schedule_epoch
+from batchplan.micro_batches import MicroBatches
+from batchplan.planner import EpochPlan, Plan, schedule_epoch
 
 __all__ = ["ReshardedPlan", "decode_bitmap", "default_step_sizing", "encode_bitmap", "reshard_plan",
            "reshard_plan_file"]
