@@ -13,6 +13,7 @@ from typing import Any, Protocol
 from batchplan.config import PlanConfig
 from batchplan.errors import ConfigError
 from batchplan.lengths import find_parquet_files, read_lengths
+from batchplan.memory import check_build_memory, estimate_build_memory
 
 __all__ = ["Progress", "build_plan_file", "validate_plan_file"]
 
@@ -35,18 +36,31 @@ def build_plan_file(
     loss_tokens_column: str | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Read lengths, plan every epoch, write the plan atomically; return its metadata."""
+    """Read lengths, plan every epoch, write the plan atomically; return its metadata.
+
+    Raises:
+        ConfigError: bad options, an unusable output path, or a build whose estimated
+            peak memory exceeds what is available (`batchplan.memory`), checked before
+            reading the lengths and again before planning.
+        DatasetError: the dataset cannot be read or breaks a rule.
+    """
     from batchplan.plan_file import write_plan
-    from batchplan.planner import build_plan
+    from batchplan.planner import build_plan, num_threads
 
     output = Path(output)
     files = find_parquet_files(dataset)
     _check_output(output, files)
+    threads = num_threads()
+    num_samples = _count_rows(files)
+    if num_samples is not None:  # before reading: a lower bound from the sample count
+        check_build_memory(estimate_build_memory(num_samples, config, num_threads=threads))
     advance = _stage(progress, "reading lengths", len(files))
     lengths = read_lengths(
         files, length_column=length_column, tokens_column=tokens_column, loss_tokens_column=loss_tokens_column
     )
     advance(len(files))
+    # Before planning: micro-batches and spans estimated from the lengths.
+    check_build_memory(estimate_build_memory(lengths.num_samples, config, num_threads=threads, lengths=lengths.lengths))
     advance = _stage(progress, "planning epochs", config.epochs)
     plan = build_plan(lengths.lengths, config, loss_tokens=lengths.loss_tokens, on_epoch=lambda _: advance(1))
     advance = _stage(progress, "writing plan", config.epochs * config.world_size)
@@ -90,6 +104,18 @@ def _check_output(output: Path, inputs: list[Path]) -> None:
     for path in inputs:
         if path.resolve() == resolved:
             raise ConfigError(f"output {output} is also an input file; choose another -o")
+
+
+def _count_rows(files: list[Path]) -> int | None:
+    """Samples of the dataset from the Parquet footers alone; None if one is unreadable
+    (`read_lengths` then reports it)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return sum(pq.read_metadata(path).num_rows for path in files)
+    except (pa.ArrowException, OSError):
+        return None
 
 
 def _stage(progress: Progress | None, description: str, total: int | None) -> Callable[[int], None]:

@@ -127,9 +127,10 @@ def read_lengths(
         first = row
         for batch in _iter_batches(path, parquet, column, loss_tokens_column):
             end = row + batch.num_rows
-            lengths[row:end] = _lengths_of(path, batch.column(0), column)
+            where = _Rows(path, file_row=row - first, sample=row)
+            lengths[row:end] = _lengths_of(where, batch.column(0), column)
             if loss is not None:
-                loss[row:end] = _integers_of(path, batch.column(1), loss_tokens_column)
+                loss[row:end] = _integers_of(where, batch.column(1), loss_tokens_column)
             row = end
         counts.append((str(path), row - first))
     if loss is not None:
@@ -141,7 +142,9 @@ def _open_parquet(path: Path) -> pq.ParquetFile:
     try:
         return pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as error:
-        raise DatasetError(f"{path}: not a readable Parquet file ({error})") from error
+        raise DatasetError(
+            f"{path}: not a readable Parquet file ({_one_line(error)}); give Parquet files or directories of them"
+        ) from error
 
 
 def _pick_length_column(path: Path, length_column: str, tokens_column: str) -> str:
@@ -170,33 +173,51 @@ def _iter_batches(path: Path, parquet: pq.ParquetFile, column: str, loss_column:
     try:
         yield from parquet.iter_batches(batch_size=_BATCH_ROWS, columns=columns)
     except (pa.ArrowException, OSError) as error:
-        raise DatasetError(f"{path}: cannot read column(s) {columns} ({error})") from error
+        raise DatasetError(f"{path}: cannot read column(s) {columns} ({_one_line(error)})") from error
 
 
-def _lengths_of(path: Path, array: pa.Array, column: str) -> np.ndarray:
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """Where a Parquet batch starts: its file, its first row in the file and as a sample."""
+
+    path: Path
+    file_row: int
+    sample: int
+
+    def describe(self, offset: int) -> str:
+        return f"{self.path} row {self.file_row + offset:,} (sample {self.sample + offset:,})"
+
+
+def _lengths_of(where: _Rows, array: pa.Array, column: str) -> np.ndarray:
     if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
         # Lengths from the list offsets; the token values are never converted.
         array = pc.list_value_length(array)
     elif pa.types.is_fixed_size_list(array.type):
         array = pa.array(np.full(len(array), array.type.list_size), mask=array.is_null())
-    return _integers_of(path, array, column)
+    return _integers_of(where, array, column)
 
 
-def _integers_of(path: Path, array: pa.Array, column: str) -> np.ndarray:
+def _integers_of(where: _Rows, array: pa.Array, column: str) -> np.ndarray:
     if not pa.types.is_integer(array.type):
         raise DatasetError(
-            f"{path}: column {column!r} has type {array.type}; expected integer token counts "
-            "or a list of token ids"
+            f"{where.path}: column {column!r} has type {array.type}; expected integer token counts "
+            "or a list of token ids; cast the column to an integer type or pick another with "
+            "--length-column / --tokens-column"
         )
     values = array.fill_null(0).to_numpy(zero_copy_only=False)
     if values.size and values.min() < 0:
-        row = int(np.argmax(values < 0))
+        bad = np.flatnonzero(values < 0)
         raise DatasetError(
-            f"{path}: column {column!r} has negative value {int(values[row]):,} in row {row:,} "
-            "of a batch; token counts must be >= 0"
+            f"{where.describe(int(bad[0]))}: column {column!r} has negative value {int(values[bad[0]]):,} "
+            f"({bad.size:,} negative in this batch of {values.size:,} rows); token counts must be >= 0, "
+            "fix the column"
         )
     if values.size and values.max() > _INT32_MAX:
-        raise DatasetError(f"{path}: column {column!r} has a value above 2^31 - 1")
+        row = int(np.argmax(values > _INT32_MAX))
+        raise DatasetError(
+            f"{where.describe(row)}: column {column!r} has value {int(values[row]):,}, above 2^31 - 1; "
+            "token counts must fit in int32, fix the column"
+        )
     return values.astype(np.int32, copy=False)
 
 
@@ -220,3 +241,8 @@ def _where(counts: list[tuple[str, int]], sample: int) -> str:
             return f"{path} (row {sample - start:,})"
         start += rows
     return "dataset"
+
+
+def _one_line(error: BaseException) -> str:
+    """pyarrow messages may span lines (C++ context); errors are printed as one line."""
+    return " ".join(str(error).split())

@@ -348,10 +348,7 @@ class PlanFile:
             raise PlanFormatError(f"{self.path}: epoch {epoch} is outside the plan's 0..{self.num_epochs - 1}")
         if not 0 <= rank < self.world_size:
             raise PlanFormatError(f"{self.path}: rank {rank} is outside the plan's 0..{self.world_size - 1}")
-        try:
-            return self._reader.get_batch(epoch * self.world_size + rank)
-        except (pa.ArrowException, OSError) as error:
-            raise PlanFormatError(f"{self.path}: cannot read epoch {epoch} rank {rank} ({error})") from error
+        return self._batch(epoch * self.world_size + rank, f"epoch {epoch} rank {rank}")
 
     def read_epoch(self, epoch: int) -> pa.Table:
         """Every rank's micro-batches of one epoch, rank-major."""
@@ -360,14 +357,17 @@ class PlanFile:
     def read_all(self) -> pa.Table:
         """The whole plan as one table (epoch-major, then rank)."""
         try:
-            return self._reader.read_all()
+            table = self._reader.read_all()
+            table.validate(full=True)  # see _batch
+            return table
         except (pa.ArrowException, OSError) as error:
-            raise PlanFormatError(f"{self.path}: cannot read the plan ({error})") from error
+            message = f"{self.path}: cannot read the plan ({error}); the file is corrupt, rebuild it"
+            raise PlanFormatError(message) from error
 
     def verify(self) -> None:
         """Recompute the content hash; raise `PlanFormatError` if the file was altered."""
+        batches = [self._batch(i, f"record batch {i}") for i in range(self._reader.num_record_batches)]
         try:
-            batches = [self._reader.get_batch(i) for i in range(self._reader.num_record_batches)]
             found = _content_hash(self.metadata, batches)
         except (pa.ArrowException, OSError, ValueError, IndexError) as error:
             raise PlanFormatError(f"{self.path}: the plan's rows are unreadable ({error}); rebuild it") from error
@@ -376,6 +376,18 @@ class PlanFile:
                 f"{self.path}: content hash {found} does not match the recorded "
                 f"{self.metadata.get('content_hash')}; the file is corrupt, rebuild it"
             )
+
+    def _batch(self, index: int, what: str) -> pa.RecordBatch:
+        """Record batch ``index``, fully validated. pyarrow reads a batch without checking its
+        list offsets against its buffers, and using a corrupt one can crash the process
+        (found by fuzzing); validating costs O(the batch's rows)."""
+        try:
+            batch = self._reader.get_batch(index)
+            batch.validate(full=True)
+        except (pa.ArrowException, OSError) as error:
+            message = f"{self.path}: cannot read {what} ({error}); the file is corrupt, rebuild it"
+            raise PlanFormatError(message) from error
+        return batch
 
     def _decode_metadata(self) -> dict[str, Any]:
         raw = (self._reader.schema.metadata or {}).get(METADATA_KEY)

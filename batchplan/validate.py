@@ -87,9 +87,10 @@ def validate_plan(
             trained = lineage.trained_before(epoch, plan.num_samples)
             checker = _EpochChecker(plan, epoch, lengths, loss_tokens, step_base, tokens_base, trained)
             found += checker.run()
-        except (PlanFormatError, pa.ArrowException, OSError, ValueError, IndexError, TypeError) as error:
-            # Structure too damaged to check (list offsets out of range, unreadable batch).
-            found.append(Violation("integrity", f"epoch {epoch}: rows are unreadable ({error})"))
+        except (PlanFormatError, pa.ArrowException, OSError, ValueError, IndexError, TypeError, KeyError) as error:
+            # Structure too damaged to check (list offsets out of range, unreadable batch, a
+            # metadata key renamed by a flipped byte: found by fuzzing).
+            found.append(Violation("integrity", f"epoch {epoch}: rows or metadata are unreadable ({error!r})"))
             return found
         step_base += plan.metadata["steps_per_epoch"][epoch]
         tokens_base += checker.total_tokens

@@ -7,12 +7,16 @@ import pickle
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
-from _ddp_plans import make_dataset, standard_plans, write_test_plan
+from _ddp_plans import make_dataset, sample_lengths, standard_plans, write_test_plan
 from torch.utils.data import DataLoader
 
+from batchplan.build import build_plan_file
+from batchplan.config import PlanConfig
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
+from batchplan.lengths import fingerprint_lengths
 from batchplan.plan_file import PlanFile, open_plan
 from batchplan.runtime import MicroBatch, PackCollator, PlanDataset, PlanSampler, SpanIndex
 
@@ -113,6 +117,15 @@ def test_explicit_world_size_must_match_the_plan(plans):
 def test_invalid_rank_is_a_config_error(plans, rank, world_size):
     with pytest.raises(ConfigError):
         PlanSampler(plans["pack"], rank=rank, world_size=world_size)
+
+
+def test_a_rank_out_of_range_names_the_valid_ranks_and_where_it_came_from(plans, monkeypatch):
+    with pytest.raises(ConfigError, match=r"rank must be in 0\.\.1 for world_size 2, got 2 \(from arguments\)"):
+        PlanSampler(plans["pack"], rank=2, world_size=2)
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"got 5 \(from RANK/WORLD_SIZE environment\)"):
+        PlanSampler(plans["pack"])
 
 
 def test_half_set_environment_is_a_config_error(plans, monkeypatch):
@@ -311,3 +324,71 @@ def test_a_plan_without_runtime_columns_is_a_format_error(plans, tmp_path):
 def test_a_missing_file_is_a_format_error(tmp_path):
     with pytest.raises(PlanFormatError, match="no such plan file"):
         PlanSampler(tmp_path / "nope.arrow", rank=0, world_size=1)
+
+
+# -- the dataset a plan was built for ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Plans made by `build_plan_file` (which records the lengths fingerprint), with and
+    without a loss-tokens column, and the dataset's lengths."""
+    root = tmp_path_factory.mktemp("built")
+    lengths = sample_lengths()
+    data = root / "data.parquet"
+    pq.write_table(pa.table({"length": lengths, "loss": lengths // 2}), data)
+    config = PlanConfig(max_tokens=256, world_size=2)
+    build_plan_file(data, root / "plain.arrow", config)
+    build_plan_file(data, root / "loss.arrow", config, loss_tokens_column="loss")
+    return {"lengths": lengths, "plain": root / "plain.arrow", "loss": root / "loss.arrow"}
+
+
+def test_check_dataset_accepts_the_dataset_the_plan_was_built_for(built):
+    lengths = built["lengths"]
+    sampler = PlanSampler(built["plain"], rank=0, world_size=2)
+    sampler.check_dataset(make_dataset(lengths))
+    sampler.check_dataset(PlanDataset(make_dataset(lengths)), lengths)
+    sampler.check_dataset(np.int64(50), lengths.tolist())
+    PlanSampler(built["loss"], rank=1, world_size=2).check_dataset(50, lengths, loss_tokens=lengths // 2)
+
+
+def test_check_dataset_names_both_row_counts(built):
+    sampler = PlanSampler(built["plain"], rank=0, world_size=2)
+    message = r"plain.arrow: the plan was built for a dataset of 50 rows but this dataset has 49; rebuild the plan"
+    with pytest.raises(PlanMismatchError, match=message):
+        sampler.check_dataset(make_dataset(built["lengths"][:49]))
+    with pytest.raises(PlanMismatchError, match="50 rows but this dataset has 1,000"):
+        sampler.check_dataset(1000)
+
+
+@pytest.mark.parametrize("change", ["one length", "row order"])
+def test_check_dataset_with_lengths_names_both_fingerprints(built, change):
+    lengths = built["lengths"].copy()
+    if change == "one length":
+        lengths[7] += 1
+    else:
+        lengths = np.roll(lengths, 1)
+    sampler = PlanSampler(built["plain"], rank=0, world_size=2)
+    found, recorded = fingerprint_lengths(lengths), fingerprint_lengths(built["lengths"])
+    message = (f"the dataset's lengths have fingerprint {found} but the plan was built for {recorded}; "
+               "same row count, other data")  # fmt: skip
+    with pytest.raises(PlanMismatchError, match=message):
+        sampler.check_dataset(50, lengths)
+    with pytest.raises(PlanMismatchError, match="lengths and loss tokens have fingerprint"):
+        PlanSampler(built["loss"], rank=0, world_size=2).check_dataset(50, built["lengths"], loss_tokens=lengths // 3)
+
+
+def test_check_dataset_refuses_what_it_cannot_compare(built, plans):
+    lengths = built["lengths"]
+    with pytest.raises(ConfigError, match="built with loss-tokens column 'loss'; pass loss_tokens="):
+        PlanSampler(built["loss"], rank=0, world_size=2).check_dataset(50, lengths)
+    with pytest.raises(ConfigError, match="built without a loss-tokens column; drop loss_tokens="):
+        PlanSampler(built["plain"], rank=0, world_size=2).check_dataset(50, lengths, loss_tokens=lengths)
+    with pytest.raises(ConfigError, match=r"lengths has shape \(49,\), expected \(50,\)"):
+        PlanSampler(built["plain"], rank=0, world_size=2).check_dataset(50, lengths[:49])
+    with pytest.raises(ConfigError, match="needs a dataset with len\\(\\) or its row count, got generator"):
+        PlanSampler(built["plain"], rank=0, world_size=2).check_dataset(i for i in range(50))
+    sampler = PlanSampler(plans["pack"], rank=0, world_size=2)  # written by write_plan without a fingerprint
+    sampler.check_dataset(make_dataset())  # the row count is still checked
+    with pytest.raises(PlanFormatError, match="records no lengths fingerprint"):
+        sampler.check_dataset(make_dataset(), sample_lengths())

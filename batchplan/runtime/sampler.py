@@ -15,11 +15,13 @@ which runs ahead of training by the prefetched batches when ``num_workers > 0``.
 
 from __future__ import annotations
 
+import numbers
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from pathlib import Path
 from typing import Any
 
+from numpy.typing import ArrayLike
 from torch.utils.data import Sampler
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
@@ -126,6 +128,35 @@ class PlanSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         """Micro-batches the next iteration yields: the epoch's, less those done before a resume."""
         return self._rows_per_epoch[self._epoch] - self._start
+
+    def check_dataset(
+        self,
+        dataset: Sized | int,
+        lengths: ArrayLike | None = None,
+        *,
+        loss_tokens: ArrayLike | None = None,
+    ) -> None:
+        """Raise unless the plan was built for this dataset; call it once before training.
+
+        A plan indexes dataset rows, so on other data it trains without error on the
+        wrong samples. The row count is compared always; given the dataset's token
+        ``lengths`` (and ``loss_tokens``, for a plan built with a loss-tokens column),
+        their fingerprint too, which catches another dataset of the same size or
+        another row order. Cost: ``len(dataset)``; with lengths, one hash over them
+        (~1 GB/s).
+
+        Args:
+            dataset: the map-style dataset (anything with ``len``), or its row count.
+            lengths: token count of every row, in dataset order (``read_lengths(...).lengths``).
+            loss_tokens: loss-token count of every row, when the plan was built with
+                ``--loss-tokens-column``.
+
+        Raises:
+            PlanMismatchError: another row count, or other lengths; the message names both.
+            ConfigError: ``dataset`` has no length, or the plan needs ``loss_tokens``.
+            PlanFormatError: lengths are given but the plan records no fingerprint.
+        """
+        _check_dataset(self._plan, dataset, lengths, loss_tokens)
 
     # -- epochs and iteration -----------------------------------------------------
 
@@ -255,3 +286,51 @@ def _check_runtime_columns(plan: PlanFile) -> None:
         )
     if "rows_per_rank" not in plan.metadata or "steps_per_epoch" not in plan.metadata:
         raise PlanFormatError(f"{plan.path}: metadata lacks rows_per_rank/steps_per_epoch; rebuild the plan")
+
+
+def _check_dataset(plan: PlanFile, dataset, lengths, loss_tokens) -> None:
+    """`PlanSampler.check_dataset`."""
+    if isinstance(dataset, Sized):
+        num_rows = len(dataset)
+    elif isinstance(dataset, numbers.Integral) and not isinstance(dataset, bool):
+        num_rows = int(dataset)
+    else:
+        raise ConfigError(
+            f"check_dataset needs a dataset with len() or its row count, got {type(dataset).__name__}; "
+            "for an iterable dataset pass its number of rows"
+        )
+    if num_rows != plan.num_samples:
+        raise PlanMismatchError(
+            f"{plan.path}: the plan was built for a dataset of {plan.num_samples:,} rows but this dataset "
+            f"has {num_rows:,}; rebuild the plan on this dataset or load the dataset it was built for"
+        )
+    if lengths is None:
+        return
+    import numpy as np
+
+    from batchplan.lengths import fingerprint_lengths
+
+    recorded = plan.metadata.get("lengths_fingerprint")
+    if recorded is None:
+        raise PlanFormatError(
+            f"{plan.path}: the plan records no lengths fingerprint, so lengths cannot be compared; "
+            "rebuild it with `batchplan build` (or write_plan(..., lengths_fingerprint=...))"
+        )
+    column = (plan.metadata.get("dataset") or {}).get("loss_tokens_column")
+    if column is not None and loss_tokens is None:
+        raise ConfigError(
+            f"{plan.path}: the plan was built with loss-tokens column {column!r}; pass loss_tokens= "
+            "(that column's values) with the lengths"
+        )
+    if isinstance(plan.metadata.get("dataset"), dict) and column is None and loss_tokens is not None:
+        raise ConfigError(f"{plan.path}: the plan was built without a loss-tokens column; drop loss_tokens=")
+    lengths = np.asarray(lengths)
+    if lengths.shape != (num_rows,):
+        raise ConfigError(f"lengths has shape {lengths.shape}, expected ({num_rows:,},): one per dataset row")
+    found = fingerprint_lengths(lengths, None if loss_tokens is None else np.asarray(loss_tokens))
+    if found != recorded:
+        what = "lengths and loss tokens" if loss_tokens is not None else "lengths"
+        raise PlanMismatchError(
+            f"{plan.path}: the dataset's {what} have fingerprint {found} but the plan was built for "
+            f"{recorded}; same row count, other data (or another row order); rebuild the plan on this dataset"
+        )
