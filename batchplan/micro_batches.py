@@ -17,6 +17,7 @@ from batchplan.config import PlanConfig
 from batchplan.entries import Entries, index_dtype
 from batchplan.kernels.pack import pack_grouped
 from batchplan.kernels.pad import cut_padded
+from batchplan.kernels.segments import range_sums
 from batchplan.kernels.shuffle import shuffle_by_length
 from batchplan.warmup import SeqlenWarmup
 
@@ -43,9 +44,12 @@ class MicroBatches:
         return int(self.starts.shape[0])
 
     def range_sums(self, values: NDArray) -> NDArray:
-        """Sum of ``values[starts[k]:ends[k]]`` (values aligned with members) for each k."""
-        dtype = np.float64 if np.issubdtype(values.dtype, np.floating) else np.int64
-        total = np.concatenate([np.zeros(1, dtype=dtype), np.cumsum(values, dtype=dtype)])
+        """Sum of ``values[starts[k]:ends[k]]`` (values aligned with members) for each k:
+        exact int64 for integers; floats range by range, so no range carries the rounding
+        of the whole epoch."""
+        if np.issubdtype(values.dtype, np.floating):
+            return range_sums(values.astype(np.float64, copy=False), self.starts, self.ends)
+        total = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values, dtype=np.int64)])
         return total[self.ends] - total[self.starts]
 
     def tokens(self) -> NDArray[np.int64]:

@@ -12,9 +12,16 @@ __all__ = ["segment_max", "segment_sum"]
 
 
 def segment_sum(values: NDArray, offsets: NDArray[np.int64]) -> NDArray:
-    """Sum of each segment (int64 for integers, float64 for floats)."""
-    dtype = np.float64 if np.issubdtype(np.asarray(values).dtype, np.floating) else np.int64
-    total = np.concatenate([np.zeros(1, dtype=dtype), np.cumsum(values, dtype=dtype)])
+    """Sum of each segment: exact int64 for integers; float64 segment by segment for floats
+    (a prefix sum's differences would carry the rounding of everything before)."""
+    values = np.asarray(values)
+    if np.issubdtype(values.dtype, np.floating):
+        out = np.zeros(offsets.shape[0] - 1, dtype=np.float64)
+        nonempty = np.flatnonzero(np.diff(offsets) > 0)
+        if nonempty.size:
+            out[nonempty] = np.add.reduceat(values.astype(np.float64, copy=False), offsets[nonempty])
+        return out
+    total = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values, dtype=np.int64)])
     return total[offsets[1:]] - total[offsets[:-1]]
 
 

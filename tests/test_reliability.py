@@ -509,14 +509,6 @@ def test_random_lengths_and_options_give_a_sound_plan_or_a_clear_error(inputs):
         assert ref.check_guarantees(path, lengths, loss_tokens=loss, config=config) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug, found by the property test: validate_plan compares the cost column with rtol 1e-9, but "
-    "the planner (_MicroBatches.range_sums) and validate (batchplan.segments.segment_sum) sum costs as differences "
-    "of a prefix sum over the epoch, off by ~eps x the epoch's total cost; a plan of 1e7 lognormal samples built "
-    "with --hidden-size 4096 fails `batchplan validate --dataset` (docs/reliability.md). Fix: sum float segments "
-    "with np.add.reduceat in both places, or compare with atol ~1e-11 x the epoch's total cost.",
-)
 def test_validate_accepts_the_costs_the_planner_writes(tmp_path):
     """A cost of 9.2e10 then one of 1.08: the second is stored as 1.0833282 instead of 1.0833333."""
     lengths = np.array([2**20, 1], dtype=np.int32)

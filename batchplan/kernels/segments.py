@@ -1,4 +1,4 @@
-"""Gather segments into CSR form.
+"""Gather segments into CSR form; sum ranges.
 
 A CSR grouping is ``(offsets, members)``: segment ``s`` holds
 ``members[offsets[s]:offsets[s + 1]]``. All O(n), stable (items keep their order).
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["gather_segments"]
+__all__ = ["gather_segments", "range_sums"]
 
 
 @njit(cache=True, nogil=True)
@@ -27,3 +27,16 @@ def gather_segments(members, starts, ends, order):
             out[position] = members[source]
             source += 1
     return offsets, out
+
+
+@njit(cache=True, nogil=True)
+def range_sums(values, starts, ends):
+    """``values[starts[k]:ends[k]].sum()`` for each k, each range summed on its own (a prefix
+    sum's differences would carry the rounding of everything before the range)."""
+    out = np.zeros(starts.shape[0], dtype=np.float64)
+    for k in range(starts.shape[0]):
+        total = 0.0
+        for i in range(starts[k], ends[k]):
+            total += values[i]
+        out[k] = total
+    return out
