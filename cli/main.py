@@ -137,6 +137,7 @@ def inspect(
     from batchplan.summary import summarize_plan
 
     opened = open_plan(plan)
+    opened.verify()  # inspect reads every row anyway: never summarise a damaged file
     figure = None
     if plot is not None:  # drawn first: a missing matplotlib or a wrong dataset fails before any output
         from batchplan.plot import plan_lengths, plot_plan

@@ -166,3 +166,18 @@ def test_stale_temporary_of_a_killed_build_is_removed_on_rerun(tmp_path):
     stale.write_bytes(b"half a plan")
     assert run("build", SQUAD, "-o", plan, "--max-tokens", 512, "-q").exit_code == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.arrow"]
+
+
+def test_inspect_refuses_a_damaged_plan(tmp_path):
+    """inspect verifies the checksum: a flipped byte in the rows is an error, not wrong numbers."""
+    from batchplan.plan_file import open_plan
+
+    plan = tmp_path / "plan.arrow"
+    assert run("build", SQUAD, "-o", plan, "--max-tokens", 1024, "--world-size", 2, "-q").exit_code == 0
+    data = bytearray(plan.read_bytes())
+    tokens = open_plan(plan).read_rank(0, 0).column("tokens").to_numpy()
+    position = bytes(data).find(tokens[:4].tobytes())  # the first rank's tokens column
+    data[position] ^= 0x01
+    plan.write_bytes(bytes(data))
+    result = run("inspect", plan)
+    assert result.exit_code == 1 and "content hash" in result.stderr
