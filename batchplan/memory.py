@@ -159,18 +159,23 @@ def estimate_build_memory(
     """
     if lengths is None:
         num_entries, rows, has_spans = num_samples, 0, False
+        tokens = num_samples  # a lower bound: lengths are >= 1 (empty samples are refused or dropped)
     else:
         num_entries, rows, has_spans = estimate_layout(np.asarray(lengths), config)
+        tokens = int(np.asarray(lengths).sum(dtype=np.int64))
     estimate = MemoryEstimate(num_entries, rows, config.epochs, 1, has_spans, config.cost_coefficient is not None,
-                              kernel_bytes(config), complete=lengths is not None)  # fmt: skip
+                              kernel_bytes(config, tokens), complete=lengths is not None)  # fmt: skip
     return estimate.with_epochs(config.epochs, num_threads)
 
 
-def kernel_bytes(config: PlanConfig) -> int:
-    """Bytes the kernels of one epoch allocate in proportion to max_tokens (see the module docstring)."""
-    cap = config.max_tokens
+def kernel_bytes(config: PlanConfig, tokens: int | None = None) -> int:
+    """Bytes the kernels of one epoch allocate in proportion to their capacity (see the module
+    docstring). Pack packs with ``min(max_tokens, all the tokens)`` (``tokens``; unknown:
+    at least one per sample was assumed by the caller); pad counts lengths only when
+    ``max_tokens <= 4 x shuffle_window``."""
     if config.mode == "pad":
-        return 8 * (cap + 2)
+        return 8 * (config.max_tokens + 2) if config.max_tokens <= 4 * config.shuffle_window else 0
+    cap = config.max_tokens if tokens is None else max(1, min(config.max_tokens, tokens))
     return 16 * (1 << cap.bit_length()) + 24 * (cap + 2)  # 1 << bit_length: the power of 2 >= cap + 1
 
 

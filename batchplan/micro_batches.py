@@ -74,10 +74,13 @@ def form_micro_batches(lengths: NDArray[np.int32], config: PlanConfig, rng: np.r
     count = lengths.shape[0]
     index = np.empty(0, dtype=index_dtype(count))
     if config.mode == "pack":
+        # The kernels' memory grows with the capacity; a capacity above all the tokens
+        # packs exactly as the total does (one bin holds everything either way).
+        capacity = int(min(config.max_tokens, lengths.sum(dtype=np.int64)))
         keys = rng.integers(0, 2**32, size=count, dtype=np.uint32)
-        items, start = shuffle_by_length(lengths, keys, config.max_tokens, index)
+        items, start = shuffle_by_length(lengths, keys, capacity, index)
         del keys  # 4 bytes per entry, no longer needed while packing
-        offsets, members, batch_lengths = pack_grouped(items, start, config.max_tokens)
+        offsets, members, batch_lengths = pack_grouped(items, start, capacity)
         del items
     else:
         order = rng.permutation(count).astype(index.dtype)

@@ -574,3 +574,10 @@ def test_plan_does_not_depend_on_the_number_of_threads(tmp_path, monkeypatch):
         build_and_write(lengths, config, path)
         files.append(path.read_bytes())
     assert files[0] == files[1] == files[2]
+
+
+def test_a_huge_max_tokens_packs_without_huge_memory():
+    """The pack kernels size their arrays by the capacity; a cap far above all the tokens
+    packs as one bin of the total, in kilobytes, not gigabytes."""
+    plan = build_plan(np.array([3, 4, 5], dtype=np.int32), PlanConfig(max_tokens=2**31 - 1))
+    assert plan.epochs[0].tokens.tolist() == [12]
