@@ -43,6 +43,7 @@ from batchplan.kernels.balance import assign_ranks, sort_within_windows
 from batchplan.kernels.segments import gather_segments
 from batchplan.kernels.steps import ramp_steps, ramp_target, steps_by_tokens
 from batchplan.micro_batches import MicroBatches, compute_costs, form_micro_batches, form_warmup_micro_batches
+from batchplan.segments import segment_sum
 from batchplan.warmup import SeqlenWarmup, add_warmup_pieces
 
 __all__ = ["EpochPlan", "Plan", "build_plan", "epoch_rng", "plan_epoch", "schedule_epoch"]
@@ -435,8 +436,8 @@ def _assemble(entries, config, epoch, batches, schedule, tokens, costs, step_off
     else:
         loss = batches.range_sums(entries.loss_of(batches.members))[schedule]
     # Step sums in schedule order, where each step is a contiguous run of positions.
-    step_tokens = _step_sums(tokens, step_offsets)
-    step_loss_tokens = _step_sums(loss, step_offsets)
+    step_tokens = segment_sum(tokens, step_offsets)
+    step_loss_tokens = segment_sum(loss, step_offsets)
     tokens = tokens[position]
     padded = np.diff(offsets) * batches.longest()[batch_of_row] if config.mode == "pad" else tokens
     return EpochPlan(
@@ -456,8 +457,3 @@ def _assemble(entries, config, epoch, batches, schedule, tokens, costs, step_off
         step_loss_tokens=step_loss_tokens,
         dropped_entries=dropped,
     )
-
-
-def _step_sums(values: NDArray[np.int64], step_offsets: NDArray[np.int64]) -> NDArray[np.int64]:
-    total = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values, dtype=np.int64)])
-    return total[step_offsets[1:]] - total[step_offsets[:-1]]

@@ -6,7 +6,10 @@ this module by name: it sits beside the tests on ``sys.path``).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -75,3 +78,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def process_group(rank: int, world_size: int, port: int):
+    """A gloo process group on CPU for one spawned rank; the sampler must find rank and
+    world size through torch.distributed, so RANK/WORLD_SIZE are cleared."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.pop("RANK", None)
+    os.environ.pop("WORLD_SIZE", None)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )  # fmt: skip
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -13,10 +13,9 @@ since each start costs seconds on a small CPU machine.
 from __future__ import annotations
 
 import contextlib
-import os
-from datetime import timedelta
 from pathlib import Path
 
+from _ddp_plans import process_group
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -30,32 +29,17 @@ VOCAB_SIZE = 97
 
 def train_until(rank: int, world_size: int, port: int, plan: str, lengths, steps: int, out_dir: str) -> None:
     """Train ``plan`` for ``steps`` optimizer steps; save what ran and the sampler state."""
-    with _process_group(rank, world_size, port):
+    with process_group(rank, world_size, port):
         result = _train(plan, lengths, stop_after=steps)
         torch.save(result, Path(out_dir) / f"old{rank}.pt")
 
 
 def resume_on(rank: int, world_size: int, port: int, plan: str, lengths, states: str, out_dir: str) -> None:
     """Load an old rank's state into a sampler of the resharded ``plan`` and train to the end."""
-    with _process_group(rank, world_size, port):
+    with process_group(rank, world_size, port):
         saved = torch.load(states, weights_only=True)  # one state per old rank
         result = _train(plan, lengths, state=saved[rank % len(saved)])
         torch.save(result, Path(out_dir) / f"new{rank}.pt")
-
-
-@contextlib.contextmanager
-def _process_group(rank: int, world_size: int, port: int):
-    torch.set_num_threads(1)
-    os.environ.pop("RANK", None)  # rank and world size must come from torch.distributed
-    os.environ.pop("WORLD_SIZE", None)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _train(path: str, lengths, *, stop_after: int | None = None, state: dict | None = None) -> dict:

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _ddp_plans import make_dataset, make_model
+from _ddp_plans import make_dataset, make_model, process_group
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
@@ -50,14 +48,7 @@ def launch(fn, args: tuple, world_size: int = 2, timeout_s: float = 240.0) -> No
 
 
 def run_checks(rank: int, world_size: int, port: int, plans: dict[str, str], out_dir: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.pop("RANK", None)  # the sampler must find rank/world size through torch.distributed
-    os.environ.pop("WORLD_SIZE", None)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=60),
-    )  # fmt: skip
-    try:
+    with process_group(rank, world_size, port):
         results = {
             "coverage": replay_epochs(plans["pack"]),
             "grads": {
@@ -70,8 +61,6 @@ def run_checks(rank: int, world_size: int, port: int, plans: dict[str, str], out
             "resume": resume_check(plans["pack"]),
         }
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
 
 
 def replay_epochs(path: str) -> list[tuple]:
