@@ -9,22 +9,78 @@ with the cost model. The planner (`batchplan.planner`) schedules the result.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
 from batchplan.entries import Entries, index_dtype
-from batchplan.kernels.pack import pack_grouped
+from batchplan.kernels.pack import (
+    bin_destinations,
+    bin_item_sums,
+    bin_length_sums,
+    bin_members,
+    fill_bins,
+    pack_bins,
+    scatter_bins,
+)
 from batchplan.kernels.pad import cut_padded
-from batchplan.kernels.segments import range_sums
+from batchplan.kernels.segments import gather_segments, range_sums
 from batchplan.kernels.shuffle import shuffle_by_length
 from batchplan.warmup import SeqlenWarmup
 
-__all__ = ["MicroBatches", "compute_costs", "form_micro_batches", "form_warmup_micro_batches"]
+__all__ = ["MicroBatches", "PackedBins", "compute_costs", "form_micro_batches", "form_warmup_micro_batches"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedBins:
+    """Best-fit decreasing's bins before their members are laid out (`batchplan.kernels.pack`).
+
+    Bin ``b`` holds positions ``offsets[b]:offsets[b + 1]`` of the member space (its members
+    longest first). Members are only materialised in bin order when something needs them
+    all (`members`); a plan lays them out straight in row order (`scatter`), one pass
+    instead of filling the bins and then gathering them into rows.
+    """
+
+    items: NDArray[np.integer]
+    start: NDArray[np.int64]
+    slot_bin: NDArray[np.integer]
+    offsets: NDArray[np.int64]
+    tokens: NDArray[np.int64]
+    capacity: int
+
+    @property
+    def num_bins(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def members(self) -> tuple[NDArray[np.integer], NDArray[np.int32]]:
+        """The whole member space: ``(members, lengths)``."""
+        return fill_bins(self.items, self.start, self.slot_bin, self.offsets, self.capacity)
+
+    def ranges(self, starts: NDArray[np.int64], ends: NDArray[np.int64]) -> list[tuple[NDArray, NDArray]]:
+        """``(members, lengths)`` of a few ranges of member space, each inside one bin."""
+        nonempty = ends > starts
+        bins = np.searchsorted(self.offsets, starts[nonempty], side="right") - 1
+        wanted = np.unique(bins)
+        local, members, lengths = bin_members(
+            self.items, self.start, self.slot_bin, self.offsets, wanted, self.capacity
+        )
+        out = [(members[:0], lengths[:0])] * starts.shape[0]
+        for i, target in zip(np.flatnonzero(nonempty), bins):
+            base = local[np.searchsorted(wanted, target)] - self.offsets[target]
+            out[i] = (members[base + starts[i] : base + ends[i]], lengths[base + starts[i] : base + ends[i]])
+        return out
+
+    def length_sums(self, table: NDArray[np.float64]) -> NDArray[np.float64]:
+        """Per bin, ``sum(table[length])`` over its members."""
+        return bin_length_sums(table, self.start, self.slot_bin, self.num_bins, self.capacity)
+
+    def item_sums(self, values: NDArray[np.integer]) -> NDArray[np.int64]:
+        """Per bin, ``sum(values[member])``."""
+        return bin_item_sums(values, self.items, self.start, self.slot_bin, self.num_bins, self.capacity)
+
+
 class MicroBatches:
     """Micro-batches of an epoch: micro-batch ``k`` holds entries ``members[starts[k]:ends[k]]``,
     whose lengths are ``lengths[starts[k]:ends[k]]`` (kept beside the members so that sums
@@ -32,16 +88,70 @@ class MicroBatches:
 
     Start/end pairs (not offsets) let the last chunk split a micro-batch in place,
     and let the final (rank, step, micro) order be gathered in one pass.
+
+    Packed micro-batches come as `PackedBins` (micro-batch ``k < num_bins`` is bin ``k``;
+    later ones are pieces of bins, or empty), and ``members``/``lengths`` are made only
+    when asked for: the hot path (`tokens`, `entry_sums`, `length_sums`, `gather`) never
+    needs them.
     """
 
-    members: NDArray[np.integer]
-    lengths: NDArray[np.int32]
-    starts: NDArray[np.int64]
-    ends: NDArray[np.int64]
+    def __init__(
+        self,
+        members: NDArray[np.integer] | None,
+        lengths: NDArray[np.int32] | None,
+        starts: NDArray[np.int64],
+        ends: NDArray[np.int64],
+        *,
+        packed: PackedBins | None = None,
+    ) -> None:
+        if (members is None) != (packed is not None):
+            raise ValueError("give either members and lengths, or packed bins")
+        self._members, self._lengths = members, lengths
+        self.packed = packed
+        # Storage with room to grow in place (`extend`), of which the first `count` are used.
+        self._count = int(starts.shape[0])
+        self._starts, self._ends = starts, ends
+        self._tokens: NDArray[np.int64] | None = None if packed is None else packed.tokens
+
+    @classmethod
+    def of_bins(cls, packed: PackedBins, room: int = 0) -> MicroBatches:
+        """Micro-batch ``k`` = bin ``k``, with ``room`` to `extend` by without copying."""
+        count = packed.num_bins
+        starts, ends, tokens = (np.empty(count + room, dtype=np.int64) for _ in range(3))
+        starts[:count], ends[:count], tokens[:count] = packed.offsets[:-1], packed.offsets[1:], packed.tokens
+        batches = cls(None, None, starts[:count], ends[:count], packed=packed)
+        batches._starts, batches._ends, batches._tokens = starts, ends, tokens
+        return batches
+
+    @property
+    def starts(self) -> NDArray[np.int64]:
+        return self._starts[: self._count]
+
+    @property
+    def ends(self) -> NDArray[np.int64]:
+        return self._ends[: self._count]
+
+    @property
+    def members(self) -> NDArray[np.integer]:
+        self._materialise()
+        return self._members
+
+    @property
+    def lengths(self) -> NDArray[np.int32]:
+        self._materialise()
+        return self._lengths
+
+    def _materialise(self) -> None:
+        if self._members is None:
+            self._members, self._lengths = self.packed.members()
 
     @property
     def count(self) -> int:
-        return int(self.starts.shape[0])
+        return self._count
+
+    @property
+    def _lazy(self) -> bool:
+        return self._members is None
 
     def range_sums(self, values: NDArray) -> NDArray:
         """Sum of ``values[starts[k]:ends[k]]`` (values aligned with members) for each k:
@@ -53,7 +163,45 @@ class MicroBatches:
         return total[self.ends] - total[self.starts]
 
     def tokens(self) -> NDArray[np.int64]:
-        return self.range_sums(self.lengths)
+        """Tokens of each micro-batch."""
+        if self._tokens is None:
+            self._tokens = self.range_sums(self.lengths)
+        return self._tokens[: self._count]
+
+    def length_sums(self, value: Callable[[NDArray[np.float64]], NDArray[np.float64]]) -> NDArray[np.float64]:
+        """``sum(value(length))`` over each micro-batch's entries (float64, range by range);
+        ``value`` works elementwise on float64 lengths."""
+        if self._lazy:
+            table = value(np.arange(self.packed.capacity + 1, dtype=np.float64))
+            return self._with_pieces(self.packed.length_sums(table), lambda _, lengths: _float_sum(table[lengths]))
+        return self.range_sums(value(self.lengths.astype(np.float64)))
+
+    def entry_sums(self, values: NDArray[np.integer]) -> NDArray[np.int64]:
+        """``sum(values[entry])`` over each micro-batch's entries (int64)."""
+        if self._lazy:
+            per_bin = self.packed.item_sums(values)
+            return self._with_pieces(per_bin, lambda members, _: values[members].sum(dtype=np.int64))
+        return self.range_sums(values[self.members])
+
+    def _with_pieces(self, per_bin: NDArray, reduce) -> NDArray:
+        """Per-bin values for the bins, then ``reduce(members, lengths)`` for the later pieces."""
+        bins = self.packed.num_bins
+        if self.count == bins:
+            return per_bin
+        pieces = self.ranges(np.arange(bins, self.count))
+        return np.concatenate([per_bin, np.array([reduce(*piece) for piece in pieces], dtype=per_bin.dtype)])
+
+    def ranges(self, which: NDArray[np.int64]) -> list[tuple[NDArray, NDArray]]:
+        """``(members, lengths)`` of a few micro-batches."""
+        which = np.asarray(which, dtype=np.int64)
+        if self._lazy:
+            return self.packed.ranges(self.starts[which], self.ends[which])
+        return [(self.members[s:e], self.lengths[s:e]) for s, e in zip(self.starts[which], self.ends[which])]
+
+    def members_of(self, which: NDArray[np.int64]) -> NDArray[np.int64]:
+        """The entries of the given micro-batches, concatenated (int64)."""
+        parts = [members for members, _ in self.ranges(which)]
+        return np.concatenate([np.zeros(0, dtype=np.int64), *parts]).astype(np.int64)
 
     def longest(self) -> NDArray[np.int64]:
         """Pad mode: length of each micro-batch's first entry, its longest (windows are
@@ -61,12 +209,41 @@ class MicroBatches:
         first = np.minimum(self.starts, self.lengths.shape[0] - 1)
         return np.where(self.ends > self.starts, self.lengths[first], 0).astype(np.int64)
 
-    def extend(self, pairs: NDArray[np.int64]) -> NDArray[np.int64]:
-        """Add micro-batches ``members[start:end]`` for each row of ``pairs``; return their ids."""
-        first = self.count
-        self.starts = np.concatenate([self.starts, pairs[:, 0]])
-        self.ends = np.concatenate([self.ends, pairs[:, 1]])
-        return np.arange(first, self.count, dtype=np.int64)
+    def extend(self, pairs: NDArray[np.int64], tokens: NDArray[np.int64]) -> NDArray[np.int64]:
+        """Add micro-batches ``members[start:end]`` for each row of ``pairs``, of ``tokens``
+        tokens each; return their ids. In place when there is room (`of_bins`)."""
+        tokens_now = self.tokens()
+        first, count = self._count, self._count + pairs.shape[0]
+        if count > self._starts.shape[0]:
+            room = count + count // 8
+            self._starts, self._ends, self._tokens = (
+                np.concatenate([old[:first], np.empty(room - first, dtype=np.int64)])
+                for old in (self._starts, self._ends, tokens_now)
+            )
+        self._starts[first:count], self._ends[first:count], self._tokens[first:count] = pairs[:, 0], pairs[:, 1], tokens
+        self._count = count
+        return np.arange(first, count, dtype=np.int64)
+
+    def gather(self, order: NDArray[np.integer], sizes: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray]:
+        """Members of micro-batches ``order`` one after another, in CSR form ``(offsets, members)``;
+        ``sizes`` are their entry counts."""
+        if not self._lazy:
+            return gather_segments(self.members, self.starts, self.ends, order)
+        packed = self.packed
+        offsets, destination, pieces = bin_destinations(order, sizes, packed.num_bins)
+        members = scatter_bins(
+            packed.items, packed.start, packed.slot_bin, packed.offsets, destination,
+            self.starts[order[pieces]], self.ends[order[pieces]], offsets[pieces], int(offsets[-1]), packed.capacity,
+        )  # fmt: skip
+        return offsets, members
+
+
+def _float_sum(values: NDArray[np.float64]) -> float:
+    """Left-to-right float sum, as the kernels add."""
+    total = 0.0
+    for value in values.tolist():
+        total += value
+    return total
 
 
 def form_micro_batches(lengths: NDArray[np.int32], config: PlanConfig, rng: np.random.Generator) -> MicroBatches:
@@ -80,8 +257,9 @@ def form_micro_batches(lengths: NDArray[np.int32], config: PlanConfig, rng: np.r
         keys = rng.integers(0, 2**32, size=count, dtype=np.uint32)
         items, start = shuffle_by_length(lengths, keys, capacity, index)
         del keys  # 4 bytes per entry, no longer needed while packing
-        offsets, members, batch_lengths = pack_grouped(items, start, capacity)
-        del items
+        slot_bin, offsets, tokens = pack_bins(items, start, capacity)
+        # Room for the pieces and empties that complete the last chunk (`batchplan.planner`).
+        return MicroBatches.of_bins(PackedBins(items, start, slot_bin, offsets, tokens, capacity), config.world_size)
     else:
         order = rng.permutation(count).astype(index.dtype)
         offsets, members, batch_lengths = cut_padded(
@@ -128,8 +306,7 @@ def compute_costs(batches: MicroBatches, config: PlanConfig) -> NDArray[np.float
     """Predicted compute per micro-batch, in tokens: `batchplan.cost` for the model width."""
     coefficient = config.cost_coefficient
     if config.mode == "pack":
-        lengths = batches.lengths.astype(np.float64)
-        return batches.range_sums(lengths + coefficient * lengths**2)
+        return batches.length_sums(lambda lengths: lengths + coefficient * lengths**2)
     # Pad: count x (longest + c longest^2).
     count = batches.ends - batches.starts
     longest = batches.longest().astype(np.float64)

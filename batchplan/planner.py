@@ -38,12 +38,10 @@ from numpy.typing import NDArray
 from batchplan.config import PlanConfig
 from batchplan.entries import Entries, make_entries
 from batchplan.errors import ConfigError, DatasetError
-from batchplan.kernels.assemble import order_rows
-from batchplan.kernels.balance import assign_ranks, sort_within_windows
-from batchplan.kernels.segments import gather_segments
+from batchplan.kernels.assemble import lay_out_rows, move_within, take_scheduled
+from batchplan.kernels.balance import sort_within_windows
 from batchplan.kernels.steps import ramp_steps, ramp_target, steps_by_tokens
 from batchplan.micro_batches import MicroBatches, compute_costs, form_micro_batches, form_warmup_micro_batches
-from batchplan.segments import segment_sum
 from batchplan.warmup import SeqlenWarmup, add_warmup_pieces
 
 __all__ = ["EpochPlan", "Plan", "build_plan", "epoch_rng", "plan_epoch", "schedule_epoch"]
@@ -238,8 +236,11 @@ def schedule_epoch(
             "which were not given (resharding a plan built with --rampup is not supported yet)"
         )
     sizing = _StepSizing.of(config, tokens_before or 0, batches)
-    rest = epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER).permutation(batches.count - ordered)
-    schedule = rest if ordered == 0 else np.concatenate([np.arange(ordered), ordered + rest])
+    # A permutation of the micro-batches after the first `ordered`, with room for the
+    # last chunk to be completed in place (`shuffle` draws as `permutation` does).
+    schedule = np.empty(batches.count + config.world_size, dtype=np.int64)[: batches.count]
+    schedule[:] = np.arange(batches.count)
+    epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER).shuffle(schedule[ordered:])
     if config.drop_last:
         if not config.has_rampup:
             schedule, dropped = _drop_last_step(batches, schedule, config, epoch)
@@ -247,23 +248,56 @@ def schedule_epoch(
     else:
         num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
         schedule, dropped = _complete_last_chunk(batches, schedule, config.world_size)
-    batch_tokens = batches.tokens()
     compute = None if config.cost_coefficient is None else compute_costs(batches, config)
-    costs = compute if config.balance == "compute" else batch_tokens.astype(np.float64)
+    # From here on every value travels with its scheduled position (one gather at random
+    # now, then only moves within windows and chunks), not looked up per micro-batch.
+    at = _Scheduled.take(schedule, batches, compute, config.balance == "compute")
     rng = epoch_rng(config.seed, epoch, STREAM_CHUNK_ORDER)
     kept = min(num_full, -(-ordered // config.world_size) * config.world_size)  # whole chunks
-    balanced = _balanced_chunks(schedule[kept:num_full], costs, config, rng)
-    schedule = np.concatenate([schedule[:kept], balanced, schedule[num_full:]])
-    tokens = batch_tokens[schedule]
+    at = at.moved(kept, _balanced_chunks(at.costs[kept:num_full], config, rng))
     if config.drop_last and config.has_rampup:
         # The ramp makes step boundaries depend on the order: decide on the final steps.
-        step_offsets = _step_offsets(tokens[:num_full], config, sizing)
-        schedule, step_offsets, dropped = _drop_last_ramp_step(batches, schedule, step_offsets, config, epoch, sizing)
-        tokens = tokens[: schedule.shape[0]]
+        step_offsets = _step_offsets(at.tokens[:num_full], config, sizing)
+        keep, step_offsets, dropped = _drop_last_ramp_step(batches, at, step_offsets, config, epoch, sizing)
+        at = at.head(keep)
     else:
-        step_offsets = _step_offsets(tokens, config, sizing)
-    rank, micro = assign_ranks(costs[schedule], step_offsets, config.world_size)
-    return _assemble(entries, config, epoch, batches, schedule, tokens, compute, step_offsets, rank, micro, dropped)
+        step_offsets = _step_offsets(at.tokens, config, sizing)
+    return _assemble(entries, config, epoch, batches, at, step_offsets, dropped)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scheduled:
+    """Micro-batches in schedule order, each with what the later stages need of it."""
+
+    batch: NDArray[np.int64]  # micro-batch id
+    tokens: NDArray[np.int64]
+    sizes: NDArray[np.int64]  # entries
+    compute: NDArray[np.float64] | None  # predicted compute, with a cost coefficient
+    by_compute: bool  # balance ranks by compute, else by tokens
+
+    @classmethod
+    def take(cls, schedule, batches: MicroBatches, compute, by_compute: bool) -> _Scheduled:
+        values = np.zeros(0, dtype=np.float64) if compute is None else compute
+        tokens, sizes, values = take_scheduled(schedule, batches.tokens(), batches.starts, batches.ends, values)
+        return cls(schedule, tokens, sizes, None if compute is None else values, by_compute)
+
+    @property
+    def costs(self) -> NDArray:
+        """What ranks are balanced by (integer tokens sort and add up as their float values)."""
+        return self.compute if self.by_compute else self.tokens
+
+    def moved(self, begin: int, positions: NDArray[np.int64] | None) -> _Scheduled:
+        """Positions ``begin + i`` take the values of ``begin + positions[i]`` (None: unmoved)."""
+        if positions is None:
+            return self
+        return self._map(lambda values: move_within(values, begin, positions))
+
+    def head(self, count: int) -> _Scheduled:
+        return self._map(lambda values: values[:count])
+
+    def _map(self, change) -> _Scheduled:
+        arrays = (self.batch, self.tokens, self.sizes, self.compute)
+        return _Scheduled(*(None if values is None else change(values) for values in arrays), self.by_compute)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +317,7 @@ class _StepSizing:
             if config.tokens_per_step is not None:
                 full = float(config.tokens_per_step)
             else:
-                mean = float(batches.lengths.sum(dtype=np.int64)) / max(batches.count, 1)
+                mean = float(batches.tokens().sum()) / max(batches.count, 1)
                 full = mean * config.world_size * config.micro_batches_per_step
         return cls(int(tokens_before), full)
 
@@ -292,14 +326,15 @@ class _StepSizing:
         return float(ramp_target(done, float(config.rampup_start), self.full_step, config.rampup_tokens))
 
 
-def _balanced_chunks(schedule, costs, config: PlanConfig, rng: np.random.Generator):
-    """Reorder so each chunk of world_size holds similar costs; shuffle the chunks."""
+def _balanced_chunks(costs, config: PlanConfig, rng: np.random.Generator) -> NDArray[np.int64] | None:
+    """How to reorder positions so each chunk of world_size holds similar costs, the
+    chunks shuffled; None to keep the (already random) order."""
     world_size = config.world_size
     if config.balance_window == 1:
-        return schedule  # already random; LPT balances inside each step
-    order = sort_within_windows(costs[schedule], config.balance_window * world_size)
+        return None  # already random; LPT balances inside each step
+    order = sort_within_windows(costs, config.balance_window * world_size)
     # shape (num_chunks, world_size): one micro-batch per rank in each chunk
-    chunks = schedule[order].reshape(-1, world_size)
+    chunks = order.reshape(-1, world_size)
     return chunks[rng.permutation(chunks.shape[0])].reshape(-1)
 
 
@@ -313,19 +348,28 @@ def _complete_last_chunk(batches: MicroBatches, schedule, world_size: int):
     no_drop = np.zeros(0, dtype=np.int64)
     if full == count:
         return schedule, no_drop
-    # The last chunk as (start, end) pairs: split the largest in two until every rank has
-    # one, then add empties; appended to the micro-batches at once.
-    pairs = [(int(batches.starts[k]), int(batches.ends[k])) for k in schedule[full:]]
+    # The last chunk as (start, end, lengths): split the largest in two until every rank
+    # has one, then add empties; appended to the micro-batches at once.
+    last = schedule[full:]
+    pairs = [
+        (int(start), int(end), lengths)
+        for start, end, (_, lengths) in zip(batches.starts[last], batches.ends[last], batches.ranges(last))
+    ]
     while len(pairs) < world_size:
-        splittable = [i for i, (start, end) in enumerate(pairs) if end - start > 1]
+        splittable = [i for i, (start, end, _) in enumerate(pairs) if end - start > 1]
         if not splittable:
             break
-        largest = max(splittable, key=lambda i: int(batches.lengths[pairs[i][0] : pairs[i][1]].sum()))
-        start, end = pairs.pop(largest)
-        cut = start + _halving_point(batches.lengths[start:end])
-        pairs += [(start, cut), (cut, end)]
-    pairs += [(0, 0)] * (world_size - len(pairs))
-    last = batches.extend(np.array(pairs, dtype=np.int64).reshape(-1, 2))
+        largest = max(splittable, key=lambda i: int(pairs[i][2].sum()))
+        start, end, lengths = pairs.pop(largest)
+        cut = _halving_point(lengths)
+        pairs += [(start, start + cut, lengths[:cut]), (start + cut, end, lengths[cut:])]
+    tokens = [int(lengths.sum()) for _, _, lengths in pairs] + [0] * (world_size - len(pairs))
+    pairs = [(start, end) for start, end, _ in pairs] + [(0, 0)] * (world_size - len(pairs))
+    last = batches.extend(np.array(pairs, dtype=np.int64).reshape(-1, 2), np.array(tokens, dtype=np.int64))
+    if schedule.base is not None and schedule.base.shape[0] >= full + world_size:  # room left
+        completed = schedule.base[: full + world_size]
+        completed[full:] = last
+        return completed, no_drop
     return np.concatenate([schedule[:full], last]), no_drop
 
 
@@ -351,19 +395,19 @@ def _drop_last_step(batches: MicroBatches, schedule, config: PlanConfig, epoch: 
             if abs(last_step + next_chunk - config.tokens_per_step) < abs(last_step - config.tokens_per_step):
                 keep = int(step_offsets[-2])
     _check_keeps_some(keep, schedule.shape[0], config, epoch)
-    return schedule[:keep], _members_of(batches, schedule[keep:])
+    return schedule[:keep], batches.members_of(schedule[keep:])
 
 
-def _drop_last_ramp_step(batches: MicroBatches, schedule, step_offsets, config: PlanConfig, epoch: int, sizing):
-    """``drop_last`` under a ramp-up, on the final steps over the whole chunks of
-    ``schedule``: drop the partial chunk, and the last step if it is incomplete (see
-    `_last_step_incomplete`). Returns the kept schedule, its step offsets, the dropped entries."""
-    tokens = batches.tokens()[schedule[: step_offsets[-1]]]
+def _drop_last_ramp_step(batches: MicroBatches, at: _Scheduled, step_offsets, config: PlanConfig, epoch: int, sizing):
+    """``drop_last`` under a ramp-up, on the final steps over the whole chunks of the
+    schedule: drop the partial chunk, and the last step if it is incomplete (see
+    `_last_step_incomplete`). Returns how many to keep, their step offsets, the dropped entries."""
+    tokens = at.tokens[: step_offsets[-1]]
     keep = int(step_offsets[-1])
     if step_offsets.shape[0] > 1 and _last_step_incomplete(tokens, step_offsets, config, sizing):
         keep, step_offsets = int(step_offsets[-2]), step_offsets[:-1]
-    _check_keeps_some(keep, schedule.shape[0], config, epoch)
-    return schedule[:keep], step_offsets, _members_of(batches, schedule[keep:])
+    _check_keeps_some(keep, at.batch.shape[0], config, epoch)
+    return keep, step_offsets, batches.members_of(at.batch[keep:])
 
 
 def _check_keeps_some(keep: int, count: int, config: PlanConfig, epoch: int) -> None:
@@ -373,11 +417,6 @@ def _check_keeps_some(keep: int, count: int, config: PlanConfig, epoch: int) -> 
             f"not fill one step of {config.world_size} ranks; use fewer ranks or micro-batches per step, "
             "or leave out --drop-last"
         )
-
-
-def _members_of(batches: MicroBatches, gone) -> NDArray[np.int64]:
-    parts = [batches.members[batches.starts[k] : batches.ends[k]] for k in gone]
-    return np.concatenate([np.zeros(0, dtype=np.int64), *parts])
 
 
 def _last_step_incomplete(tokens, step_offsets, config: PlanConfig, sizing: _StepSizing) -> bool:
@@ -426,34 +465,41 @@ def _step_offsets(tokens: NDArray[np.int64], config: PlanConfig, sizing: _StepSi
     return chunk_offsets.astype(np.int64) * world_size
 
 
-def _assemble(entries, config, epoch, batches, schedule, tokens, costs, step_offsets, rank, micro, dropped) -> EpochPlan:
-    """Order micro-batches by (rank, step, micro) and compute the per-row columns."""
-    position, step, rank, micro, num_micro = order_rows(step_offsets, rank, micro, config.world_size)
-    batch_of_row = schedule[position]
-    offsets, members = gather_segments(batches.members, batches.starts, batches.ends, batch_of_row)
-    if entries.loss_is_length_minus_one:
-        loss = tokens - (batches.ends - batches.starts)[schedule]
-    else:
-        loss = batches.range_sums(entries.loss_of(batches.members))[schedule]
-    # Step sums in schedule order, where each step is a contiguous run of positions.
-    step_tokens = segment_sum(tokens, step_offsets)
-    step_loss_tokens = segment_sum(loss, step_offsets)
-    tokens = tokens[position]
-    padded = np.diff(offsets) * batches.longest()[batch_of_row] if config.mode == "pad" else tokens
+def _assemble(entries, config, epoch, batches: MicroBatches, at: _Scheduled, step_offsets, dropped) -> EpochPlan:
+    """Assign ranks in each step, order micro-batches by (rank, step, micro), and compute
+    the per-row columns (`batchplan.kernels.assemble.lay_out_rows`)."""
+    world_size = config.world_size
+    no_values = np.zeros(0, dtype=np.int64)
+    loss = no_values if entries.loss_is_length_minus_one else batches.entry_sums(entries.loss_tokens)[at.batch]
+    compute = np.zeros(0, dtype=np.float64) if at.compute is None else at.compute
+    (batch_of_row, tokens, loss_tokens, sizes, cost, step, micro, num_micro, step_tokens, step_loss_tokens) = (
+        lay_out_rows(step_offsets, at.costs, at.batch, at.tokens, at.sizes, loss, compute, world_size)
+    )
+    offsets, members = batches.gather(batch_of_row, sizes)
+    padded = sizes * batches.longest()[batch_of_row] if config.mode == "pad" else tokens
     return EpochPlan(
         epoch=epoch,
-        world_size=config.world_size,
+        world_size=world_size,
         offsets=offsets,
         members=members,
-        step=step,
-        rank=rank,
-        micro=micro,
-        num_micro=num_micro,
+        step=_broadcast(step, (world_size, step.shape[0])),
+        rank=_broadcast(np.arange(world_size, dtype=np.int32)[:, None], (world_size, step.shape[0])),
+        micro=_broadcast(micro, (world_size, step.shape[0])),
+        num_micro=_broadcast(num_micro, (world_size, step.shape[0])),
         tokens=tokens,
-        loss_tokens=loss[position],
+        loss_tokens=loss_tokens,
         padded_tokens=padded,
-        cost=None if costs is None else costs[batch_of_row],
+        cost=None if at.compute is None else cost,
         step_tokens=step_tokens,
         step_loss_tokens=step_loss_tokens,
         dropped_entries=dropped,
     )
+
+
+
+def _broadcast(values: NDArray, shape: tuple[int, int]) -> NDArray:
+    """``values`` broadcast to ``shape``, flattened: every rank's rows from one rank's
+    (or from one value per rank). A copy, faster than `np.tile`/`np.repeat`."""
+    out = np.empty(shape, dtype=values.dtype)
+    out[:] = values
+    return out.reshape(-1)

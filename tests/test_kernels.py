@@ -7,14 +7,27 @@ and tokens), so numba's on-disk cache serves these tests too.
 
 from __future__ import annotations
 
+from random import Random
+
 import numpy as np
 import reference as ref
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from batchplan.kernels.assemble import order_rows
-from batchplan.kernels.balance import assign_ranks, sort_within_windows
-from batchplan.kernels.pack import pack_grouped, pack_items, pack_segments
+from batchplan.kernels.assemble import lay_out_rows, move_within, take_scheduled
+from batchplan.kernels.balance import sort_within_windows
+from batchplan.kernels.pack import (
+    bin_destinations,
+    bin_item_sums,
+    bin_length_sums,
+    bin_members,
+    fill_bins,
+    pack_bins,
+    pack_grouped,
+    pack_items,
+    pack_segments,
+    scatter_bins,
+)
 from batchplan.kernels.shuffle import shuffle_by_length
 from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import gather_segments, range_sums
@@ -313,38 +326,76 @@ def balance_inputs(draw):
     return np.array(costs, dtype=np.int64), offsets, world_size
 
 
+@given(balance_inputs(), st.booleans(), st.booleans())
+def test_lay_out_rows_matches_assign_ranks_and_order_rows(case, with_loss, with_compute):
+    """The layout = the references `assign_ranks` + `order_rows`, plus the per-row values and step sums."""
+    costs, offsets, world_size = case
+    count = costs.shape[0]
+    batch = np.arange(count, dtype=np.int64)[::-1].copy()
+    tokens = costs + 3
+    sizes = costs % 4 + 1
+    loss = (tokens - sizes - 1) if with_loss else np.zeros(0, dtype=np.int64)
+    compute = tokens * 1.5 if with_compute else np.zeros(0, dtype=np.float64)
+    found = lay_out_rows(offsets, costs, batch, tokens, sizes, loss, compute, world_size)
+    row_batch, row_tokens, row_loss, row_sizes, row_compute, step, micro, num_micro, step_tokens, step_loss = found
+    rank, want_micro = ref.assign_ranks(costs.tolist(), offsets.tolist(), world_size)
+    rows = ref.order_rows(offsets.tolist(), rank, want_micro, world_size)
+    position = [row[0] for row in rows]
+    lost = (loss if with_loss else tokens - sizes).tolist()
+    assert row_batch.tolist() == [int(batch[p]) for p in position]
+    assert row_tokens.tolist() == [int(tokens[p]) for p in position]
+    assert row_sizes.tolist() == [int(sizes[p]) for p in position]
+    assert row_loss.tolist() == [lost[p] for p in position]
+    assert row_compute.tolist() == ([float(compute[p]) for p in position] if with_compute else [])
+    per_rank = count // world_size
+    assert [(s, m, n) for s, m, n in zip(step.tolist(), micro.tolist(), num_micro.tolist())] == [
+        (row[1], row[3], row[4]) for row in rows[:per_rank]
+    ]
+    assert all(row[1:2] + row[3:] == rows[r * per_rank + i][1:2] + rows[r * per_rank + i][3:]
+               for r in range(world_size) for i, row in enumerate(rows[:per_rank]))  # fmt: skip
+    assert step_tokens.tolist() == ref.segment_sum(tokens.tolist(), offsets.tolist())
+    assert step_loss.tolist() == ref.segment_sum(lost, offsets.tolist())
+
+
+@given(st.lists(st.integers(0, 50), max_size=30), st.randoms(use_true_random=False), st.integers(0, 5))
+def test_take_scheduled_and_move_within(values, random, begin):
+    count = len(values)
+    tokens = np.array(values, dtype=np.int64)
+    starts = np.arange(count, dtype=np.int64) * 2
+    ends = starts + tokens % 3
+    schedule = np.array(random.sample(range(count), count), dtype=np.int64)
+    for weights in (np.zeros(0), tokens / 2.0):
+        got_tokens, got_sizes, got_values = take_scheduled(schedule, tokens, starts, ends, weights)
+        assert got_tokens.tolist() == [values[k] for k in schedule]
+        assert got_sizes.tolist() == [int(ends[k] - starts[k]) for k in schedule]
+        assert got_values.tolist() == ([float(weights[k]) for k in schedule] if weights.size else [])
+    begin = min(begin, count)
+    positions = np.array(random.sample(range(count - begin), count - begin), dtype=np.int64)
+    want = values[:begin] + [values[begin + p] for p in positions]
+    assert move_within(tokens, begin, positions).tolist() == want
+
+
 @given(balance_inputs())
 @example((np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64), 8))  # no micro-batches
 @example((np.array([5], dtype=np.int64), np.array([0, 1], dtype=np.int64), 1))  # one micro-batch
 @example((np.array([9, 0, 0, 4] + [0] * 60, dtype=np.int64), np.array([0, 64], dtype=np.int64), 64))  # empties
 @example((np.array([3, 3, 3, 3, 3, 3], dtype=np.int64), np.array([0, 6], dtype=np.int64), 3))  # all equal
 @example((np.array([4, 4, 2, 2, 1, 1], dtype=np.int64), np.array([0, 2, 6], dtype=np.int64), 2))  # two steps
-def test_assign_ranks_matches_reference(case):
+def test_lay_out_rows_gives_every_rank_equal_counts(case):
+    """Each rank's rows hold every scheduled position once per step: per_rank of each step."""
     costs, offsets, world_size = case
-    rank, micro = assign_ranks(costs, offsets, world_size)
-    want_rank, want_micro = ref.assign_ranks(costs.tolist(), offsets.tolist(), world_size)
-    assert rank.tolist() == want_rank
-    assert micro.tolist() == want_micro
-
-
-@given(balance_inputs())
-def test_order_rows_matches_reference(case):
-    costs, offsets, world_size = case
-    rank, micro = assign_ranks(costs, offsets, world_size)
-    found = order_rows(offsets, rank, micro, world_size)
-    rows = list(zip(*(column.tolist() for column in found)))
-    assert rows == ref.order_rows(offsets.tolist(), rank.tolist(), micro.tolist(), world_size)
-
-
-@given(balance_inputs())
-def test_assign_ranks_gives_every_rank_equal_counts(case):
-    costs, offsets, world_size = case
-    rank, micro = assign_ranks(costs, offsets, world_size)
-    rank, micro, offsets = rank.tolist(), micro.tolist(), offsets.tolist()
+    count = costs.shape[0]
+    found = lay_out_rows(offsets, costs, np.arange(count), costs, costs, costs[:0], np.zeros(0), world_size)
+    row_batch, step, micro = found[0].tolist(), found[5].tolist(), found[6].tolist()
+    assert sorted(row_batch) == list(range(count))
+    per_rank_rows = count // world_size
+    for rank in range(world_size):
+        rows = row_batch[rank * per_rank_rows : (rank + 1) * per_rank_rows]
+        for position, s in zip(rows, step):
+            assert offsets[s] <= position < offsets[s + 1]  # the row's step holds it
     for s in range(len(offsets) - 1):
         per_rank = (offsets[s + 1] - offsets[s]) // world_size
-        slots = sorted(zip(rank[offsets[s] : offsets[s + 1]], micro[offsets[s] : offsets[s + 1]]))
-        assert slots == [(r, m) for r in range(world_size) for m in range(per_rank)]
+        assert [m for m, t in zip(micro, step) if t == s] == list(range(per_rank))
 
 
 @given(
@@ -394,6 +445,84 @@ def test_pack_grouped_equals_pack_segments_on_grouped_items(case):
     offsets, members, member_lengths = pack_grouped(items, start, max_tokens)
     want_offsets, want_members = pack_segments(lengths, order, max_tokens)
     assert offsets.tolist() == want_offsets.tolist() and members.tolist() == want_members.tolist()
+    assert member_lengths.tolist() == lengths[members].tolist()
+
+
+def grouped(lengths, order, max_tokens):
+    """``order`` grouped by length (shortest first, ``order`` kept within a length), with offsets."""
+    items = order[np.argsort(lengths[order], kind="stable")]
+    start = np.concatenate([[0], np.cumsum(np.bincount(lengths, minlength=max_tokens + 1))])
+    return items, np.append(start, start[-1]).astype(np.int64)
+
+
+def with_edges_and_seed(test):
+    for case in EDGE_ITEMS:
+        test = example(case, 0)(test)
+    return test
+
+
+@given(items(), st.integers(0, 2**16))
+@with_edges_and_seed
+def test_packed_bins_give_the_bins_of_pack_segments_in_any_layout(case, seed):
+    """`pack_bins` + `fill_bins` is `pack_segments`; `scatter_bins` lays those bins (and pieces
+    of bins, leaving the rest out) in any order exactly as a gather of the filled bins does."""
+    random = Random(seed)
+    lengths, order, max_tokens = case
+    items, start = grouped(lengths, order, max_tokens)
+    slot_bin, offsets, tokens = pack_bins(items, start, max_tokens)
+    members, member_lengths = fill_bins(items, start, slot_bin, offsets, max_tokens)
+    want_offsets, want_members = ref.pack_segments(lengths.tolist(), order.tolist(), max_tokens)
+    assert (offsets.tolist(), members.tolist()) == (want_offsets, want_members)
+    assert member_lengths.tolist() == lengths[members].tolist()
+    assert tokens.tolist() == ref.segment_sum(member_lengths.tolist(), want_offsets)
+    num_bins = tokens.shape[0]
+    # Some bins whole, some cut into two pieces, some left out, then shuffled: the layout.
+    starts, ends, order_of = list(offsets[:-1]), list(offsets[1:]), []
+    for b in range(num_bins):
+        choice = random.choice(["whole", "whole", "cut", "out"])
+        if choice == "whole":
+            order_of.append(b)
+        elif choice == "cut" and offsets[b + 1] - offsets[b] > 1:
+            cut = random.randrange(offsets[b] + 1, offsets[b + 1])
+            starts += [offsets[b], cut]
+            ends += [cut, offsets[b + 1]]
+            order_of += [len(starts) - 2, len(starts) - 1]
+    random.shuffle(order_of)
+    starts, ends, layout = (np.array(x, dtype=np.int64) for x in (starts, ends, order_of))
+    sizes = ends[layout] - starts[layout]
+    out_offsets, destination, pieces = bin_destinations(layout, sizes, num_bins)
+    laid = scatter_bins(
+        items, start, slot_bin, offsets, destination, starts[layout[pieces]], ends[layout[pieces]],
+        out_offsets[pieces], int(out_offsets[-1]), max_tokens,
+    )  # fmt: skip
+    want = ref.gather_segments(want_members, starts.tolist(), ends.tolist(), layout.tolist())
+    assert (out_offsets.tolist(), laid.tolist()) == want
+    assert destination.tolist() == [
+        int(out_offsets[layout.tolist().index(b)]) if b in layout.tolist() else -1 for b in range(num_bins)
+    ]
+
+
+@given(items())
+@with_edges
+def test_bin_sums_and_bin_members_match_reference(case):
+    lengths, order, max_tokens = case
+    items, start = grouped(lengths, order, max_tokens)
+    slot_bin, offsets, tokens = pack_bins(items, start, max_tokens)
+    want_offsets, want_members = ref.pack_segments(lengths.tolist(), order.tolist(), max_tokens)
+    num_bins = tokens.shape[0]
+    table = np.arange(max_tokens + 1, dtype=np.float64) ** 2 / 3.0
+    want = [0.0] * num_bins
+    for b in range(num_bins):
+        for m in want_members[want_offsets[b] : want_offsets[b + 1]]:
+            want[b] += float(table[lengths[m]])  # left to right, as the members lie
+    assert bin_length_sums(table, start, slot_bin, num_bins, max_tokens).tolist() == want
+    values = (np.arange(lengths.shape[0], dtype=np.int32) * 7) % 5
+    got = bin_item_sums(values, items, start, slot_bin, num_bins, max_tokens).tolist()
+    assert got == ref.segment_sum([int(values[m]) for m in want_members], want_offsets)
+    wanted = np.arange(0, num_bins, 2, dtype=np.int64)
+    local, members, member_lengths = bin_members(items, start, slot_bin, offsets, wanted, max_tokens)
+    expect = [want_members[want_offsets[b] : want_offsets[b + 1]] for b in wanted]
+    assert [members[local[i] : local[i + 1]].tolist() for i in range(wanted.shape[0])] == expect
     assert member_lengths.tolist() == lengths[members].tolist()
 
 

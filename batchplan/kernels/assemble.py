@@ -1,8 +1,11 @@
-"""Lay out scheduled micro-batches as plan rows ordered by (rank, step, micro), O(n).
+"""Carry scheduled micro-batches to plan rows ordered by (rank, step, micro), O(n).
 
-Every rank holds the same number of rows, ``rows_per_rank``, so the row of a micro-batch
-is ``rank x rows_per_rank + (rows of its rank before its step) + micro``: no sort, and
-the writes go to ``world_size`` sequential streams, one per rank.
+`take_scheduled` gathers what each scheduled micro-batch needs once (the only random
+reads), `move_within` reorders those values inside the balance windows, and
+`lay_out_rows` assigns ranks step by step and writes each row's values in place: every
+rank holds the same number of rows, ``rows_per_rank``, so the row of a micro-batch is
+``rank x rows_per_rank + (rows of its rank before its step) + micro`` (no sort; the
+writes go to ``world_size`` sequential streams, one per rank).
 """
 
 from __future__ import annotations
@@ -10,42 +13,95 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["order_rows"]
+from batchplan.kernels.balance import assign_step
+
+__all__ = ["lay_out_rows", "move_within", "take_scheduled"]
 
 
 @njit(cache=True, nogil=True)
-def order_rows(step_offsets, rank, micro, world_size):
-    """Where each scheduled micro-batch goes.
+def take_scheduled(schedule, tokens, starts, ends, values):
+    """Per scheduled position, its micro-batch's tokens, entry count and ``values`` (float64;
+    none when ``values`` is empty), gathered in one pass."""
+    count = schedule.shape[0]
+    out_tokens = np.empty(count, dtype=np.int64)
+    out_sizes = np.empty(count, dtype=np.int64)
+    out_values = np.empty(count if values.shape[0] else 0, dtype=np.float64)
+    for i in range(count):
+        k = schedule[i]
+        out_tokens[i] = tokens[k]
+        out_sizes[i] = ends[k] - starts[k]
+        if values.shape[0]:
+            out_values[i] = values[k]
+    return out_tokens, out_sizes, out_values
+
+
+@njit(cache=True, nogil=True)
+def move_within(values, begin, positions):
+    """A copy of ``values`` where ``values[begin + i]`` becomes ``values[begin + positions[i]]``."""
+    out = values.copy()
+    for i in range(positions.shape[0]):
+        out[begin + i] = values[begin + positions[i]]
+    return out
+
+
+@njit(cache=True, nogil=True)
+def lay_out_rows(step_offsets, costs, batch, tokens, sizes, loss, compute, world_size):
+    """Assign ranks in each step and lay the rows out by (rank, step, micro), in one pass.
 
     Args:
         step_offsets: step ``s`` holds scheduled positions ``step_offsets[s]:step_offsets[s + 1]``.
-        rank: rank of each scheduled position.
-        micro: position within its step on its rank.
+        costs: what ranks are balanced by, per scheduled position.
+        batch, tokens, sizes: micro-batch id, tokens and entries per scheduled position.
+        loss: loss tokens per scheduled position, or empty for ``tokens - sizes``.
+        compute: predicted compute per scheduled position, or empty.
         world_size: number of ranks.
 
     Returns:
-        ``(position, step, rank, micro, num_micro)`` per row: the scheduled position the row
-        holds, its epoch-local step, rank and micro (int32), and micro-batches per rank in
-        its step (int32).
+        Per row, ordered by (rank, step, micro): ``batch``, ``tokens``, ``loss``, ``sizes``,
+        ``compute`` (empty when not given); per row of one rank (every rank has the same):
+        ``step``, ``micro``, ``num_micro``; per step: ``step_tokens``, ``step_loss``.
     """
     count = step_offsets[-1]
+    num_steps = step_offsets.shape[0] - 1
     rows_per_rank = count // world_size
-    position = np.empty(count, dtype=np.int64)
-    row_step = np.empty(count, dtype=np.int64)
-    row_rank = np.empty(count, dtype=np.int32)
-    row_micro = np.empty(count, dtype=np.int32)
-    num_micro = np.empty(count, dtype=np.int32)
+    row_batch = np.empty(count, dtype=batch.dtype)
+    row_tokens = np.empty(count, dtype=np.int64)
+    row_loss = np.empty(count, dtype=np.int64)
+    row_sizes = np.empty(count, dtype=np.int64)
+    row_compute = np.empty(count if compute.shape[0] else 0, dtype=np.float64)
+    rank_step = np.empty(rows_per_rank, dtype=np.int64)
+    rank_micro = np.empty(rows_per_rank, dtype=np.int32)
+    rank_num_micro = np.empty(rows_per_rank, dtype=np.int32)
+    step_tokens = np.zeros(num_steps, dtype=np.int64)
+    step_loss = np.zeros(num_steps, dtype=np.int64)
+    rank = np.empty(0, dtype=np.int64)
+    micro = np.empty(0, dtype=np.int64)
     before = 0
-    for step in range(step_offsets.shape[0] - 1):
+    for step in range(num_steps):
         begin = step_offsets[step]
         end = step_offsets[step + 1]
         per_rank = (end - begin) // world_size
+        if rank.shape[0] < end - begin:
+            rank = np.empty(end - begin, dtype=np.int64)
+            micro = np.empty(end - begin, dtype=np.int64)
+        assign_step(costs[begin:end].astype(np.float64), per_rank, world_size, rank, micro)
+        for m in range(per_rank):
+            rank_step[before + m] = step
+            rank_micro[before + m] = m
+            rank_num_micro[before + m] = per_rank
         for p in range(begin, end):
-            row = rank[p] * rows_per_rank + before + micro[p]
-            position[row] = p
-            row_step[row] = step
-            row_rank[row] = rank[p]
-            row_micro[row] = micro[p]
-            num_micro[row] = per_rank
+            row = rank[p - begin] * rows_per_rank + before + micro[p - begin]
+            lost = loss[p] if loss.shape[0] else tokens[p] - sizes[p]
+            row_batch[row] = batch[p]
+            row_tokens[row] = tokens[p]
+            row_loss[row] = lost
+            row_sizes[row] = sizes[p]
+            if compute.shape[0]:
+                row_compute[row] = compute[p]
+            step_tokens[step] += tokens[p]
+            step_loss[step] += lost
         before += per_rank
-    return position, row_step, row_rank, row_micro, num_micro
+    return (
+        row_batch, row_tokens, row_loss, row_sizes, row_compute,
+        rank_step, rank_micro, rank_num_micro, step_tokens, step_loss,
+    )  # fmt: skip
