@@ -187,17 +187,32 @@ def _record_batches(plan: Plan, on_batch) -> Iterator[pa.RecordBatch]:
     for epoch in plan.epochs:
         # shape (num_steps,): global tokens before each step, counting across epochs
         before = tokens_base + np.cumsum(epoch.step_tokens) - epoch.step_tokens
+        shared = _shared_columns(schema, epoch, step_base, before)
         for rank in range(epoch.world_size):
             rows = slice(rank * epoch.rows_per_rank, (rank + 1) * epoch.rows_per_rank)
-            yield _rank_batch(schema, plan, epoch, rows, step_base, before)
+            yield _rank_batch(schema, plan, epoch, rank, rows, shared)
             if on_batch is not None:
                 on_batch(epoch.epoch * epoch.world_size + rank)
         step_base += epoch.num_steps
         tokens_base += int(epoch.step_tokens.sum())
 
 
-def _rank_batch(schema, plan, epoch: EpochPlan, rows: slice, step_base: int, before) -> pa.RecordBatch:
-    local_step = epoch.step[rows]
+def _shared_columns(schema, epoch: EpochPlan, step_base: int, before) -> dict[str, pa.Array]:
+    """The columns every rank of an epoch has alike (the same step sequence), built once."""
+    local_step = epoch.rank_step
+    columns = {
+        "epoch": np.full(local_step.shape[0], epoch.epoch, dtype=np.int32),
+        "step": local_step + step_base,
+        "micro": epoch.rank_micro,
+        "num_micro": epoch.rank_num_micro,
+        "step_tokens": epoch.step_tokens[local_step],
+        "step_loss_tokens": epoch.step_loss_tokens[local_step],
+        "tokens_before_step": before[local_step],
+    }
+    return {name: pa.array(values, type=schema.field(name).type) for name, values in columns.items()}
+
+
+def _rank_batch(schema, plan, epoch: EpochPlan, rank: int, rows: slice, shared) -> pa.RecordBatch:
     offsets = epoch.offsets[rows.start : rows.stop + 1]
     members = epoch.members[offsets[0] : offsets[-1]]
     list_offsets = offsets - offsets[0]
@@ -206,26 +221,21 @@ def _rank_batch(schema, plan, epoch: EpochPlan, rows: slice, step_base: int, bef
     list_offsets = pa.array(list_offsets.astype(np.int32))
     index_type = schema.field("samples").type.value_type
     columns = {
-        "epoch": np.full(local_step.shape[0], epoch.epoch, dtype=np.int32),
-        "step": local_step + step_base,
-        "rank": epoch.rank[rows],
-        "micro": epoch.micro[rows],
-        "num_micro": epoch.num_micro[rows],
+        "rank": np.full(rows.stop - rows.start, rank, dtype=np.int32),
         "samples": _list_array(list_offsets, plan.entries.samples_of(members), index_type),
         "tokens": epoch.tokens[rows],
         "loss_tokens": epoch.loss_tokens[rows],
         "padded_tokens": epoch.padded_tokens[rows],
-        "step_tokens": epoch.step_tokens[local_step],
-        "step_loss_tokens": epoch.step_loss_tokens[local_step],
-        "tokens_before_step": before[local_step],
     }
     if epoch.cost is not None:
         columns["cost"] = epoch.cost[rows]
     if plan.entries.has_spans:
         columns["starts"] = _list_array(list_offsets, plan.entries.start[members], pa.int64())
         columns["lengths"] = _list_array(list_offsets, plan.entries.length[members], pa.int32())
-    arrays = [pa.array(columns[f.name], type=f.type) if f.name not in ("samples", "starts", "lengths")
-              else columns[f.name] for f in schema]  # fmt: skip
+    arrays = [
+        shared[f.name] if f.name in shared else columns[f.name] if pa.types.is_list(f.type)
+        else pa.array(columns[f.name], type=f.type) for f in schema
+    ]  # fmt: skip
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 

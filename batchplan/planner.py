@@ -28,6 +28,7 @@ contiguous. Cost: O(n log C) to pack, O(n) for the rest, per epoch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -64,17 +65,17 @@ class EpochPlan:
 
     Every rank has the same number of rows (``rows_per_rank``); rank ``r`` holds rows
     ``r * rows_per_rank`` to ``(r + 1) * rows_per_rank``. Row ``i`` holds entries
-    ``members[offsets[i]:offsets[i + 1]]`` (indices into `Entries`).
+    ``members[offsets[i]:offsets[i + 1]]`` (indices into `Entries`). Every rank's rows
+    have the same (step, micro, num_micro) sequence: stored once, for one rank.
     """
 
     epoch: int
     world_size: int
     offsets: NDArray[np.int64]
     members: NDArray[np.int64]
-    step: NDArray[np.int64]  # epoch-local step of each row
-    rank: NDArray[np.int32]
-    micro: NDArray[np.int32]
-    num_micro: NDArray[np.int32]  # micro-batches per rank in the row's step
+    rank_step: NDArray[np.int64]  # epoch-local step of each of one rank's rows
+    rank_micro: NDArray[np.int32]  # position in the step on the rank
+    rank_num_micro: NDArray[np.int32]  # micro-batches per rank in the row's step
     tokens: NDArray[np.int64]
     loss_tokens: NDArray[np.int64]
     padded_tokens: NDArray[np.int64]  # count x longest in pad mode, tokens in pack mode
@@ -94,6 +95,24 @@ class EpochPlan:
     @property
     def rows_per_rank(self) -> int:
         return self.num_rows // self.world_size
+
+    @functools.cached_property
+    def step(self) -> NDArray[np.int64]:
+        """Epoch-local step of every row."""
+        return _broadcast(self.rank_step, (self.world_size, self.rows_per_rank))
+
+    @functools.cached_property
+    def rank(self) -> NDArray[np.int32]:
+        """Rank of every row."""
+        return _broadcast(np.arange(self.world_size, dtype=np.int32)[:, None], (self.world_size, self.rows_per_rank))
+
+    @functools.cached_property
+    def micro(self) -> NDArray[np.int32]:
+        return _broadcast(self.rank_micro, (self.world_size, self.rows_per_rank))
+
+    @functools.cached_property
+    def num_micro(self) -> NDArray[np.int32]:
+        return _broadcast(self.rank_num_micro, (self.world_size, self.rows_per_rank))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,10 +501,9 @@ def _assemble(entries, config, epoch, batches: MicroBatches, at: _Scheduled, ste
         world_size=world_size,
         offsets=offsets,
         members=members,
-        step=_broadcast(step, (world_size, step.shape[0])),
-        rank=_broadcast(np.arange(world_size, dtype=np.int32)[:, None], (world_size, step.shape[0])),
-        micro=_broadcast(micro, (world_size, step.shape[0])),
-        num_micro=_broadcast(num_micro, (world_size, step.shape[0])),
+        rank_step=step,
+        rank_micro=micro,
+        rank_num_micro=num_micro,
         tokens=tokens,
         loss_tokens=loss_tokens,
         padded_tokens=padded,

@@ -409,7 +409,7 @@ def _empty_epoch(epoch: int, config: PlanConfig, dropped: NDArray[np.int64]) -> 
     none64, none32 = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
     return EpochPlan(
         epoch=epoch, world_size=config.world_size, offsets=np.zeros(1, dtype=np.int64), members=none64,
-        step=none64, rank=none32, micro=none32, num_micro=none32, tokens=none64, loss_tokens=none64,
+        rank_step=none64, rank_micro=none32, rank_num_micro=none32, tokens=none64, loss_tokens=none64,
         padded_tokens=none64, cost=None if config.cost_coefficient is None else np.zeros(0), step_tokens=none64,
         step_loss_tokens=none64, dropped_entries=dropped,
     )  # fmt: skip
