@@ -37,16 +37,19 @@ def _sort_window_by_counting(lengths, order, begin, end, counts, members, member
     """Stable sort of ``order[begin:end]`` by decreasing length into ``members[begin:end]``."""
     max_tokens = counts.shape[0] - 2
     counts[:] = 0
+    window_lengths = np.empty(end - begin, dtype=member_lengths.dtype)  # read at random once, then in cache
     for i in range(begin, end):
-        counts[max_tokens - lengths[order[i]] + 1] += 1
+        length = lengths[order[i]]
+        window_lengths[i - begin] = length
+        counts[max_tokens - length + 1] += 1
     counts[0] = begin
     for key in range(1, max_tokens + 2):
         counts[key] += counts[key - 1]
     for i in range(begin, end):
-        entry = order[i]
-        key = max_tokens - lengths[entry]
-        members[counts[key]] = entry
-        member_lengths[counts[key]] = lengths[entry]
+        length = window_lengths[i - begin]
+        key = max_tokens - length
+        members[counts[key]] = order[i]
+        member_lengths[counts[key]] = length
         counts[key] += 1
 
 
