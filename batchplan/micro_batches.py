@@ -108,28 +108,37 @@ class MicroBatches:
             raise ValueError("give either members and lengths, or packed bins")
         self._members, self._lengths = members, lengths
         self.packed = packed
-        # Storage with room to grow in place (`extend`), of which the first `count` are used.
-        self._count = int(starts.shape[0])
-        self._starts, self._ends = starts, ends
-        self._tokens: NDArray[np.int64] | None = None if packed is None else packed.tokens
+        # The micro-batches as formed, then the few `extend` adds (kept apart: no copy of the many).
+        self._base = (starts, ends)
+        self._base_tokens = None if packed is None else packed.tokens
+        self._extra = np.zeros((0, 3), dtype=np.int64)  # rows (start, end, tokens)
 
     @classmethod
-    def of_bins(cls, packed: PackedBins, room: int = 0) -> MicroBatches:
-        """Micro-batch ``k`` = bin ``k``, with ``room`` to `extend` by without copying."""
-        count = packed.num_bins
-        starts, ends, tokens = (np.empty(count + room, dtype=np.int64) for _ in range(3))
-        starts[:count], ends[:count], tokens[:count] = packed.offsets[:-1], packed.offsets[1:], packed.tokens
-        batches = cls(None, None, starts[:count], ends[:count], packed=packed)
-        batches._starts, batches._ends, batches._tokens = starts, ends, tokens
-        return batches
+    def of_bins(cls, packed: PackedBins) -> MicroBatches:
+        """Micro-batch ``k`` = bin ``k``."""
+        return cls(None, None, packed.offsets[:-1], packed.offsets[1:], packed=packed)
 
     @property
     def starts(self) -> NDArray[np.int64]:
-        return self._starts[: self._count]
+        return self._joined(self._base[0], self._extra[:, 0])
 
     @property
     def ends(self) -> NDArray[np.int64]:
-        return self._ends[: self._count]
+        return self._joined(self._base[1], self._extra[:, 1])
+
+    def bounds(self, which: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """``(starts, ends)`` of a few micro-batches (without joining all of them)."""
+        which = np.asarray(which, dtype=np.int64)
+        formed = which < self._base[0].shape[0]
+        starts, ends = np.empty(which.shape, dtype=np.int64), np.empty(which.shape, dtype=np.int64)
+        starts[formed], ends[formed] = self._base[0][which[formed]], self._base[1][which[formed]]
+        added = which[~formed] - self._base[0].shape[0]
+        starts[~formed], ends[~formed] = self._extra[added, 0], self._extra[added, 1]
+        return starts, ends
+
+    @staticmethod
+    def _joined(base: NDArray[np.int64], extra: NDArray[np.int64]) -> NDArray[np.int64]:
+        return np.concatenate([base, extra]) if extra.shape[0] else base
 
     @property
     def members(self) -> NDArray[np.integer]:
@@ -147,7 +156,7 @@ class MicroBatches:
 
     @property
     def count(self) -> int:
-        return self._count
+        return int(self._base[0].shape[0] + self._extra.shape[0])
 
     @property
     def _lazy(self) -> bool:
@@ -164,9 +173,23 @@ class MicroBatches:
 
     def tokens(self) -> NDArray[np.int64]:
         """Tokens of each micro-batch."""
-        if self._tokens is None:
-            self._tokens = self.range_sums(self.lengths)
-        return self._tokens[: self._count]
+        if self._base_tokens is None:
+            starts, ends = self._base
+            total = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(self.lengths, dtype=np.int64)])
+            self._base_tokens = total[ends] - total[starts]
+        return self._joined(self._base_tokens, self._extra[:, 2])
+
+    def token_table(self) -> NDArray[np.int64]:
+        """Shape (count, 2): tokens and entries of each micro-batch, side by side (one cache
+        line per micro-batch for kernels that read them at random)."""
+        self.tokens()  # the formed ones' tokens, once
+        (starts, ends), formed = self._base, self._base[0].shape[0]
+        table = np.empty((self.count, 2), dtype=np.int64)
+        table[:formed, 0] = self._base_tokens
+        np.subtract(ends, starts, out=table[:formed, 1])
+        table[formed:, 0] = self._extra[:, 2]
+        table[formed:, 1] = self._extra[:, 1] - self._extra[:, 0]
+        return table
 
     def length_sums(self, value: Callable[[NDArray[np.float64]], NDArray[np.float64]]) -> NDArray[np.float64]:
         """``sum(value(length))`` over each micro-batch's entries (float64, range by range);
@@ -193,10 +216,10 @@ class MicroBatches:
 
     def ranges(self, which: NDArray[np.int64]) -> list[tuple[NDArray, NDArray]]:
         """``(members, lengths)`` of a few micro-batches."""
-        which = np.asarray(which, dtype=np.int64)
+        starts, ends = self.bounds(which)
         if self._lazy:
-            return self.packed.ranges(self.starts[which], self.ends[which])
-        return [(self.members[s:e], self.lengths[s:e]) for s, e in zip(self.starts[which], self.ends[which])]
+            return self.packed.ranges(starts, ends)
+        return [(self.members[s:e], self.lengths[s:e]) for s, e in zip(starts, ends)]
 
     def members_of(self, which: NDArray[np.int64]) -> NDArray[np.int64]:
         """The entries of the given micro-batches, concatenated (int64)."""
@@ -211,18 +234,11 @@ class MicroBatches:
 
     def extend(self, pairs: NDArray[np.int64], tokens: NDArray[np.int64]) -> NDArray[np.int64]:
         """Add micro-batches ``members[start:end]`` for each row of ``pairs``, of ``tokens``
-        tokens each; return their ids. In place when there is room (`of_bins`)."""
-        tokens_now = self.tokens()
-        first, count = self._count, self._count + pairs.shape[0]
-        if count > self._starts.shape[0]:
-            room = count + count // 8
-            self._starts, self._ends, self._tokens = (
-                np.concatenate([old[:first], np.empty(room - first, dtype=np.int64)])
-                for old in (self._starts, self._ends, tokens_now)
-            )
-        self._starts[first:count], self._ends[first:count], self._tokens[first:count] = pairs[:, 0], pairs[:, 1], tokens
-        self._count = count
-        return np.arange(first, count, dtype=np.int64)
+        tokens each; return their ids."""
+        first = self.count
+        rows = np.column_stack([pairs.reshape(-1, 2), tokens]).astype(np.int64)
+        self._extra = np.concatenate([self._extra, rows])
+        return np.arange(first, self.count, dtype=np.int64)
 
     def gather(self, order: NDArray[np.integer], sizes: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray]:
         """Members of micro-batches ``order`` one after another, in CSR form ``(offsets, members)``;
@@ -231,9 +247,10 @@ class MicroBatches:
             return gather_segments(self.members, self.starts, self.ends, order)
         packed = self.packed
         offsets, destination, pieces = bin_destinations(order, sizes, packed.num_bins)
+        piece_starts, piece_ends = self.bounds(order[pieces])
         members = scatter_bins(
             packed.items, packed.start, packed.slot_bin, packed.offsets, destination,
-            self.starts[order[pieces]], self.ends[order[pieces]], offsets[pieces], int(offsets[-1]), packed.capacity,
+            piece_starts, piece_ends, offsets[pieces], int(offsets[-1]), packed.capacity,
         )  # fmt: skip
         return offsets, members
 
@@ -258,8 +275,7 @@ def form_micro_batches(lengths: NDArray[np.int32], config: PlanConfig, rng: np.r
         items, start = shuffle_by_length(lengths, keys, capacity, index)
         del keys  # 4 bytes per entry, no longer needed while packing
         slot_bin, offsets, tokens = pack_bins(items, start, capacity)
-        # Room for the pieces and empties that complete the last chunk (`batchplan.planner`).
-        return MicroBatches.of_bins(PackedBins(items, start, slot_bin, offsets, tokens, capacity), config.world_size)
+        return MicroBatches.of_bins(PackedBins(items, start, slot_bin, offsets, tokens, capacity))
     else:
         order = rng.permutation(count).astype(index.dtype)
         offsets, members, batch_lengths = cut_padded(

@@ -39,8 +39,7 @@ from numpy.typing import NDArray
 from batchplan.config import PlanConfig
 from batchplan.entries import Entries, make_entries
 from batchplan.errors import ConfigError, DatasetError
-from batchplan.kernels.assemble import lay_out_rows, move_within, take_scheduled
-from batchplan.kernels.balance import sort_within_windows
+from batchplan.kernels.assemble import lay_out_rows, take_scheduled
 from batchplan.kernels.steps import ramp_steps, ramp_target, steps_by_tokens
 from batchplan.micro_batches import MicroBatches, compute_costs, form_micro_batches, form_warmup_micro_batches
 from batchplan.warmup import SeqlenWarmup, add_warmup_pieces
@@ -268,12 +267,9 @@ def schedule_epoch(
         num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
         schedule, dropped = _complete_last_chunk(batches, schedule, config.world_size)
     compute = None if config.cost_coefficient is None else compute_costs(batches, config)
-    # From here on every value travels with its scheduled position (one gather at random
-    # now, then only moves within windows and chunks), not looked up per micro-batch.
-    at = _Scheduled.take(schedule, batches, compute, config.balance == "compute")
-    rng = epoch_rng(config.seed, epoch, STREAM_CHUNK_ORDER)
     kept = min(num_full, -(-ordered // config.world_size) * config.world_size)  # whole chunks
-    at = at.moved(kept, _balanced_chunks(at.costs[kept:num_full], config, rng))
+    # Each scheduled micro-batch's values, gathered once and written where balancing puts them.
+    at = _Scheduled.take(schedule, batches, compute, config, kept, num_full, epoch)
     if config.drop_last and config.has_rampup:
         # The ramp makes step boundaries depend on the order: decide on the final steps.
         step_offsets = _step_offsets(at.tokens[:num_full], config, sizing)
@@ -295,21 +291,25 @@ class _Scheduled:
     by_compute: bool  # balance ranks by compute, else by tokens
 
     @classmethod
-    def take(cls, schedule, batches: MicroBatches, compute, by_compute: bool) -> _Scheduled:
+    def take(cls, schedule, batches: MicroBatches, compute, config: PlanConfig, begin: int, end: int, epoch: int):
+        """Steps 3 of the module docstring over positions ``begin:end`` (whole chunks):
+        chunks of ``world_size`` micro-batches of similar cost within windows of
+        ``balance_window`` chunks, the chunks shuffled; ``balance_window`` 1 keeps the
+        (already random) order, and LPT balances inside each step."""
+        by_compute = config.balance == "compute"
         values = np.zeros(0, dtype=np.float64) if compute is None else compute
-        tokens, sizes, values = take_scheduled(schedule, batches.tokens(), batches.starts, batches.ends, values)
-        return cls(schedule, tokens, sizes, None if compute is None else values, by_compute)
+        window = 0 if config.balance_window == 1 else config.balance_window * config.world_size
+        num_chunks = (end - begin) // config.world_size if window else 0
+        chunk_order = epoch_rng(config.seed, epoch, STREAM_CHUNK_ORDER).permutation(num_chunks)
+        batch, tokens, sizes, values = take_scheduled(
+            schedule, begin, end, window, chunk_order, config.world_size, batches.token_table(), values, by_compute
+        )
+        return cls(batch, tokens, sizes, None if compute is None else values, by_compute)
 
     @property
     def costs(self) -> NDArray:
         """What ranks are balanced by (integer tokens sort and add up as their float values)."""
         return self.compute if self.by_compute else self.tokens
-
-    def moved(self, begin: int, positions: NDArray[np.int64] | None) -> _Scheduled:
-        """Positions ``begin + i`` take the values of ``begin + positions[i]`` (None: unmoved)."""
-        if positions is None:
-            return self
-        return self._map(lambda values: move_within(values, begin, positions))
 
     def head(self, count: int) -> _Scheduled:
         return self._map(lambda values: values[:count])
@@ -345,18 +345,6 @@ class _StepSizing:
         return float(ramp_target(done, float(config.rampup_start), self.full_step, config.rampup_tokens))
 
 
-def _balanced_chunks(costs, config: PlanConfig, rng: np.random.Generator) -> NDArray[np.int64] | None:
-    """How to reorder positions so each chunk of world_size holds similar costs, the
-    chunks shuffled; None to keep the (already random) order."""
-    world_size = config.world_size
-    if config.balance_window == 1:
-        return None  # already random; LPT balances inside each step
-    order = sort_within_windows(costs, config.balance_window * world_size)
-    # shape (num_chunks, world_size): one micro-batch per rank in each chunk
-    chunks = order.reshape(-1, world_size)
-    return chunks[rng.permutation(chunks.shape[0])].reshape(-1)
-
-
 def _complete_last_chunk(batches: MicroBatches, schedule, world_size: int):
     """Make the scheduled count a multiple of world_size: split micro-batches, then add empties.
 
@@ -372,7 +360,7 @@ def _complete_last_chunk(batches: MicroBatches, schedule, world_size: int):
     last = schedule[full:]
     pairs = [
         (int(start), int(end), lengths)
-        for start, end, (_, lengths) in zip(batches.starts[last], batches.ends[last], batches.ranges(last))
+        for start, end, (_, lengths) in zip(*batches.bounds(last), batches.ranges(last))
     ]
     while len(pairs) < world_size:
         splittable = [i for i, (start, end, _) in enumerate(pairs) if end - start > 1]

@@ -14,8 +14,7 @@ import reference as ref
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from batchplan.kernels.assemble import lay_out_rows, move_within, take_scheduled
-from batchplan.kernels.balance import sort_within_windows
+from batchplan.kernels.assemble import lay_out_rows, take_scheduled
 from batchplan.kernels.pack import (
     bin_destinations,
     bin_item_sums,
@@ -357,22 +356,45 @@ def test_lay_out_rows_matches_assign_ranks_and_order_rows(case, with_loss, with_
     assert step_loss.tolist() == ref.segment_sum(lost, offsets.tolist())
 
 
-@given(st.lists(st.integers(0, 50), max_size=30), st.randoms(use_true_random=False), st.integers(0, 5))
-def test_take_scheduled_and_move_within(values, random, begin):
-    count = len(values)
-    tokens = np.array(values, dtype=np.int64)
-    starts = np.arange(count, dtype=np.int64) * 2
+@st.composite
+def schedules(draw):
+    """A shuffled schedule of micro-batches with tokens, ranges and costs, a balanced range
+    ``begin:end`` of whole chunks, a window (0: none) and a chunk order."""
+    world_size = draw(st.integers(1, 4))
+    count = draw(st.integers(0, 40))
+    tokens = np.array(draw(st.lists(st.integers(0, 9), min_size=count, max_size=count)), dtype=np.int64)
+    starts = np.arange(count, dtype=np.int64) * 3
     ends = starts + tokens % 3
-    schedule = np.array(random.sample(range(count), count), dtype=np.int64)
-    for weights in (np.zeros(0), tokens / 2.0):
-        got_tokens, got_sizes, got_values = take_scheduled(schedule, tokens, starts, ends, weights)
-        assert got_tokens.tolist() == [values[k] for k in schedule]
-        assert got_sizes.tolist() == [int(ends[k] - starts[k]) for k in schedule]
-        assert got_values.tolist() == ([float(weights[k]) for k in schedule] if weights.size else [])
-    begin = min(begin, count)
-    positions = np.array(random.sample(range(count - begin), count - begin), dtype=np.int64)
-    want = values[:begin] + [values[begin + p] for p in positions]
-    assert move_within(tokens, begin, positions).tolist() == want
+    schedule = np.array(draw(st.permutations(range(count))), dtype=np.int64)
+    chunks = count // world_size
+    first = draw(st.integers(0, chunks))
+    last = draw(st.integers(first, chunks))
+    begin, end = first * world_size, last * world_size
+    window = draw(st.sampled_from([0, 1, 2, 3])) * world_size
+    chunk_order = np.array(draw(st.permutations(range(last - first))) if window else [], dtype=np.int64)
+    values = np.array(draw(st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=count, max_size=count)))
+    return schedule, begin, end, window, chunk_order, world_size, tokens, starts, ends, values
+
+
+@given(schedules(), st.booleans(), st.booleans())
+def test_take_scheduled_matches_reference(case, with_values, by_values):
+    """Outside ``begin:end`` a plain gather; inside, windows sorted by cost (the reference's
+    `sort_within_windows`), then chunk ``j`` = sorted chunk ``chunk_order[j]``."""
+    schedule, begin, end, window, chunk_order, world_size, tokens, starts, ends, values = case
+    values = values if with_values else np.zeros(0)
+    by_values = by_values and with_values
+    table = np.column_stack([tokens, ends - starts])
+    got = take_scheduled(schedule, begin, end, window, chunk_order, world_size, table, values, by_values)
+    order = list(schedule)
+    if window:
+        costs = [float(values[k] if by_values else tokens[k]) for k in order[begin:end]]
+        ranked = [order[begin + p] for p in ref.sort_within_windows(costs, window)]
+        chunks = [ranked[c * world_size : (c + 1) * world_size] for c in range(len(ranked) // world_size)]
+        order[begin:end] = [k for j in chunk_order for k in chunks[j]]
+    assert got[0].tolist() == order
+    assert got[1].tolist() == [int(tokens[k]) for k in order]
+    assert got[2].tolist() == [int(ends[k] - starts[k]) for k in order]
+    assert got[3].tolist() == ([float(values[k]) for k in order] if with_values else [])
 
 
 @given(balance_inputs())
@@ -396,17 +418,6 @@ def test_lay_out_rows_gives_every_rank_equal_counts(case):
     for s in range(len(offsets) - 1):
         per_rank = (offsets[s + 1] - offsets[s]) // world_size
         assert [m for m, t in zip(micro, step) if t == s] == list(range(per_rank))
-
-
-@given(
-    st.lists(st.sampled_from([0.0, 1.0, 2.5, 7.0, 8192.0, 9000.5]), max_size=60),
-    st.integers(1, 20),
-)
-@example([], 4)
-@example([3.0, 3.0, 3.0], 1)
-def test_sort_within_windows_matches_reference(costs, window):
-    order = sort_within_windows(np.array(costs, dtype=np.float64), window)
-    assert order.tolist() == ref.sort_within_windows(costs, window)
 
 
 @given(

@@ -1,8 +1,8 @@
 """Carry scheduled micro-batches to plan rows ordered by (rank, step, micro), O(n).
 
 `take_scheduled` gathers what each scheduled micro-batch needs once (the only random
-reads), `move_within` reorders those values inside the balance windows, and
-`lay_out_rows` assigns ranks step by step and writes each row's values in place: every
+reads) and writes it straight to its balanced position (sorted by cost inside windows,
+chunks shuffled), and `lay_out_rows` assigns ranks step by step and writes each row's values in place: every
 rank holds the same number of rows, ``rows_per_rank``, so the row of a micro-batch is
 ``rank x rows_per_rank + (rows of its rank before its step) + micro`` (no sort; the
 writes go to ``world_size`` sequential streams, one per rank).
@@ -15,33 +15,66 @@ from numba import njit
 
 from batchplan.kernels.balance import assign_step
 
-__all__ = ["lay_out_rows", "move_within", "take_scheduled"]
+__all__ = ["lay_out_rows", "take_scheduled"]
 
 
 @njit(cache=True, nogil=True)
-def take_scheduled(schedule, tokens, starts, ends, values):
-    """Per scheduled position, its micro-batch's tokens, entry count and ``values`` (float64;
-    none when ``values`` is empty), gathered in one pass."""
+def take_scheduled(schedule, begin, end, window, chunk_order, world_size, table, values, by_values):
+    """Per scheduled position, its micro-batch's id, tokens, entry count and ``values``,
+    gathered in one pass (the only random reads), with positions ``begin:end`` balanced.
+
+    Balancing (``window > 0``) reorders ``begin:end`` (a whole number of chunks of
+    ``world_size``): each window of ``window`` positions is sorted by decreasing cost
+    (stable; cost = ``values`` if ``by_values`` else tokens), so consecutive chunks hold
+    similar costs, then the chunks are shuffled: chunk ``j`` of the result is sorted chunk
+    ``chunk_order[j]``. Every value is written once, to its final position.
+
+    Args:
+        schedule: micro-batch ids in (shuffled) schedule order.
+        table: shape (micro-batches, 2): tokens and entries of each (one cache line per
+            random read).
+        values: float64 per micro-batch (predicted compute), or empty.
+
+    Returns:
+        ``(batch, tokens, sizes, values)`` per position (``values`` empty when not given).
+    """
     count = schedule.shape[0]
-    out_tokens = np.empty(count, dtype=np.int64)
-    out_sizes = np.empty(count, dtype=np.int64)
-    out_values = np.empty(count if values.shape[0] else 0, dtype=np.float64)
-    for i in range(count):
-        k = schedule[i]
-        out_tokens[i] = tokens[k]
-        out_sizes[i] = ends[k] - starts[k]
-        if values.shape[0]:
-            out_values[i] = values[k]
-    return out_tokens, out_sizes, out_values
-
-
-@njit(cache=True, nogil=True)
-def move_within(values, begin, positions):
-    """A copy of ``values`` where ``values[begin + i]`` becomes ``values[begin + positions[i]]``."""
-    out = values.copy()
-    for i in range(positions.shape[0]):
-        out[begin + i] = values[begin + positions[i]]
+    out = (
+        np.empty(count, dtype=np.int64),
+        np.empty(count, dtype=np.int64),
+        np.empty(count, dtype=np.int64),
+        np.empty(count if values.shape[0] else 0, dtype=np.float64),
+    )
+    if window <= 0:
+        begin = end = count
+    for position in range(begin):
+        _put(out, position, schedule[position], table, values)
+    for position in range(end, count):
+        _put(out, position, schedule[position], table, values)
+    inverse = np.empty(chunk_order.shape[0], dtype=np.int64)
+    for j in range(chunk_order.shape[0]):
+        inverse[chunk_order[j]] = j
+    costs = np.empty(min(window, max(end - begin, 0)), dtype=np.float64)
+    for first in range(begin, end, max(window, 1)):
+        n = min(first + window, end) - first
+        for i in range(n):
+            k = schedule[first + i]
+            costs[i] = values[k] if by_values else table[k, 0]
+        order = np.argsort(-costs[:n], kind="mergesort")  # stable: depends only on the input order
+        for i in range(n):
+            relative = first - begin + i  # its place once sorted, then its chunk's place
+            target = begin + inverse[relative // world_size] * world_size + relative % world_size
+            _put(out, target, schedule[first + order[i]], table, values)
     return out
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _put(out, target, k, table, values):
+    out[0][target] = k
+    out[1][target] = table[k, 0]
+    out[2][target] = table[k, 1]
+    if values.shape[0]:
+        out[3][target] = values[k]
 
 
 @njit(cache=True, nogil=True)

@@ -1,9 +1,9 @@
 """Balance ranks: steps of similar-cost micro-batches, then equal counts per rank by cost.
 
 In a synchronous step every rank waits for the slowest, so a step should hold
-micro-batches that can be split evenly. `sort_within_windows` orders each window of
-micro-batches by cost, so that consecutive groups of ``world_size`` ("chunks") hold
-similar costs; the planner then shuffles the chunks. `assign_step` places each step's
+micro-batches that can be split evenly. `batchplan.kernels.assemble.take_scheduled` orders
+each window of micro-batches by cost, so that consecutive groups of ``world_size``
+("chunks") hold similar costs, and shuffles the chunks. `assign_step` places each step's
 micro-batches on ranks: longest-processing-time first under a cardinality constraint,
 by decreasing cost onto the least-loaded rank that still has room (every rank gets
 exactly ``count / world_size``). O(n log n + n x world_size).
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["assign_step", "sort_within_windows"]
+__all__ = ["assign_step"]
 
 
 @njit(cache=True, nogil=True)
@@ -38,18 +38,3 @@ def assign_step(costs, per_rank, world_size, rank_out, micro_out):
         micro_out[item] = taken[best]
         taken[best] += 1
         load[best] += costs[item]
-
-
-@njit(cache=True, nogil=True)
-def sort_within_windows(costs, window):
-    """Positions ordered by decreasing cost inside each window of ``window`` positions.
-
-    Consecutive groups of ``world_size`` positions in the result hold micro-batches of
-    similar cost (a step whose ranks can finish together); stable on equal costs.
-    """
-    count = costs.shape[0]
-    order = np.empty(count, dtype=np.int64)
-    for begin in range(0, count, window):
-        end = min(begin + window, count)
-        order[begin:end] = begin + np.argsort(-costs[begin:end].astype(np.float64), kind="mergesort")
-    return order
