@@ -248,9 +248,10 @@ class MicroBatches:
         packed = self.packed
         offsets, destination, pieces = bin_destinations(order, sizes, packed.num_bins)
         piece_starts, piece_ends = self.bounds(order[pieces])
-        members = scatter_bins(
+        members = np.empty(offsets[-1], dtype=packed.items.dtype)  # numpy: huge pages for the scattered writes
+        scatter_bins(
             packed.items, packed.start, packed.slot_bin, packed.offsets, destination,
-            piece_starts, piece_ends, offsets[pieces], int(offsets[-1]), packed.capacity,
+            piece_starts, piece_ends, offsets[pieces], packed.capacity, members,
         )  # fmt: skip
         return offsets, members
 

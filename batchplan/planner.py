@@ -301,10 +301,13 @@ class _Scheduled:
         window = 0 if config.balance_window == 1 else config.balance_window * config.world_size
         num_chunks = (end - begin) // config.world_size if window else 0
         chunk_order = epoch_rng(config.seed, epoch, STREAM_CHUNK_ORDER).permutation(num_chunks)
-        batch, tokens, sizes, values = take_scheduled(
-            schedule, begin, end, window, chunk_order, config.world_size, batches.token_table(), values, by_compute
+        out = np.empty((3, schedule.shape[0]), dtype=np.int64)  # numpy: huge pages for the scattered writes
+        out_values = np.empty(schedule.shape[0] if compute is not None else 0, dtype=np.float64)
+        table = batches.token_table()
+        take_scheduled(
+            schedule, begin, end, window, chunk_order, config.world_size, table, values, by_compute, out, out_values
         )
-        return cls(batch, tokens, sizes, None if compute is None else values, by_compute)
+        return cls(out[0], out[1], out[2], None if compute is None else out_values, by_compute)
 
     @property
     def costs(self) -> NDArray:
@@ -479,9 +482,12 @@ def _assemble(entries, config, epoch, batches: MicroBatches, at: _Scheduled, ste
     no_values = np.zeros(0, dtype=np.int64)
     loss = no_values if entries.loss_is_length_minus_one else batches.entry_sums(entries.loss_tokens)[at.batch]
     compute = np.zeros(0, dtype=np.float64) if at.compute is None else at.compute
-    (batch_of_row, tokens, loss_tokens, sizes, cost, step, micro, num_micro, step_tokens, step_loss_tokens) = (
-        lay_out_rows(step_offsets, at.costs, at.batch, at.tokens, at.sizes, loss, compute, world_size)
+    rows = np.empty((4, step_offsets[-1]), dtype=np.int64)  # numpy: huge pages for the scattered writes
+    cost = np.empty(step_offsets[-1] if at.compute is not None else 0, dtype=np.float64)
+    step, micro, num_micro, step_tokens, step_loss_tokens = lay_out_rows(
+        step_offsets, at.costs, at.batch, at.tokens, at.sizes, loss, compute, world_size, rows, cost
     )
+    batch_of_row, tokens, loss_tokens, sizes = rows
     offsets, members = batches.gather(batch_of_row, sizes)
     padded = sizes * batches.longest()[batch_of_row] if config.mode == "pad" else tokens
     return EpochPlan(

@@ -335,8 +335,10 @@ def test_lay_out_rows_matches_assign_ranks_and_order_rows(case, with_loss, with_
     sizes = costs % 4 + 1
     loss = (tokens - sizes - 1) if with_loss else np.zeros(0, dtype=np.int64)
     compute = tokens * 1.5 if with_compute else np.zeros(0, dtype=np.float64)
-    found = lay_out_rows(offsets, costs, batch, tokens, sizes, loss, compute, world_size)
-    row_batch, row_tokens, row_loss, row_sizes, row_compute, step, micro, num_micro, step_tokens, step_loss = found
+    rows, row_compute = np.empty((4, count), dtype=np.int64), np.empty(compute.shape[0])
+    found = lay_out_rows(offsets, costs, batch, tokens, sizes, loss, compute, world_size, rows, row_compute)
+    step, micro, num_micro, step_tokens, step_loss = found
+    row_batch, row_tokens, row_loss, row_sizes = rows
     rank, want_micro = ref.assign_ranks(costs.tolist(), offsets.tolist(), world_size)
     rows = ref.order_rows(offsets.tolist(), rank, want_micro, world_size)
     position = [row[0] for row in rows]
@@ -384,7 +386,9 @@ def test_take_scheduled_matches_reference(case, with_values, by_values):
     values = values if with_values else np.zeros(0)
     by_values = by_values and with_values
     table = np.column_stack([tokens, ends - starts])
-    got = take_scheduled(schedule, begin, end, window, chunk_order, world_size, table, values, by_values)
+    got = [np.empty((3, schedule.shape[0]), dtype=np.int64), np.empty(values.shape[0])]
+    take_scheduled(schedule, begin, end, window, chunk_order, world_size, table, values, by_values, *got)
+    got = [*got[0], got[1]]
     order = list(schedule)
     if window:
         costs = [float(values[k] if by_values else tokens[k]) for k in order[begin:end]]
@@ -407,8 +411,10 @@ def test_lay_out_rows_gives_every_rank_equal_counts(case):
     """Each rank's rows hold every scheduled position once per step: per_rank of each step."""
     costs, offsets, world_size = case
     count = costs.shape[0]
-    found = lay_out_rows(offsets, costs, np.arange(count), costs, costs, costs[:0], np.zeros(0), world_size)
-    row_batch, step, micro = found[0].tolist(), found[5].tolist(), found[6].tolist()
+    rows = np.empty((4, count), dtype=np.int64)
+    batch, none = np.arange(count), np.zeros(0)
+    found = lay_out_rows(offsets, costs, batch, costs, costs, costs[:0], none, world_size, rows, none)
+    row_batch, step, micro = rows[0].tolist(), found[0].tolist(), found[1].tolist()
     assert sorted(row_batch) == list(range(count))
     per_rank_rows = count // world_size
     for rank in range(world_size):
@@ -502,9 +508,10 @@ def test_packed_bins_give_the_bins_of_pack_segments_in_any_layout(case, seed):
     starts, ends, layout = (np.array(x, dtype=np.int64) for x in (starts, ends, order_of))
     sizes = ends[layout] - starts[layout]
     out_offsets, destination, pieces = bin_destinations(layout, sizes, num_bins)
-    laid = scatter_bins(
+    laid = np.empty(out_offsets[-1], dtype=items.dtype)
+    scatter_bins(
         items, start, slot_bin, offsets, destination, starts[layout[pieces]], ends[layout[pieces]],
-        out_offsets[pieces], int(out_offsets[-1]), max_tokens,
+        out_offsets[pieces], max_tokens, laid,
     )  # fmt: skip
     want = ref.gather_segments(want_members, starts.tolist(), ends.tolist(), layout.tolist())
     assert (out_offsets.tolist(), laid.tolist()) == want

@@ -19,7 +19,7 @@ __all__ = ["lay_out_rows", "take_scheduled"]
 
 
 @njit(cache=True, nogil=True)
-def take_scheduled(schedule, begin, end, window, chunk_order, world_size, table, values, by_values):
+def take_scheduled(schedule, begin, end, window, chunk_order, world_size, table, values, by_values, out, out_values):
     """Per scheduled position, its micro-batch's id, tokens, entry count and ``values``,
     gathered in one pass (the only random reads), with positions ``begin:end`` balanced.
 
@@ -34,23 +34,17 @@ def take_scheduled(schedule, begin, end, window, chunk_order, world_size, table,
         table: shape (micro-batches, 2): tokens and entries of each (one cache line per
             random read).
         values: float64 per micro-batch (predicted compute), or empty.
-
-    Returns:
-        ``(batch, tokens, sizes, values)`` per position (``values`` empty when not given).
+        out: int64, shape (3, positions), filled with each position's micro-batch id,
+            tokens and entries (made by the caller: numpy asks for huge pages).
+        out_values: float64, filled with each position's ``values`` (empty when none).
     """
     count = schedule.shape[0]
-    out = (
-        np.empty(count, dtype=np.int64),
-        np.empty(count, dtype=np.int64),
-        np.empty(count, dtype=np.int64),
-        np.empty(count if values.shape[0] else 0, dtype=np.float64),
-    )
     if window <= 0:
         begin = end = count
     for position in range(begin):
-        _put(out, position, schedule[position], table, values)
+        _put(out, out_values, position, schedule[position], table, values)
     for position in range(end, count):
-        _put(out, position, schedule[position], table, values)
+        _put(out, out_values, position, schedule[position], table, values)
     inverse = np.empty(chunk_order.shape[0], dtype=np.int64)
     for j in range(chunk_order.shape[0]):
         inverse[chunk_order[j]] = j
@@ -64,21 +58,20 @@ def take_scheduled(schedule, begin, end, window, chunk_order, world_size, table,
         for i in range(n):
             relative = first - begin + i  # its place once sorted, then its chunk's place
             target = begin + inverse[relative // world_size] * world_size + relative % world_size
-            _put(out, target, schedule[first + order[i]], table, values)
-    return out
+            _put(out, out_values, target, schedule[first + order[i]], table, values)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _put(out, target, k, table, values):
-    out[0][target] = k
-    out[1][target] = table[k, 0]
-    out[2][target] = table[k, 1]
+def _put(out, out_values, target, k, table, values):
+    out[0, target] = k
+    out[1, target] = table[k, 0]
+    out[2, target] = table[k, 1]
     if values.shape[0]:
-        out[3][target] = values[k]
+        out_values[target] = values[k]
 
 
 @njit(cache=True, nogil=True)
-def lay_out_rows(step_offsets, costs, batch, tokens, sizes, loss, compute, world_size):
+def lay_out_rows(step_offsets, costs, batch, tokens, sizes, loss, compute, world_size, rows, row_compute):
     """Assign ranks in each step and lay the rows out by (rank, step, micro), in one pass.
 
     Args:
@@ -88,20 +81,18 @@ def lay_out_rows(step_offsets, costs, batch, tokens, sizes, loss, compute, world
         loss: loss tokens per scheduled position, or empty for ``tokens - sizes``.
         compute: predicted compute per scheduled position, or empty.
         world_size: number of ranks.
+        rows: int64, shape (4, positions), filled with each row's ``batch``, ``tokens``,
+            ``loss`` and ``sizes``, rows ordered by (rank, step, micro); made by the caller
+            (numpy asks for huge pages: the writes go to ``4 x world_size`` streams).
+        row_compute: float64, filled with each row's compute (empty when not given).
 
     Returns:
-        Per row, ordered by (rank, step, micro): ``batch``, ``tokens``, ``loss``, ``sizes``,
-        ``compute`` (empty when not given); per row of one rank (every rank has the same):
-        ``step``, ``micro``, ``num_micro``; per step: ``step_tokens``, ``step_loss``.
+        Per row of one rank (every rank has the same): ``step``, ``micro``, ``num_micro``;
+        per step: ``step_tokens``, ``step_loss``.
     """
     count = step_offsets[-1]
     num_steps = step_offsets.shape[0] - 1
     rows_per_rank = count // world_size
-    row_batch = np.empty(count, dtype=batch.dtype)
-    row_tokens = np.empty(count, dtype=np.int64)
-    row_loss = np.empty(count, dtype=np.int64)
-    row_sizes = np.empty(count, dtype=np.int64)
-    row_compute = np.empty(count if compute.shape[0] else 0, dtype=np.float64)
     rank_step = np.empty(rows_per_rank, dtype=np.int64)
     rank_micro = np.empty(rows_per_rank, dtype=np.int32)
     rank_num_micro = np.empty(rows_per_rank, dtype=np.int32)
@@ -125,16 +116,13 @@ def lay_out_rows(step_offsets, costs, batch, tokens, sizes, loss, compute, world
         for p in range(begin, end):
             row = rank[p - begin] * rows_per_rank + before + micro[p - begin]
             lost = loss[p] if loss.shape[0] else tokens[p] - sizes[p]
-            row_batch[row] = batch[p]
-            row_tokens[row] = tokens[p]
-            row_loss[row] = lost
-            row_sizes[row] = sizes[p]
+            rows[0, row] = batch[p]
+            rows[1, row] = tokens[p]
+            rows[2, row] = lost
+            rows[3, row] = sizes[p]
             if compute.shape[0]:
                 row_compute[row] = compute[p]
             step_tokens[step] += tokens[p]
             step_loss[step] += lost
         before += per_rank
-    return (
-        row_batch, row_tokens, row_loss, row_sizes, row_compute,
-        rank_step, rank_micro, rank_num_micro, step_tokens, step_loss,
-    )  # fmt: skip
+    return rank_step, rank_micro, rank_num_micro, step_tokens, step_loss

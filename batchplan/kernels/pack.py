@@ -235,7 +235,7 @@ def fill_bins(items, start, slot_bin, offsets, max_tokens):
 
 @njit(cache=True, nogil=True)
 def scatter_bins(
-    items, start, slot_bin, offsets, destination, piece_starts, piece_ends, piece_destination, size, max_tokens
+    items, start, slot_bin, offsets, destination, piece_starts, piece_ends, piece_destination, max_tokens, out
 ):
     """Lay members out straight into their final places, one pass over the slots.
 
@@ -245,14 +245,11 @@ def scatter_bins(
         piece_starts, piece_ends, piece_destination: ranges of member space (inside bins
             whose destination is -1: pieces of split bins) and where each goes; members of
             a -1 bin outside every piece are left out (dropped).
-        size: length of the output.
         max_tokens: bin capacity.
-
-    Returns:
-        The members (dtype of ``items``): bin ``b``'s list at ``destination[b]``, in the order
-        `fill_bins` gives them.
+        out: filled with the members (dtype of ``items``): bin ``b``'s list at
+            ``destination[b]``, in the order `fill_bins` gives them. Made by the caller
+            (numpy asks for huge pages: the writes land at random).
     """
-    out = np.empty(size, dtype=items.dtype)
     cursor = np.zeros(offsets.shape[0] - 1, dtype=np.int32)
     slot = 0
     for length in range(max_tokens, 0, -1):
@@ -269,7 +266,6 @@ def scatter_bins(
                 if piece_starts[piece] <= position < piece_ends[piece]:
                     out[piece_destination[piece] + position - piece_starts[piece]] = items[item]
                     break
-    return out
 
 
 @njit(cache=True, nogil=True)
