@@ -246,7 +246,8 @@ class MicroBatches:
         if not self._lazy:
             return gather_segments(self.members, self.starts, self.ends, order)
         packed = self.packed
-        offsets, destination, pieces = bin_destinations(order, sizes, packed.num_bins)
+        destination = np.empty(packed.num_bins, dtype=np.int64)  # numpy: huge pages for the scattered writes
+        offsets, pieces = bin_destinations(order, sizes, destination)
         piece_starts, piece_ends = self.bounds(order[pieces])
         members = np.empty(offsets[-1], dtype=packed.items.dtype)  # numpy: huge pages for the scattered writes
         scatter_bins(
@@ -267,18 +268,18 @@ def _float_sum(values: NDArray[np.float64]) -> float:
 def form_micro_batches(lengths: NDArray[np.int32], config: PlanConfig, rng: np.random.Generator) -> MicroBatches:
     """Micro-batches over entries ``0..len(lengths)-1`` (members index ``lengths``)."""
     count = lengths.shape[0]
-    index = np.empty(0, dtype=index_dtype(count))
     if config.mode == "pack":
         # The kernels' memory grows with the capacity; a capacity above all the tokens
         # packs exactly as the total does (one bin holds everything either way).
         capacity = int(min(config.max_tokens, lengths.sum(dtype=np.int64)))
         keys = rng.integers(0, 2**32, size=count, dtype=np.uint32)
-        items, start = shuffle_by_length(lengths, keys, capacity, index)
+        items = np.empty(count, dtype=index_dtype(count))
+        start = shuffle_by_length(lengths, keys, capacity, items)
         del keys  # 4 bytes per entry, no longer needed while packing
         slot_bin, offsets, tokens = pack_bins(items, start, capacity)
         return MicroBatches.of_bins(PackedBins(items, start, slot_bin, offsets, tokens, capacity))
     else:
-        order = rng.permutation(count).astype(index.dtype)
+        order = rng.permutation(count).astype(index_dtype(count))
         offsets, members, batch_lengths = cut_padded(
             lengths, order, config.shuffle_window, config.max_tokens, config.batch_multiple
         )

@@ -269,19 +269,22 @@ def scatter_bins(
 
 
 @njit(cache=True, nogil=True)
-def bin_destinations(order, sizes, num_bins):
+def bin_destinations(order, sizes, destination):
     """Where `scatter_bins` puts the members of micro-batches ``order`` laid one after another.
 
     Micro-batch ``k < num_bins`` is bin ``k`` whole; later ones are pieces of bins (or empty).
-    ``sizes`` are the entry counts of ``order``'s micro-batches.
+    ``sizes`` are the entry counts of ``order``'s micro-batches; ``destination`` (int64, one
+    per bin, made by the caller: numpy asks for huge pages) is filled with each bin's
+    destination, -1 when it is not laid out whole.
 
     Returns:
-        ``(offsets, destination, pieces)``: CSR offsets of the result (int64), each bin's
-        destination (-1 when not laid out whole) and the positions of ``order`` holding pieces.
+        ``(offsets, pieces)``: CSR offsets of the result (int64) and the positions of
+        ``order`` holding pieces.
     """
     count = order.shape[0]
+    num_bins = destination.shape[0]
     offsets = np.empty(count + 1, dtype=np.int64)
-    destination = np.full(num_bins, -1, dtype=np.int64)
+    destination[:] = -1
     pieces = 0
     offsets[0] = 0
     for i in range(count):
@@ -296,7 +299,7 @@ def bin_destinations(order, sizes, num_bins):
         if order[i] >= num_bins:
             piece_positions[pieces] = i
             pieces += 1
-    return offsets, destination, piece_positions
+    return offsets, piece_positions
 
 
 @njit(cache=True, nogil=True)

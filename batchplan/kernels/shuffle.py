@@ -28,21 +28,21 @@ def length_offsets(lengths, max_length):
 
 
 @njit(cache=True, nogil=True)
-def shuffle_by_length(lengths, keys, max_length, index):
+def shuffle_by_length(lengths, keys, max_length, items):
     """Items grouped by length (shortest first), randomly ordered within each length.
 
     Args:
         lengths: length of each item (every one in 0..max_length).
         keys: uint32 random bits, one per item.
         max_length: the longest possible length.
-        index: an array whose dtype (int32 or int64) the item indices take.
+        items: int32 or int64, one per item, filled with the item indices (made by the
+            caller: numpy asks for huge pages, and the writes go to a stream per length).
 
     Returns:
-        ``(items, start)``: items of length ``s`` at ``items[start[s]:start[s + 1]]``.
+        ``start``: items of length ``s`` are at ``items[start[s]:start[s + 1]]``.
     """
     start = length_offsets(lengths, max_length)
     cursor = start.copy()
-    items = np.empty(lengths.shape[0], dtype=index.dtype)
     for item in range(lengths.shape[0]):
         length = lengths[item]
         items[cursor[length]] = item
@@ -55,4 +55,4 @@ def shuffle_by_length(lengths, keys, max_length, index):
             swap = items[last]
             items[last] = items[pick]
             items[pick] = swap
-    return items, start
+    return start
