@@ -96,5 +96,8 @@ def process_group(rank: int, world_size: int, port: int):
     )  # fmt: skip
     try:
         yield
+        # Tear down together: a rank destroying its group while a peer still talks to it
+        # can abort the peer inside gloo ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
