@@ -26,7 +26,7 @@ from batchplan.kernels.pack import (
     scatter_bins,
 )
 from batchplan.kernels.pad import cut_padded
-from batchplan.kernels.segments import gather_segments, range_sums
+from batchplan.kernels.segments import gather_segments, range_sums, range_totals
 from batchplan.kernels.shuffle import shuffle_by_length
 from batchplan.warmup import SeqlenWarmup
 
@@ -168,15 +168,12 @@ class MicroBatches:
         of the whole epoch."""
         if np.issubdtype(values.dtype, np.floating):
             return range_sums(values.astype(np.float64, copy=False), self.starts, self.ends)
-        total = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values, dtype=np.int64)])
-        return total[self.ends] - total[self.starts]
+        return range_totals(values, self.starts, self.ends)
 
     def tokens(self) -> NDArray[np.int64]:
         """Tokens of each micro-batch."""
         if self._base_tokens is None:
-            starts, ends = self._base
-            total = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(self.lengths, dtype=np.int64)])
-            self._base_tokens = total[ends] - total[starts]
+            self._base_tokens = range_totals(self.lengths, *self._base)
         return self._joined(self._base_tokens, self._extra[:, 2])
 
     def token_table(self) -> NDArray[np.int64]:
@@ -279,7 +276,8 @@ def form_micro_batches(lengths: NDArray[np.int32], config: PlanConfig, rng: np.r
         slot_bin, offsets, tokens = pack_bins(items, start, capacity)
         return MicroBatches.of_bins(PackedBins(items, start, slot_bin, offsets, tokens, capacity))
     else:
-        order = rng.permutation(count).astype(index_dtype(count))
+        order = np.arange(count, dtype=index_dtype(count))
+        rng.shuffle(order)  # draws as `rng.permutation(count)` does, without its int64 copy
         offsets, members, batch_lengths = cut_padded(
             lengths, order, config.shuffle_window, config.max_tokens, config.batch_multiple
         )

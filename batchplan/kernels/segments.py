@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["gather_segments", "range_sums"]
+__all__ = ["gather_segments", "range_sums", "range_totals"]
 
 
 @njit(cache=True, nogil=True)
@@ -36,6 +36,19 @@ def range_sums(values, starts, ends):
     out = np.zeros(starts.shape[0], dtype=np.float64)
     for k in range(starts.shape[0]):
         total = 0.0
+        for i in range(starts[k], ends[k]):
+            total += values[i]
+        out[k] = total
+    return out
+
+
+@njit(cache=True, nogil=True)
+def range_totals(values, starts, ends):
+    """``values[starts[k]:ends[k]].sum()`` for each k, exact in int64 for integer values
+    (no prefix-sum array: 8 bytes per value saved)."""
+    out = np.zeros(starts.shape[0], dtype=np.int64)
+    for k in range(starts.shape[0]):
+        total = 0
         for i in range(starts[k], ends[k]):
             total += values[i]
         out[k] = total
