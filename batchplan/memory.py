@@ -5,30 +5,39 @@ A build holds every epoch in memory until the plan is written, and plans
 arrays. Peak resident memory is estimated as::
 
     base + entries x (fixed + epochs x held + at_once x work)
-         + rows_per_epoch x (epochs x row_held + at_once x row_work)
+         + rows_per_epoch x epochs x row_held
          + at_once x kernel(max_tokens)
          [+ spans: entries x (span_fixed + epochs x span_held)]
          [+ cost model: entries x at_once x cost_work]
 
-with the constants below, fitted (non-negative least squares) to the peak resident set
-("Maximum resident set size" of ``/usr/bin/time -v``) of 39 runs of::
+with the constants below, fitted to the peak resident set ("Maximum resident set size" of
+``/usr/bin/time -v``) of 43 builds, each run two or three times (the highest peak kept: with
+2 threads, whether the two epochs' working arrays overlap moves a peak by up to 25 %), of::
 
     BATCHPLAN_THREADS=T /usr/bin/time -v python -m batchplan_cli.main build lengths.parquet \
-        -o plan.arrow --max-tokens C --mode M --world-size 64 --epochs E --oversize truncate -q
+        -o plan.arrow --max-tokens C --mode M --world-size 64 --epochs E --oversize truncate|split -q
 
 on lognormal lengths (``bench.build.lognormal_lengths``: median 300 tokens, clipped at
-8,192): 1e3 to 1e8 samples, 1 to 8 epochs, 1 to 8 threads, pack and pad, max_tokens 512
-to 8,192 (0.6 to 21 M micro-batches per epoch), truncate and split, with and without a
-hidden size (batchplan 0.1.0, numpy 2.4, numba 0.68, pyarrow 26, Linux x86-64). With
-micro-batches estimated from the lengths as below, every estimate was within -11 % / +14 %
-of the measured peak (1e7 samples, 1 epoch, pack 8,192: 0.53 GiB both; 1e8 samples: 3.19 GiB
-measured, 3.41 GiB estimated). It is an estimate: other length distributions, library
-versions and the allocator move it; docs/reliability.md has the table.
+8,192, or 32,768 to split at 8,192): 1e4 to 1e8 samples, 1 to 4 epochs, 1 and 2 threads,
+pack and pad, max_tokens 512 to 8,192 (665 to 9.6 M micro-batches per epoch), truncate and
+split, with and without ``--hidden-size 4096``; and on the Wikipedia BERT lengths (16.3 M
+samples, pack 512, 1 and 2 epochs); batchplan 0.1.0, numpy 2.4, numba 0.68, pyarrow 26,
+Linux x86-64, 2 cores. More epochs and threads are extrapolated. The fit is non-negative
+least squares on relative errors, reweighted (Lawson) to minimise the worst error, an
+under-estimate (a build let through that runs out of memory) counting three times an
+over-estimate; a term per micro-batch per epoch planned at once fitted to 0 and was
+dropped. With micro-batches estimated from the lengths as below, every estimate was within
+-7 % / +21 % of the measured peak (1e7 samples, 1 epoch, pack 8,192: 0.46-0.47 GiB measured,
+0.52 GiB estimated; 1e8 samples: 2.45 GiB measured, 2.97 GiB estimated; pad, which holds
+more per sample than the shared constants say, 3.15 and 3.06 GiB). It is an estimate:
+other length distributions, library versions and the allocator move it;
+docs/reliability.md has the table.
 
 ``kernel(max_tokens)`` is what the kernels allocate per length or capacity value:
 pack ``16 x 2^ceil(log2(max_tokens + 1)) + 24 x (max_tokens + 2)`` bytes (a segment tree
-and stacks over capacities, length offsets), pad ``8 x (max_tokens + 2)`` (a counting
-sort); measured within 2 % at max_tokens 2^24 and 2^26 (0.9 and 3.5 GiB in pack mode).
+and stacks over capacities, length offsets), pad ``8 x (max_tokens + 2)`` (the counts of a
+counting sort, zeroed, so resident, whether or not the sort runs); measured within 2 % at
+max_tokens 2^24 and 2^26 (0.9 and 3.5 GiB in pack mode); pad: +0.11 GiB at 2^24.
 
 The available memory is what the system or the container can still give (``MemAvailable``,
 or a cgroup limit less its working set) plus what this process already holds, since the
@@ -63,15 +72,14 @@ __all__ = [
 SKIP_VARIABLE = "BATCHPLAN_MEMORY_CHECK"  # "0": build even when the estimate does not fit
 
 # Measured constants (bytes; see the module docstring for how).
-BASE_BYTES = 215 * 2**20  # Python, numpy, pyarrow, numba, typer
-ENTRY_FIXED = 14  # lengths read, entries
-ENTRY_HELD = 8  # per epoch, until the plan is written
-ENTRY_WORK = 6  # per epoch planned at once
-ROW_HELD = 24  # per micro-batch, per epoch
-ROW_WORK = 82  # per micro-batch, per epoch planned at once
-SPAN_FIXED = 13  # per entry with --oversize truncate|split cutting samples
-SPAN_HELD = 25  # per entry per epoch (starts/lengths columns)
-COST_WORK = 20  # per entry per epoch planned at once, with a cost model
+BASE_BYTES = 249 * 2**20  # Python, numpy, pyarrow, numba, typer (~208 MiB measured at 1e4 samples) and margin
+ENTRY_FIXED = 8  # lengths read, entries
+ENTRY_HELD = 3  # per epoch, until the plan is written
+ENTRY_WORK = 13  # per epoch planned at once
+ROW_HELD = 87  # per micro-batch, per epoch (the fit puts per-micro-batch planning arrays here too)
+SPAN_FIXED = 16  # per entry with --oversize truncate|split cutting samples
+SPAN_HELD = 13  # per entry per epoch (starts/lengths columns)
+COST_WORK = 2  # per entry per epoch planned at once, with a cost model
 # Micro-batches per max_tokens of kept tokens: pack fills ~100 % of them, pad ~83 %.
 ROWS_PER_CAP = {"pack": 1.0, "pad": 1.2}
 
@@ -107,7 +115,7 @@ class MemoryEstimate:
             per_entry += SPAN_FIXED + self.epochs * SPAN_HELD
         if self.has_cost:
             per_entry += self.at_once * COST_WORK
-        per_row = self.epochs * ROW_HELD + self.at_once * ROW_WORK
+        per_row = self.epochs * ROW_HELD
         kernels = self.at_once * self.kernel_bytes
         return BASE_BYTES + self.num_entries * per_entry + self.rows_per_epoch * per_row + kernels
 
@@ -171,10 +179,10 @@ def estimate_build_memory(
 def kernel_bytes(config: PlanConfig, tokens: int | None = None) -> int:
     """Bytes the kernels of one epoch allocate in proportion to their capacity (see the module
     docstring). Pack packs with ``min(max_tokens, all the tokens)`` (``tokens``; unknown:
-    at least one per sample was assumed by the caller); pad counts lengths only when
-    ``max_tokens <= 4 x shuffle_window``."""
+    at least one per sample was assumed by the caller); pad zeroes its counts of lengths
+    (``max_tokens + 2`` of them) whether or not it sorts by counting."""
     if config.mode == "pad":
-        return 8 * (config.max_tokens + 2) if config.max_tokens <= 4 * config.shuffle_window else 0
+        return 8 * (config.max_tokens + 2)
     cap = config.max_tokens if tokens is None else max(1, min(config.max_tokens, tokens))
     return 16 * (1 << cap.bit_length()) + 24 * (cap + 2)  # 1 << bit_length: the power of 2 >= cap + 1
 
@@ -221,7 +229,7 @@ def check_build_memory(estimate: MemoryEstimate) -> None:
         f"this build needs an estimated {at_least}{_gib(estimate.num_bytes)} of memory "
         f"({estimate.num_entries:,} {'entries (samples and pieces)' if estimate.has_spans else 'samples'}"
         f"{per_epoch}, {estimate.epochs} epoch(s), {estimate.at_once} planned "
-        f"at once) but {_gib(free)} is available; use {' or '.join(fixes)}; the estimate is within ~15 % of "
+        f"at once) but {_gib(free)} is available; use {' or '.join(fixes)}; the estimate is within ~20 % of "
         f"measured peaks, set {SKIP_VARIABLE}=0 to build anyway"
     )
 
