@@ -203,7 +203,7 @@ class MicroBatches:
             return self._with_pieces(per_bin, lambda members, _: values[members].sum(dtype=np.int64))
         return self.range_sums(values[self.members])
 
-    def _with_pieces(self, per_bin: NDArray, reduce) -> NDArray:
+    def _with_pieces(self, per_bin: NDArray, reduce: Callable[[NDArray, NDArray], float | int]) -> NDArray:
         """Per-bin values for the bins, then ``reduce(members, lengths)`` for the later pieces."""
         bins = self.packed.num_bins
         if self.count == bins:
@@ -239,18 +239,23 @@ class MicroBatches:
 
     def gather(self, order: NDArray[np.integer], sizes: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray]:
         """Members of micro-batches ``order`` one after another, in CSR form ``(offsets, members)``;
-        ``sizes`` are their entry counts."""
+        ``sizes`` are their entry counts. ``order`` names each micro-batch at most once, and
+        no bin both whole and in pieces (what the planner makes: pieces only replace bins)."""
         if not self._lazy:
             return gather_segments(self.members, self.starts, self.ends, order)
         packed = self.packed
         destination = np.empty(packed.num_bins, dtype=np.int64)  # numpy: huge pages for the scattered writes
         offsets, pieces = bin_destinations(order, sizes, destination)
+        pieces = pieces[sizes[pieces] > 0]
         piece_starts, piece_ends = self.bounds(order[pieces])
+        by_start = np.argsort(piece_starts, kind="stable")
         members = np.empty(offsets[-1], dtype=packed.items.dtype)  # numpy: huge pages for the scattered writes
-        scatter_bins(
-            packed.items, packed.start, packed.slot_bin, packed.offsets, destination,
-            piece_starts, piece_ends, offsets[pieces], packed.capacity, members,
+        written = scatter_bins(
+            packed.items, packed.start, packed.slot_bin, packed.offsets, destination, piece_starts[by_start],
+            piece_ends[by_start], offsets[pieces][by_start], packed.capacity, members,
         )  # fmt: skip
+        if written != members.shape[0]:
+            raise AssertionError(f"laid out {written:,} of {members.shape[0]:,} members: overlapping micro-batches")
         return offsets, members
 
 

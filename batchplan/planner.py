@@ -256,7 +256,8 @@ def schedule_epoch(
     sizing = _StepSizing.of(config, tokens_before or 0, batches)
     # A permutation of the micro-batches after the first `ordered`, with room for the
     # last chunk to be completed in place (`shuffle` draws as `permutation` does).
-    schedule = np.empty(batches.count + config.world_size, dtype=np.int64)[: batches.count]
+    room = np.empty(batches.count + config.world_size, dtype=np.int64)
+    schedule = room[: batches.count]
     schedule[:] = np.arange(batches.count)
     epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER).shuffle(schedule[ordered:])
     if config.drop_last:
@@ -265,7 +266,7 @@ def schedule_epoch(
         num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
     else:
         num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
-        schedule, dropped = _complete_last_chunk(batches, schedule, config.world_size)
+        schedule, dropped = _complete_last_chunk(batches, room, batches.count, config.world_size)
     compute = None if config.cost_coefficient is None else compute_costs(batches, config)
     kept = min(num_full, -(-ordered // config.world_size) * config.world_size)  # whole chunks
     # Each scheduled micro-batch's values, gathered once and written where balancing puts them.
@@ -291,11 +292,14 @@ class _Scheduled:
     by_compute: bool  # balance ranks by compute, else by tokens
 
     @classmethod
-    def take(cls, schedule, batches: MicroBatches, compute, config: PlanConfig, begin: int, end: int, epoch: int):
-        """Steps 3 of the module docstring over positions ``begin:end`` (whole chunks):
-        chunks of ``world_size`` micro-batches of similar cost within windows of
-        ``balance_window`` chunks, the chunks shuffled; ``balance_window`` 1 keeps the
-        (already random) order, and LPT balances inside each step."""
+    def take(
+        cls, schedule, batches: MicroBatches, compute, config: PlanConfig, begin: int, end: int, epoch: int
+    ) -> _Scheduled:
+        """What each micro-batch of ``schedule`` needs, gathered once, with step 3 of the
+        module docstring applied to positions ``begin:end`` (whole chunks): chunks of
+        ``world_size`` micro-batches of similar cost within windows of ``balance_window``
+        chunks, the chunks shuffled; ``balance_window`` 1 keeps the (already random) order,
+        and LPT balances inside each step."""
         by_compute = config.balance == "compute"
         values = np.zeros(0, dtype=np.float64) if compute is None else compute
         window = 0 if config.balance_window == 1 else config.balance_window * config.world_size
@@ -348,12 +352,13 @@ class _StepSizing:
         return float(ramp_target(done, float(config.rampup_start), self.full_step, config.rampup_tokens))
 
 
-def _complete_last_chunk(batches: MicroBatches, schedule, world_size: int):
+def _complete_last_chunk(batches: MicroBatches, room, count: int, world_size: int):
     """Make the scheduled count a multiple of world_size: split micro-batches, then add empties.
 
-    Returns the new schedule and the (no) entries dropped.
+    The schedule is ``room[:count]``; ``room`` holds ``world_size`` more, so the completed
+    schedule is written in place. Returns the new schedule and the (no) entries dropped.
     """
-    count = schedule.shape[0]
+    schedule = room[:count]
     full = count - count % world_size
     no_drop = np.zeros(0, dtype=np.int64)
     if full == count:
@@ -376,11 +381,9 @@ def _complete_last_chunk(batches: MicroBatches, schedule, world_size: int):
     tokens = [int(lengths.sum()) for _, _, lengths in pairs] + [0] * (world_size - len(pairs))
     pairs = [(start, end) for start, end, _ in pairs] + [(0, 0)] * (world_size - len(pairs))
     last = batches.extend(np.array(pairs, dtype=np.int64).reshape(-1, 2), np.array(tokens, dtype=np.int64))
-    if schedule.base is not None and schedule.base.shape[0] >= full + world_size:  # room left
-        completed = schedule.base[: full + world_size]
-        completed[full:] = last
-        return completed, no_drop
-    return np.concatenate([schedule[:full], last]), no_drop
+    completed = room[: full + world_size]
+    completed[full:] = last
+    return completed, no_drop
 
 
 def _drop_last_step(batches: MicroBatches, schedule, config: PlanConfig, epoch: int):
@@ -506,7 +509,6 @@ def _assemble(entries, config, epoch, batches: MicroBatches, at: _Scheduled, ste
         step_loss_tokens=step_loss_tokens,
         dropped_entries=dropped,
     )
-
 
 
 def _broadcast(values: NDArray, shape: tuple[int, int]) -> NDArray:

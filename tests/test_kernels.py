@@ -22,7 +22,6 @@ from batchplan.kernels.pack import (
     bin_members,
     fill_bins,
     pack_bins,
-    pack_grouped,
     pack_items,
     pack_segments,
     scatter_bins,
@@ -325,21 +324,39 @@ def balance_inputs(draw):
     return np.array(costs, dtype=np.int64), offsets, world_size
 
 
-@given(balance_inputs(), st.booleans(), st.booleans())
-def test_lay_out_rows_matches_assign_ranks_and_order_rows(case, with_loss, with_compute):
+def with_balance_edges(test):
+    for case in BALANCE_EDGES:
+        test = example(case)(test)
+    return test
+
+
+BALANCE_EDGES = [
+    (np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64), 8),  # no micro-batches
+    (np.array([5], dtype=np.int64), np.array([0, 1], dtype=np.int64), 1),  # one micro-batch
+    (np.array([9, 0, 0, 4] + [0] * 60, dtype=np.int64), np.array([0, 64], dtype=np.int64), 64),  # empties
+    (np.array([3, 3, 3, 3, 3, 3], dtype=np.int64), np.array([0, 6], dtype=np.int64), 3),  # all equal
+    (np.array([4, 4, 2, 2, 1, 1], dtype=np.int64), np.array([0, 2, 6], dtype=np.int64), 2),  # two steps
+]
+
+
+@given(balance_inputs(), st.booleans(), st.booleans(), st.booleans())
+@example(BALANCE_EDGES[2], True, True, True)
+@example(BALANCE_EDGES[4], False, True, True)
+def test_lay_out_rows_matches_assign_ranks_and_order_rows(case, with_loss, with_compute, float_costs):
     """The layout = the references `assign_ranks` + `order_rows`, plus the per-row values and step sums."""
     costs, offsets, world_size = case
     count = costs.shape[0]
+    balance_by = costs * 0.5 if float_costs else costs  # compute (float64) or tokens (int64)
     batch = np.arange(count, dtype=np.int64)[::-1].copy()
     tokens = costs + 3
     sizes = costs % 4 + 1
     loss = (tokens - sizes - 1) if with_loss else np.zeros(0, dtype=np.int64)
     compute = tokens * 1.5 if with_compute else np.zeros(0, dtype=np.float64)
     rows, row_compute = np.empty((4, count), dtype=np.int64), np.empty(compute.shape[0])
-    found = lay_out_rows(offsets, costs, batch, tokens, sizes, loss, compute, world_size, rows, row_compute)
+    found = lay_out_rows(offsets, balance_by, batch, tokens, sizes, loss, compute, world_size, rows, row_compute)
     step, micro, num_micro, step_tokens, step_loss = found
     row_batch, row_tokens, row_loss, row_sizes = rows
-    rank, want_micro = ref.assign_ranks(costs.tolist(), offsets.tolist(), world_size)
+    rank, want_micro = ref.assign_ranks(balance_by.tolist(), offsets.tolist(), world_size)
     rows = ref.order_rows(offsets.tolist(), rank, want_micro, world_size)
     position = [row[0] for row in rows]
     lost = (loss if with_loss else tokens - sizes).tolist()
@@ -402,11 +419,7 @@ def test_take_scheduled_matches_reference(case, with_values, by_values):
 
 
 @given(balance_inputs())
-@example((np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64), 8))  # no micro-batches
-@example((np.array([5], dtype=np.int64), np.array([0, 1], dtype=np.int64), 1))  # one micro-batch
-@example((np.array([9, 0, 0, 4] + [0] * 60, dtype=np.int64), np.array([0, 64], dtype=np.int64), 64))  # empties
-@example((np.array([3, 3, 3, 3, 3, 3], dtype=np.int64), np.array([0, 6], dtype=np.int64), 3))  # all equal
-@example((np.array([4, 4, 2, 2, 1, 1], dtype=np.int64), np.array([0, 2, 6], dtype=np.int64), 2))  # two steps
+@with_balance_edges
 def test_lay_out_rows_gives_every_rank_equal_counts(case):
     """Each rank's rows hold every scheduled position once per step: per_rank of each step."""
     costs, offsets, world_size = case
@@ -455,24 +468,11 @@ def test_shuffle_by_length_is_a_fair_shuffle():
     assert np.all(np.abs(firsts / 4000 - 0.25) < 0.03)
 
 
-@given(items())
-@with_edges
-def test_pack_grouped_equals_pack_segments_on_grouped_items(case):
-    lengths, order, max_tokens = case
-    items = order[np.argsort(lengths[order], kind="stable")]  # grouped by length, in `order`
-    start = np.concatenate([[0], np.cumsum(np.bincount(lengths, minlength=max_tokens + 1))])
-    start = np.append(start, start[-1])
-    offsets, members, member_lengths = pack_grouped(items, start, max_tokens)
-    want_offsets, want_members = pack_segments(lengths, order, max_tokens)
-    assert offsets.tolist() == want_offsets.tolist() and members.tolist() == want_members.tolist()
-    assert member_lengths.tolist() == lengths[members].tolist()
-
-
-def grouped(lengths, order, max_tokens):
-    """``order`` grouped by length (shortest first, ``order`` kept within a length), with offsets."""
-    items = order[np.argsort(lengths[order], kind="stable")]
-    start = np.concatenate([[0], np.cumsum(np.bincount(lengths, minlength=max_tokens + 1))])
-    return items, np.append(start, start[-1]).astype(np.int64)
+def grouped(lengths, order, max_tokens, dtype=np.int64):
+    """``order`` grouped by length (shortest first, ``order`` kept within a length), with the
+    ``max_tokens + 2`` offsets `length_offsets` gives; items as ``dtype``."""
+    items = order[np.argsort(lengths[order], kind="stable")].astype(dtype)
+    return items, np.concatenate([[0], np.cumsum(np.bincount(lengths, minlength=max_tokens + 1))]).astype(np.int64)
 
 
 def with_edges_and_seed(test):
@@ -488,37 +488,43 @@ def test_packed_bins_give_the_bins_of_pack_segments_in_any_layout(case, seed):
     of bins, leaving the rest out) in any order exactly as a gather of the filled bins does."""
     random = Random(seed)
     lengths, order, max_tokens = case
-    items, start = grouped(lengths, order, max_tokens)
+    items, start = grouped(lengths, order, max_tokens, dtype=random.choice([np.int32, np.int64]))
     slot_bin, offsets, tokens = pack_bins(items, start, max_tokens)
     members, member_lengths = fill_bins(items, start, slot_bin, offsets, max_tokens)
     want_offsets, want_members = ref.pack_segments(lengths.tolist(), order.tolist(), max_tokens)
-    assert (offsets.tolist(), members.tolist()) == (want_offsets, want_members)
+    assert (offsets.tolist(), members.tolist(), members.dtype) == (want_offsets, want_members, items.dtype)
     assert member_lengths.tolist() == lengths[members].tolist()
     assert tokens.tolist() == ref.segment_sum(member_lengths.tolist(), want_offsets)
     num_bins = tokens.shape[0]
-    # Some bins whole, some cut into two pieces, some left out, then shuffled: the layout.
+    # Some bins whole, some cut into 1-4 pieces (1: the whole bin as a piece), some left out,
+    # some empty micro-batches, then shuffled: the layout.
     starts, ends, order_of = list(offsets[:-1]), list(offsets[1:]), []
     for b in range(num_bins):
         choice = random.choice(["whole", "whole", "cut", "out"])
         if choice == "whole":
             order_of.append(b)
-        elif choice == "cut" and offsets[b + 1] - offsets[b] > 1:
-            cut = random.randrange(offsets[b] + 1, offsets[b + 1])
-            starts += [offsets[b], cut]
-            ends += [cut, offsets[b + 1]]
-            order_of += [len(starts) - 2, len(starts) - 1]
+        elif choice == "cut":
+            inner = range(offsets[b] + 1, offsets[b + 1])
+            cuts = [offsets[b], *sorted(random.sample(inner, min(len(inner), random.randrange(4)))), offsets[b + 1]]
+            for first, end in zip(cuts[:-1], cuts[1:]):
+                starts.append(first), ends.append(end), order_of.append(len(starts) - 1)
+    for _ in range(random.randrange(3)):
+        starts.append(0), ends.append(0), order_of.append(len(starts) - 1)
     random.shuffle(order_of)
     starts, ends, layout = (np.array(x, dtype=np.int64) for x in (starts, ends, order_of))
     sizes = ends[layout] - starts[layout]
     destination = np.empty(num_bins, dtype=np.int64)
     out_offsets, pieces = bin_destinations(layout, sizes, destination)
+    assert pieces.tolist() == [i for i, k in enumerate(layout.tolist()) if k >= num_bins]
+    pieces = pieces[sizes[pieces] > 0]  # the contract: non-empty pieces sorted by start
+    by_start = np.argsort(starts[layout[pieces]], kind="stable")
     laid = np.empty(out_offsets[-1], dtype=items.dtype)
-    scatter_bins(
-        items, start, slot_bin, offsets, destination, starts[layout[pieces]], ends[layout[pieces]],
-        out_offsets[pieces], max_tokens, laid,
+    written = scatter_bins(
+        items, start, slot_bin, offsets, destination, starts[layout[pieces]][by_start],
+        ends[layout[pieces]][by_start], out_offsets[pieces][by_start], max_tokens, laid,
     )  # fmt: skip
     want = ref.gather_segments(want_members, starts.tolist(), ends.tolist(), layout.tolist())
-    assert (out_offsets.tolist(), laid.tolist()) == want
+    assert (out_offsets.tolist(), laid.tolist(), written) == (*want, len(want[1]))
     assert destination.tolist() == [
         int(out_offsets[layout.tolist().index(b)]) if b in layout.tolist() else -1 for b in range(num_bins)
     ]

@@ -2,10 +2,12 @@
 
 `take_scheduled` gathers what each scheduled micro-batch needs once (the only random
 reads) and writes it straight to its balanced position (sorted by cost inside windows,
-chunks shuffled), and `lay_out_rows` assigns ranks step by step and writes each row's values in place: every
-rank holds the same number of rows, ``rows_per_rank``, so the row of a micro-batch is
-``rank x rows_per_rank + (rows of its rank before its step) + micro`` (no sort; the
-writes go to ``world_size`` sequential streams, one per rank).
+chunks shuffled); `lay_out_rows` assigns ranks step by step and writes each row's values
+in place. Every rank holds the same number of rows, ``rows_per_rank``, so the row of a
+micro-batch is ``rank x rows_per_rank + (rows of its rank before its step) + micro``: no
+sort, and each output column is written as ``world_size`` sequential streams, one per rank.
+Outputs written at scattered places are made by the callers with numpy, which asks the
+kernel for huge pages (numba's own allocations do not): fewer TLB misses.
 """
 
 from __future__ import annotations

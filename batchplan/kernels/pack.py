@@ -30,7 +30,7 @@ from batchplan.kernels.shuffle import length_offsets
 
 __all__ = [
     "bin_destinations", "bin_item_sums", "bin_length_sums", "bin_members", "fill_bins", "pack_bins",
-    "pack_grouped", "pack_items", "pack_segments", "scatter_bins",
+    "pack_items", "pack_segments", "scatter_bins",
 ]  # fmt: skip
 
 
@@ -170,33 +170,18 @@ def pack_segments(lengths, order, max_tokens):
         creation.
     """
     items, start = _items_by_length(lengths, order, max_tokens)
-    offsets, members, _ = pack_grouped(items, start, max_tokens)
+    slot_bin, offsets, _ = pack_bins(items, start, max_tokens)
+    members, _ = fill_bins(items, start, slot_bin, offsets, max_tokens)
     return offsets, members
 
 
 @njit(cache=True, nogil=True)
-def pack_grouped(items, start, max_tokens):
-    """`pack_segments` for items already grouped by length.
-
-    Args:
-        items: item indices, those of length ``s`` at ``items[start[s]:start[s + 1]]``
-            (`batchplan.kernels.shuffle.shuffle_by_length` makes them); within a length,
-            items are consumed in this order.
-        start: offsets of each length in ``items`` (``max_tokens + 2`` of them).
-        max_tokens: bin capacity.
-
-    Returns:
-        ``(offsets, members, member_lengths)``: as `pack_segments`, plus the length of each
-        member (int32), so callers never gather lengths at random.
-    """
-    slot_bin, offsets, _ = pack_bins(items, start, max_tokens)
-    members, member_lengths = fill_bins(items, start, slot_bin, offsets, max_tokens)
-    return offsets, members, member_lengths
-
-
-@njit(cache=True, nogil=True)
 def pack_bins(items, start, max_tokens):
-    """Best-fit decreasing over grouped items (see `pack_grouped`), before any member is laid out.
+    """Best-fit decreasing over items grouped by length, before any member is laid out.
+
+    ``items`` are item indices, those of length ``s`` at ``items[start[s]:start[s + 1]]``
+    (`batchplan.kernels.shuffle.shuffle_by_length` makes them); within a length, items
+    are consumed in this order. ``max_tokens`` is the bin capacity.
 
     Slot ``k`` is the k-th item placed: lengths are placed longest first, so the slots of
     length ``s`` are consecutive and hold ``items[start[s]:start[s + 1]]`` in order. Bin
@@ -242,15 +227,20 @@ def scatter_bins(
     Args:
         items, start, slot_bin, offsets: a packing (`pack_bins`).
         destination: per bin, where its whole member list goes in the output, or -1.
-        piece_starts, piece_ends, piece_destination: ranges of member space (inside bins
-            whose destination is -1: pieces of split bins) and where each goes; members of
-            a -1 bin outside every piece are left out (dropped).
+        piece_starts, piece_ends, piece_destination: non-empty ranges of member space,
+            sorted by start and not overlapping, each inside one bin whose destination is
+            -1 (pieces of split bins), and where each goes; members of a -1 bin outside
+            every piece are left out (dropped).
         max_tokens: bin capacity.
         out: filled with the members (dtype of ``items``): bin ``b``'s list at
             ``destination[b]``, in the order `fill_bins` gives them. Made by the caller
             (numpy asks for huge pages: the writes land at random).
+
+    Returns:
+        How many members were written: ``len(out)`` when the layout covers ``out`` once.
     """
     cursor = np.zeros(offsets.shape[0] - 1, dtype=np.int32)
+    written = 0
     slot = 0
     for length in range(max_tokens, 0, -1):
         for item in range(start[length], start[length + 1]):
@@ -260,12 +250,14 @@ def scatter_bins(
             cursor[target] = within + 1
             if destination[target] >= 0:
                 out[destination[target] + within] = items[item]
+                written += 1
                 continue
             position = offsets[target] + within
-            for piece in range(piece_starts.shape[0]):
-                if piece_starts[piece] <= position < piece_ends[piece]:
-                    out[piece_destination[piece] + position - piece_starts[piece]] = items[item]
-                    break
+            piece = np.searchsorted(piece_starts, position, side="right") - 1
+            if piece >= 0 and position < piece_ends[piece]:
+                out[piece_destination[piece] + position - piece_starts[piece]] = items[item]
+                written += 1
+    return written
 
 
 @njit(cache=True, nogil=True)

@@ -1,0 +1,87 @@
+"""`MicroBatches` over packed bins (members laid out lazily) agrees with the same bins laid out.
+
+The planner only ever sees `MicroBatches`; pack mode hands it `PackedBins` and never lays the
+members out bin by bin. Every method must give what the materialised form gives, also after
+`extend` adds pieces of bins (several pieces of one bin, a whole bin as a piece) and empties.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batchplan.entries import index_dtype
+from batchplan.kernels.pack import pack_bins
+from batchplan.kernels.shuffle import shuffle_by_length
+from batchplan.micro_batches import MicroBatches, PackedBins
+
+
+def both_forms(lengths: np.ndarray, cap: int, seed: int) -> tuple[MicroBatches, MicroBatches, PackedBins]:
+    """The same packing as lazy and as materialised micro-batches."""
+    keys = np.random.default_rng(seed).integers(0, 2**32, lengths.shape[0], dtype=np.uint32)
+    capacity = int(min(cap, lengths.sum()))
+    items = np.empty(lengths.shape[0], dtype=index_dtype(lengths.shape[0]))
+    start = shuffle_by_length(lengths, keys, capacity, items)
+    slot_bin, offsets, tokens = pack_bins(items, start, capacity)
+    packed = PackedBins(items, start, slot_bin, offsets, tokens, capacity)
+    members, member_lengths = packed.members()
+    eager = MicroBatches(members, member_lengths, offsets[:-1].copy(), offsets[1:].copy())
+    return MicroBatches.of_bins(packed), eager, packed
+
+
+@st.composite
+def packings(draw):
+    cap = draw(st.sampled_from([1, 5, 16, 100]))
+    lengths = draw(st.lists(st.integers(1, cap), min_size=1, max_size=120))
+    return np.array(lengths, dtype=np.int32), cap, draw(st.integers(0, 2**16))
+
+
+@given(packings(), st.integers(0, 2**16))
+def test_packed_micro_batches_agree_with_laid_out_ones(case, seed):
+    lengths, cap, key_seed = case
+    lazy, eager, packed = both_forms(lengths, cap, key_seed)
+    rng = np.random.default_rng(seed)
+    offsets, num_bins = packed.offsets, packed.num_bins
+    # Pieces: some bins cut into 1-4 pieces (1 = the whole bin as a piece), then empties.
+    pairs, cut_bins = [], set()
+    for b in rng.choice(num_bins, size=min(num_bins, int(rng.integers(0, 4))), replace=False):
+        first, end = int(offsets[b]), int(offsets[b + 1])
+        cuts = sorted(set(rng.integers(first, end + 1, int(rng.integers(0, 4))).tolist()) | {first, end})
+        pairs += [(s, e) for s, e in zip(cuts[:-1], cuts[1:]) if e > s]
+        cut_bins.add(int(b))
+    pairs += [(0, 0)] * int(rng.integers(0, 3))
+    if pairs:
+        p = np.array(pairs, dtype=np.int64)
+        tokens = np.array([int(eager.lengths[s:e].sum()) for s, e in pairs], dtype=np.int64)
+        assert lazy.extend(p, tokens).tolist() == eager.extend(p, tokens).tolist()
+    assert lazy.count == eager.count == num_bins + len(pairs)
+    width = 1 / (12 * 7)
+    values = rng.integers(0, 9, lengths.shape[0]).astype(np.int32)
+    which = rng.permutation(lazy.count)
+    for got, want in [
+        (lazy.tokens(), eager.tokens()),
+        (lazy.token_table(), eager.token_table()),
+        (lazy.length_sums(lambda x: x + width * x**2), eager.length_sums(lambda x: x + width * x**2)),
+        (lazy.entry_sums(values), eager.entry_sums(values)),
+        (lazy.members_of(which), eager.members_of(which)),
+        (np.stack(lazy.bounds(which)), np.stack([eager.starts[which], eager.ends[which]])),
+    ]:
+        assert got.dtype == want.dtype and got.tolist() == want.tolist()
+    # A layout as the planner makes it: bins that were cut appear only as their pieces.
+    order = np.array([k for k in which if k >= num_bins or k not in cut_bins], dtype=np.int64)
+    sizes = (eager.ends - eager.starts)[order]
+    for got, want in zip(lazy.gather(order, sizes), eager.gather(order, sizes)):
+        assert got.tolist() == want.tolist()
+
+
+def test_gather_refuses_a_bin_laid_out_whole_and_in_pieces():
+    """Pieces only replace bins; a layout holding both would leave members unwritten: refused."""
+    lazy, _, packed = both_forms(np.array([3, 3, 2, 1], dtype=np.int32), 4, 0)
+    bin_with_two = int(np.flatnonzero(np.diff(packed.offsets) >= 2)[0])
+    first = int(packed.offsets[bin_with_two])
+    piece = lazy.extend(np.array([[first, first + 1]]), np.array([int(lazy.tokens()[bin_with_two])]))
+    order = np.concatenate([np.arange(packed.num_bins), piece])
+    with pytest.raises(AssertionError, match="overlapping micro-batches"):
+        lazy.gather(order, (lazy.ends - lazy.starts)[order])
