@@ -112,6 +112,7 @@ class MicroBatches:
         self._base = (starts, ends)
         self._base_tokens = None if packed is None else packed.tokens
         self._extra = np.zeros((0, 3), dtype=np.int64)  # rows (start, end, tokens)
+        self._joined_cache: tuple[NDArray[np.int64], NDArray[np.int64]] | None = None
 
     @classmethod
     def of_bins(cls, packed: PackedBins) -> MicroBatches:
@@ -120,11 +121,19 @@ class MicroBatches:
 
     @property
     def starts(self) -> NDArray[np.int64]:
-        return self._joined(self._base[0], self._extra[:, 0])
+        return self._joined_bounds()[0]
 
     @property
     def ends(self) -> NDArray[np.int64]:
-        return self._joined(self._base[1], self._extra[:, 1])
+        return self._joined_bounds()[1]
+
+    def _joined_bounds(self) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """Starts and ends of all micro-batches, joined once per `extend`."""
+        if self._joined_cache is None:
+            self._joined_cache = (
+                self._joined(self._base[0], self._extra[:, 0]), self._joined(self._base[1], self._extra[:, 1])
+            )
+        return self._joined_cache
 
     def bounds(self, which: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
         """``(starts, ends)`` of a few micro-batches (without joining all of them)."""
@@ -235,6 +244,7 @@ class MicroBatches:
         first = self.count
         rows = np.column_stack([pairs.reshape(-1, 2), tokens]).astype(np.int64)
         self._extra = np.concatenate([self._extra, rows])
+        self._joined_cache = None
         return np.arange(first, self.count, dtype=np.int64)
 
     def gather(self, order: NDArray[np.integer], sizes: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray]:
@@ -283,10 +293,10 @@ def form_micro_batches(lengths: NDArray[np.int32], config: PlanConfig, rng: np.r
     else:
         order = np.arange(count, dtype=index_dtype(count))
         rng.shuffle(order)  # draws as `rng.permutation(count)` does, without its int64 copy
-        offsets, members, batch_lengths = cut_padded(
+        offsets, members, member_lengths = cut_padded(
             lengths, order, config.shuffle_window, config.max_tokens, config.batch_multiple
         )
-    return MicroBatches(members, batch_lengths, offsets[:-1].copy(), offsets[1:].copy())
+    return MicroBatches(members, member_lengths, offsets[:-1], offsets[1:])
 
 
 def form_warmup_micro_batches(entries: Entries, config: PlanConfig, warmup: SeqlenWarmup, rng, stage_rng):
