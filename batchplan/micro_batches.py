@@ -26,7 +26,7 @@ from batchplan.kernels.pack import (
     scatter_bins,
 )
 from batchplan.kernels.pad import cut_padded
-from batchplan.kernels.segments import gather_segments, range_sums, range_totals
+from batchplan.kernels.segments import gather_segments, range_sums
 from batchplan.kernels.shuffle import shuffle_by_length
 from batchplan.warmup import SeqlenWarmup
 
@@ -175,23 +175,26 @@ class MicroBatches:
         """Sum of ``values[starts[k]:ends[k]]`` (values aligned with members) for each k:
         exact int64 for integers; floats range by range, so no range carries the rounding
         of the whole epoch."""
-        if np.issubdtype(values.dtype, np.floating):
-            return range_sums(values.astype(np.float64, copy=False), self.starts, self.ends)
-        return range_totals(values, self.starts, self.ends)
+        total = np.zeros(self.count, dtype=np.float64 if np.issubdtype(values.dtype, np.floating) else np.int64)
+        return range_sums(values, self.starts, self.ends, total)
 
     def tokens(self) -> NDArray[np.int64]:
         """Tokens of each micro-batch."""
+        return self._joined(self._formed_tokens(), self._extra[:, 2])
+
+    def _formed_tokens(self) -> NDArray[np.int64]:
+        """Tokens of the micro-batches as formed (before `extend`), summed once."""
         if self._base_tokens is None:
-            self._base_tokens = range_totals(self.lengths, *self._base)
-        return self._joined(self._base_tokens, self._extra[:, 2])
+            starts, ends = self._base
+            self._base_tokens = range_sums(self.lengths, starts, ends, np.zeros(starts.shape[0], dtype=np.int64))
+        return self._base_tokens
 
     def token_table(self) -> NDArray[np.int64]:
         """Shape (count, 2): tokens and entries of each micro-batch, side by side (one cache
         line per micro-batch for kernels that read them at random)."""
-        self.tokens()  # the formed ones' tokens, once
         (starts, ends), formed = self._base, self._base[0].shape[0]
         table = np.empty((self.count, 2), dtype=np.int64)
-        table[:formed, 0] = self._base_tokens
+        table[:formed, 0] = self._formed_tokens()
         np.subtract(ends, starts, out=table[:formed, 1])
         table[formed:, 0] = self._extra[:, 2]
         table[formed:, 1] = self._extra[:, 1] - self._extra[:, 0]

@@ -319,11 +319,9 @@ class _Scheduled:
         return self.compute if self.by_compute else self.tokens
 
     def head(self, count: int) -> _Scheduled:
-        return self._map(lambda values: values[:count])
-
-    def _map(self, change) -> _Scheduled:
-        arrays = (self.batch, self.tokens, self.sizes, self.compute)
-        return _Scheduled(*(None if values is None else change(values) for values in arrays), self.by_compute)
+        """The first ``count`` positions."""
+        compute = None if self.compute is None else self.compute[:count]
+        return _Scheduled(self.batch[:count], self.tokens[:count], self.sizes[:count], compute, self.by_compute)
 
 
 @dataclasses.dataclass(frozen=True)

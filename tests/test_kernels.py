@@ -28,7 +28,7 @@ from batchplan.kernels.pack import (
 )
 from batchplan.kernels.shuffle import shuffle_by_length
 from batchplan.kernels.pad import cut_padded
-from batchplan.kernels.segments import gather_segments, range_sums, range_totals
+from batchplan.kernels.segments import gather_segments, range_sums
 from batchplan.segments import segment_max, segment_sum
 from batchplan.kernels.steps import ramp_steps, steps_by_tokens
 
@@ -579,9 +579,10 @@ def test_segment_reductions_and_gather_segments_match_reference(case):
     assert segment_sum(values, offsets).tolist() == ref.segment_sum(values.tolist(), offsets.tolist())
     assert segment_max(values, offsets).tolist() == ref.segment_max(values.tolist(), offsets.tolist())
     starts, ends = offsets[:-1].copy(), offsets[1:].copy()
-    sums = range_sums(values.astype(np.float64), starts, ends)
+    sums = range_sums(values.astype(np.float64), starts, ends, np.zeros(starts.shape[0]))
     assert sums.tolist() == [float(v) for v in ref.segment_sum(values.tolist(), offsets.tolist())]
-    assert range_totals(values, starts, ends).tolist() == ref.segment_sum(values.tolist(), offsets.tolist())
+    totals = range_sums(values, starts, ends, np.zeros(starts.shape[0], dtype=np.int64))
+    assert totals.tolist() == ref.segment_sum(values.tolist(), offsets.tolist())
     new_offsets, new_members = gather_segments(members, starts, ends, order)
     want = ref.gather_segments(members.tolist(), starts.tolist(), ends.tolist(), order.tolist())
     assert (new_offsets.tolist(), new_members.tolist()) == want

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["gather_segments", "range_sums", "range_totals"]
+__all__ = ["gather_segments", "range_sums"]
 
 
 @njit(cache=True, nogil=True)
@@ -30,26 +30,11 @@ def gather_segments(members, starts, ends, order):
 
 
 @njit(cache=True, nogil=True)
-def range_sums(values, starts, ends):
-    """``values[starts[k]:ends[k]].sum()`` for each k, each range summed on its own (a prefix
-    sum's differences would carry the rounding of everything before the range)."""
-    out = np.zeros(starts.shape[0], dtype=np.float64)
+def range_sums(values, starts, ends, out):
+    """Add ``values[starts[k]:ends[k]]`` to ``out[k]`` (zeros) for each k, left to right; ``out``'s
+    dtype is the arithmetic: int64 is exact for integers (no prefix-sum array), float64 sums each
+    range on its own (a prefix sum's differences would carry the rounding of everything before)."""
     for k in range(starts.shape[0]):
-        total = 0.0
         for i in range(starts[k], ends[k]):
-            total += values[i]
-        out[k] = total
-    return out
-
-
-@njit(cache=True, nogil=True)
-def range_totals(values, starts, ends):
-    """``values[starts[k]:ends[k]].sum()`` for each k, exact in int64 for integer values
-    (no prefix-sum array: 8 bytes per value saved)."""
-    out = np.zeros(starts.shape[0], dtype=np.int64)
-    for k in range(starts.shape[0]):
-        total = 0
-        for i in range(starts[k], ends[k]):
-            total += values[i]
-        out[k] = total
+            out[k] += values[i]
     return out
