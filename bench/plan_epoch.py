@@ -1,0 +1,67 @@
+"""One epoch planned in-process (no start-up, no file), against the permutation yardstick.
+
+    python -m bench.plan_epoch --samples 1e7
+    python -m bench.plan_epoch --file ../shared/data/wikipedia_bert512.parquet --max-tokens 512
+    python -m bench.plan_epoch --samples 1e7 --mode pad
+
+Times `batchplan.planner.plan_epoch` (shuffle, micro-batches, steps, ranks, rows) after a
+warm-up on 5,000 samples (the numba kernels loaded), best of --repeats, and
+`numpy.random.default_rng(0).permutation(N)` in the same run. What `bench.build` measures
+end to end, without the fixed start-up, reading and writing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.build import lognormal_lengths, time_permutation
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=float, default=1e7, help="synthetic lognormal samples")
+    parser.add_argument("--file", type=Path, help="a Parquet file with a `length` column instead")
+    parser.add_argument("--max-tokens", type=int, default=8192)
+    parser.add_argument("--mode", default="pack")
+    parser.add_argument("--world-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    from batchplan.config import PlanConfig
+    from batchplan.lengths import read_lengths
+    from batchplan.entries import make_entries
+    from batchplan.planner import plan_epoch
+
+    if args.file is None:
+        lengths, name = lognormal_lengths(int(args.samples), args.max_tokens), f"lognormal {int(args.samples):.0e}"
+    else:
+        lengths, name = read_lengths(args.file).lengths, args.file.stem
+    config = PlanConfig(max_tokens=args.max_tokens, mode=args.mode, world_size=args.world_size, oversize="truncate")
+    entries = make_entries(lengths, config)
+    plan_epoch(make_entries(lengths[:5000], config), config, 0)  # load the kernels
+    best = float("inf")
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        plan_epoch(entries, config, 0)
+        best = min(best, time.perf_counter() - start)
+    permutation = time_permutation(lengths.shape[0])
+    row = {
+        "case": name, "samples": int(lengths.shape[0]), "mode": args.mode, "max_tokens": args.max_tokens,
+        "world_size": args.world_size, "plan_epoch_s": round(best, 3), "permutation_s": round(permutation, 3),
+        "ratio": round(best / permutation, 2),
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps(row))
+        return
+    for key, value in row.items():
+        print(f"{key:>14}: {value}")
+
+
+if __name__ == "__main__":
+    main()
