@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
-from batchplan.config import PlanConfig
+from batchplan.config import PlanConfig, num_threads
 from batchplan.errors import ConfigError
 from batchplan.lengths import find_parquet_files, read_lengths
 from batchplan.memory import check_build_memory, estimate_build_memory
@@ -45,7 +46,6 @@ def build_plan_file(
         DatasetError: the dataset cannot be read or breaks a rule.
     """
     from batchplan.plan_file import write_plan
-    from batchplan.planner import build_plan, num_threads
 
     output = Path(output)
     files = find_parquet_files(dataset)
@@ -55,9 +55,16 @@ def build_plan_file(
     if num_samples is not None:  # before reading: a lower bound from the sample count
         check_build_memory(estimate_build_memory(num_samples, config, num_threads=threads))
     advance = _stage(progress, "reading lengths", len(files))
-    lengths = read_lengths(
-        files, length_column=length_column, tokens_column=tokens_column, loss_tokens_column=loss_tokens_column
-    )
+    columns = {"length_column": length_column, "tokens_column": tokens_column, "loss_tokens_column": loss_tokens_column}
+    with ThreadPoolExecutor(max_workers=1) as reader:
+        # Reading and hashing the lengths release the GIL: they run while numba is
+        # imported and started, which is Python (~0.3 s of every build).
+        reading = reader.submit(_read_and_fingerprint, files, columns)
+        from batchplan.kernels.startup import start_numba
+        from batchplan.planner import build_plan
+
+        start_numba()
+        lengths, fingerprint = reading.result()
     advance(len(files))
     # Before planning: micro-batches and spans estimated from the lengths.
     check_build_memory(estimate_build_memory(lengths.num_samples, config, num_threads=threads, lengths=lengths.lengths))
@@ -70,7 +77,7 @@ def build_plan_file(
         "loss_tokens_column": loss_tokens_column,
     }
     return write_plan(
-        plan, output, dataset=source, lengths_fingerprint=lengths.fingerprint(), on_batch=lambda _: advance(1)
+        plan, output, dataset=source, lengths_fingerprint=fingerprint, on_batch=lambda _: advance(1)
     )
 
 
@@ -93,6 +100,11 @@ def validate_plan_file(plan_path: PathLike, dataset: PathLike | Sequence[PathLik
     )
     violations = validate_plan(plan, lengths.lengths, lengths.loss_tokens)
     return violations, f"{plan.num_epochs} epoch(s), {plan.world_size} rank(s), {lengths.num_samples:,} samples"
+
+
+def _read_and_fingerprint(files: list[Path], columns: dict[str, Any]):
+    lengths = read_lengths(files, **columns)
+    return lengths, lengths.fingerprint()
 
 
 def _check_output(output: Path, inputs: list[Path]) -> None:

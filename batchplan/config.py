@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from typing import Any, Literal
 
 from batchplan.errors import ConfigError
 
-__all__ = ["MODES", "OVERSIZE_POLICIES", "PlanConfig", "parse_pair"]
+__all__ = ["MODES", "OVERSIZE_POLICIES", "PlanConfig", "num_threads", "parse_pair"]
 
 MODES = ("pack", "pad")
 OVERSIZE_POLICIES = ("error", "drop", "truncate", "split")
@@ -291,3 +292,13 @@ def _parse_count(text: str) -> int:
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def num_threads() -> int:
+    """Threads for planning epochs: ``BATCHPLAN_THREADS``, else the usable cores."""
+    value = os.environ.get("BATCHPLAN_THREADS")
+    if value is not None:
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"BATCHPLAN_THREADS must be a positive integer, got {value!r}")
+        return int(value)
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)

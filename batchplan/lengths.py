@@ -205,7 +205,9 @@ def _integers_of(where: _Rows, array: pa.Array, column: str) -> np.ndarray:
             "or a list of token ids; cast the column to an integer type or pick another with "
             "--length-column / --tokens-column"
         )
-    values = array.fill_null(0).to_numpy(zero_copy_only=False)
+    if array.null_count:
+        array = array.fill_null(0)  # imports pyarrow.compute (~45 ms): only when there are nulls
+    values = array.to_numpy(zero_copy_only=False)
     if values.size and values.min() < 0:
         bad = np.flatnonzero(values < 0)
         raise DatasetError(

@@ -161,7 +161,7 @@ def estimate_build_memory(
     Args:
         num_samples: samples of the dataset (Parquet metadata row count).
         config: the build configuration.
-        num_threads: threads planning epochs (`batchplan.planner.num_threads`).
+        num_threads: threads planning epochs (`batchplan.config.num_threads`).
         lengths: the sample lengths, when read; without them micro-batches and spans
             are not counted and the estimate is a lower bound.
     """

@@ -219,10 +219,9 @@ def _rank_batch(schema, plan, epoch: EpochPlan, rank: int, rows: slice, shared) 
     if list_offsets[-1] >= _INT32_LIMIT:
         raise PlanFormatError("one rank's epoch holds more than 2^31 entries; raise world_size")
     list_offsets = pa.array(list_offsets.astype(np.int32))
-    index_type = schema.field("samples").type.value_type
     columns = {
         "rank": np.full(rows.stop - rows.start, rank, dtype=np.int32),
-        "samples": _list_array(list_offsets, plan.entries.samples_of(members), index_type),
+        "samples": _list_array(list_offsets, plan.entries.samples_of(members), schema.field("samples").type),
         "tokens": epoch.tokens[rows],
         "loss_tokens": epoch.loss_tokens[rows],
         "padded_tokens": epoch.padded_tokens[rows],
@@ -230,8 +229,8 @@ def _rank_batch(schema, plan, epoch: EpochPlan, rank: int, rows: slice, shared) 
     if epoch.cost is not None:
         columns["cost"] = epoch.cost[rows]
     if plan.entries.has_spans:
-        columns["starts"] = _list_array(list_offsets, plan.entries.start[members], pa.int64())
-        columns["lengths"] = _list_array(list_offsets, plan.entries.length[members], pa.int32())
+        columns["starts"] = _list_array(list_offsets, plan.entries.start[members], schema.field("starts").type)
+        columns["lengths"] = _list_array(list_offsets, plan.entries.length[members], schema.field("lengths").type)
     arrays = [
         shared[f.name] if f.name in shared else columns[f.name] if pa.types.is_list(f.type)
         else pa.array(columns[f.name], type=f.type) for f in schema
@@ -239,8 +238,10 @@ def _rank_batch(schema, plan, epoch: EpochPlan, rank: int, rows: slice, shared) 
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
-def _list_array(offsets: pa.Array, values: NDArray, value_type: pa.DataType) -> pa.ListArray:
-    return pa.ListArray.from_arrays(offsets, pa.array(values, type=value_type))
+def _list_array(offsets: pa.Array, values: NDArray, list_type: pa.ListType) -> pa.ListArray:
+    """Of exactly the schema's type (non-null items): a `RecordBatch` of other types would be
+    cast, which imports ``pyarrow.compute`` (~45 ms)."""
+    return pa.ListArray.from_arrays(offsets, pa.array(values, type=list_type.value_type), type=list_type)
 
 
 def _content_hash(metadata: dict[str, Any], batches) -> str:

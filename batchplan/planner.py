@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numpy.typing import NDArray
 
-from batchplan.config import PlanConfig
+from batchplan.config import PlanConfig, num_threads
 from batchplan.entries import Entries, make_entries
 from batchplan.errors import ConfigError, DatasetError
 from batchplan.kernels.assemble import lay_out_rows, take_scheduled
@@ -188,16 +187,6 @@ def _plan_epochs(entries: Entries, config: PlanConfig, warmup: SeqlenWarmup | No
             if on_epoch is not None:
                 on_epoch(epoch)
     return epochs
-
-
-def num_threads() -> int:
-    """Threads for planning epochs: ``BATCHPLAN_THREADS``, else the usable cores."""
-    value = os.environ.get("BATCHPLAN_THREADS")
-    if value is not None:
-        if not value.isdigit() or int(value) < 1:
-            raise ConfigError(f"BATCHPLAN_THREADS must be a positive integer, got {value!r}")
-        return int(value)
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
 def plan_epoch(

@@ -9,8 +9,9 @@ from rich.table import Table
 
 
 def print_summary(summary: dict[str, Any], *, title: str) -> None:
-    """Print the `summarize_plan` dict as a two-column table."""
-    table = Table(title=title, show_header=False, title_justify="left")
+    """Print ``title`` on a line of its own (never wrapped: it may be a path to copy), then
+    the `summarize_plan` dict as a two-column table."""
+    table = Table(show_header=False)
     table.add_column("", style="bold")
     table.add_column("", justify="right")
     per_step = summary["tokens_per_step"]
@@ -37,7 +38,9 @@ def print_summary(summary: dict[str, Any], *, title: str) -> None:
     ]
     for name, value in rows:
         table.add_row(name, value)
-    Console().print(table)
+    console = Console()
+    console.print(title, highlight=False, soft_wrap=True)
+    console.print(table)
 
 
 def _cost_imbalance(summary: dict[str, Any]) -> str:
