@@ -27,10 +27,12 @@ from batchplan.kernels.pack import (
 )
 from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import gather_segments, range_sums
-from batchplan.kernels.shuffle import shuffle_by_length
+from batchplan.kernels.shuffle import shuffle_by_group
 from batchplan.warmup import SeqlenWarmup
 
-__all__ = ["MicroBatches", "PackedBins", "compute_costs", "form_micro_batches", "form_warmup_micro_batches"]
+__all__ = [
+    "MicroBatches", "PackedBins", "compute_costs", "form_micro_batches", "form_warmup_micro_batches", "permute",
+]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,17 +291,31 @@ def form_micro_batches(lengths: NDArray[np.int32], config: PlanConfig, rng: np.r
         capacity = int(min(config.max_tokens, lengths.sum(dtype=np.int64)))
         keys = rng.integers(0, 2**32, size=count, dtype=np.uint32)
         items = np.empty(count, dtype=index_dtype(count))
-        start = shuffle_by_length(lengths, keys, capacity, items)
+        start = shuffle_by_group(lengths, capacity + 1, keys, items)
         del keys  # 4 bytes per entry, no longer needed while packing
         slot_bin, offsets, tokens = pack_bins(items, start, capacity)
         return MicroBatches.of_bins(PackedBins(items, start, slot_bin, offsets, tokens, capacity))
     else:
-        order = np.arange(count, dtype=index_dtype(count))
-        rng.shuffle(order)  # draws as `rng.permutation(count)` does, without its int64 copy
+        order = np.empty(count, dtype=index_dtype(count))
+        permute(rng, order)
         offsets, members, member_lengths = cut_padded(
             lengths, order, config.shuffle_window, config.max_tokens, config.batch_multiple
         )
     return MicroBatches(members, member_lengths, offsets[:-1], offsets[1:])
+
+
+def permute(rng: np.random.Generator, out: NDArray[np.integer], first: int = 0) -> None:
+    """Fill ``out`` with ``first +`` a uniformly random permutation of ``0..len(out) - 1``.
+
+    Items go to random groups of ~16,000, then are shuffled inside each group
+    (`batchplan.kernels.shuffle`): every swap stays in cache, ~4x faster than
+    ``rng.permutation`` at 10^7 items, and 6 bytes of random draws per item.
+    """
+    count = out.shape[0]
+    num_groups = 1 << min(max(count >> 14, 1).bit_length() - 1, 16)  # a power of two, <= 2^16
+    groups = rng.integers(0, num_groups, size=count, dtype=np.uint16)
+    keys = rng.integers(0, 2**32, size=count, dtype=np.uint32)
+    shuffle_by_group(groups, num_groups, keys, out, first)
 
 
 def form_warmup_micro_batches(entries: Entries, config: PlanConfig, warmup: SeqlenWarmup, rng, stage_rng):

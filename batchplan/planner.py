@@ -40,7 +40,13 @@ from batchplan.entries import Entries, make_entries
 from batchplan.errors import ConfigError, DatasetError
 from batchplan.kernels.assemble import lay_out_rows, take_scheduled
 from batchplan.kernels.steps import ramp_steps, ramp_target, steps_by_tokens
-from batchplan.micro_batches import MicroBatches, compute_costs, form_micro_batches, form_warmup_micro_batches
+from batchplan.micro_batches import (
+    MicroBatches,
+    compute_costs,
+    form_micro_batches,
+    form_warmup_micro_batches,
+    permute,
+)
 from batchplan.warmup import SeqlenWarmup, add_warmup_pieces
 
 __all__ = ["EpochPlan", "Plan", "build_plan", "epoch_rng", "plan_epoch", "schedule_epoch"]
@@ -244,11 +250,11 @@ def schedule_epoch(
         )
     sizing = _StepSizing.of(config, tokens_before or 0, batches)
     # A permutation of the micro-batches after the first `ordered`, with room for the
-    # last chunk to be completed in place (`shuffle` draws as `permutation` does).
+    # last chunk to be completed in place.
     room = np.empty(batches.count + config.world_size, dtype=np.int64)
     schedule = room[: batches.count]
-    schedule[:] = np.arange(batches.count)
-    epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER).shuffle(schedule[ordered:])
+    schedule[:ordered] = np.arange(ordered)
+    permute(epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER), schedule[ordered:], first=ordered)
     if config.drop_last:
         if not config.has_rampup:
             schedule, dropped = _drop_last_step(batches, schedule, config, epoch)

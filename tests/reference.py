@@ -23,7 +23,7 @@ __all__ = [
     "check_guarantees",
     "cut_padded",
     "gather_segments",
-    "shuffle_by_length",
+    "shuffle_by_group",
     "sort_within_windows",
     "order_rows",
     "pack_items",
@@ -93,15 +93,17 @@ def pack_segments(lengths: Sequence[int], order: Sequence[int], max_tokens: int)
     return offsets, [item for members in bins for item in members]
 
 
-def shuffle_by_length(lengths: Sequence[int], keys: Sequence[int], max_length: int) -> tuple[list[int], list[int]]:
-    """Items grouped by length (shortest first), each group Fisher-Yates shuffled from the
-    last position down, position i swapping with begin + (keys[i] * (i - begin + 1)) >> 32."""
-    groups: list[list[int]] = [[] for _ in range(max_length + 1)]
-    for item, length in enumerate(lengths):
-        groups[length].append(item)
+def shuffle_by_group(
+    groups: Sequence[int], num_groups: int, keys: Sequence[int], first: int = 0
+) -> tuple[list[int], list[int]]:
+    """Items (plus ``first``) ordered by group, each group Fisher-Yates shuffled from the last
+    position down, position i swapping with begin + (keys[i] * (i - begin + 1)) >> 32."""
+    members: list[list[int]] = [[] for _ in range(num_groups)]
+    for item, group in enumerate(groups):
+        members[group].append(first + item)
     items: list[int] = []
     start = [0]
-    for group in groups:
+    for group in members:
         begin = len(items)
         items += group
         for last in range(len(items) - 1, begin, -1):

@@ -26,7 +26,7 @@ from batchplan.kernels.pack import (
     pack_segments,
     scatter_bins,
 )
-from batchplan.kernels.shuffle import shuffle_by_length
+from batchplan.kernels.shuffle import shuffle_by_group
 from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import gather_segments, range_sums
 from batchplan.segments import segment_max, segment_sum
@@ -442,35 +442,52 @@ def test_lay_out_rows_gives_every_rank_equal_counts(case):
 @given(
     st.lists(st.integers(0, 12), max_size=80),
     st.integers(0, 2**32 - 1),
+    st.integers(0, 5),
 )
-@example([], 0)
-@example([5], 7)
-@example([3] * 20, 123)
-def test_shuffle_by_length_matches_reference(lengths, seed):
-    keys = np.random.default_rng(seed).integers(0, 2**32, size=len(lengths), dtype=np.uint32)
-    array = np.array(lengths, dtype=np.int32)
-    items = np.empty(len(lengths), dtype=np.int32)
-    start = shuffle_by_length(array, keys, 12, items)
-    assert (items.tolist(), start.tolist()) == ref.shuffle_by_length(lengths, keys.tolist(), 12)
-    assert items.dtype == np.int32
+@example([], 0, 0)
+@example([5], 7, 0)
+@example([3] * 20, 123, 2)
+def test_shuffle_by_group_matches_reference(groups, seed, first):
+    keys = np.random.default_rng(seed).integers(0, 2**32, size=len(groups), dtype=np.uint32)
+    for dtype in (np.int32, np.uint16):
+        items = np.empty(len(groups), dtype=np.int32)
+        start = shuffle_by_group(np.array(groups, dtype=dtype), 13, keys, items, first)
+        assert (items.tolist(), start.tolist()) == ref.shuffle_by_group(groups, 13, keys.tolist(), first)
+        assert items.dtype == np.int32
 
 
-def test_shuffle_by_length_is_a_fair_shuffle():
-    """Each of 4 equal-length items lands first about a quarter of the time."""
-    lengths = np.full(4, 3, dtype=np.int32)
+def test_shuffle_by_group_is_a_fair_shuffle():
+    """Each of 4 items of one group lands first about a quarter of the time."""
+    groups = np.full(4, 3, dtype=np.int32)
     firsts = np.zeros(4)
     rng = np.random.default_rng(0)
     for _ in range(4000):
         keys = rng.integers(0, 2**32, size=4, dtype=np.uint32)
         items = np.empty(4, dtype=np.int64)
-        shuffle_by_length(lengths, keys, 3, items)
+        shuffle_by_group(groups, 4, keys, items)
         firsts[items[0]] += 1
     assert np.all(np.abs(firsts / 4000 - 0.25) < 0.03)
 
 
+def test_random_groups_then_shuffles_give_uniform_permutations():
+    """Items in random groups, shuffled within each (what `permute` does): each of the 6
+    permutations of 3 items comes out about a sixth of the time."""
+    rng = np.random.default_rng(1)
+    counts: dict[tuple[int, ...], int] = {}
+    draws = 12000
+    for _ in range(draws):
+        groups = rng.integers(0, 4, size=3, dtype=np.uint16)
+        keys = rng.integers(0, 2**32, size=3, dtype=np.uint32)
+        items = np.empty(3, dtype=np.int64)
+        shuffle_by_group(groups, 4, keys, items)
+        counts[tuple(items.tolist())] = counts.get(tuple(items.tolist()), 0) + 1
+    assert len(counts) == 6
+    assert all(abs(count / draws - 1 / 6) < 0.015 for count in counts.values())
+
+
 def grouped(lengths, order, max_tokens, dtype=np.int64):
     """``order`` grouped by length (shortest first, ``order`` kept within a length), with the
-    ``max_tokens + 2`` offsets `length_offsets` gives; items as ``dtype``."""
+    ``max_tokens + 2`` offsets `group_offsets(lengths, max_tokens + 1)` gives; items as ``dtype``."""
     items = order[np.argsort(lengths[order], kind="stable")].astype(dtype)
     return items, np.concatenate([[0], np.cumsum(np.bincount(lengths, minlength=max_tokens + 1))]).astype(np.int64)
 

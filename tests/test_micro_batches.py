@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from batchplan.entries import index_dtype
 from batchplan.kernels.pack import pack_bins
-from batchplan.kernels.shuffle import shuffle_by_length
-from batchplan.micro_batches import MicroBatches, PackedBins
+from batchplan.kernels.shuffle import shuffle_by_group
+from batchplan.micro_batches import MicroBatches, PackedBins, permute
 
 
 def both_forms(lengths: np.ndarray, cap: int, seed: int) -> tuple[MicroBatches, MicroBatches, PackedBins]:
@@ -23,7 +23,7 @@ def both_forms(lengths: np.ndarray, cap: int, seed: int) -> tuple[MicroBatches, 
     keys = np.random.default_rng(seed).integers(0, 2**32, lengths.shape[0], dtype=np.uint32)
     capacity = int(min(cap, lengths.sum()))
     items = np.empty(lengths.shape[0], dtype=index_dtype(lengths.shape[0]))
-    start = shuffle_by_length(lengths, keys, capacity, items)
+    start = shuffle_by_group(lengths, capacity + 1, keys, items)
     slot_bin, offsets, tokens = pack_bins(items, start, capacity)
     packed = PackedBins(items, start, slot_bin, offsets, tokens, capacity)
     members, member_lengths = packed.members()
@@ -85,3 +85,31 @@ def test_gather_refuses_a_bin_laid_out_whole_and_in_pieces():
     order = np.concatenate([np.arange(packed.num_bins), piece])
     with pytest.raises(AssertionError, match="overlapping micro-batches"):
         lazy.gather(order, (lazy.ends - lazy.starts)[order])
+
+
+@pytest.mark.parametrize("count", [0, 1, 7, 16_384, 40_000, 300_000])
+@pytest.mark.parametrize("first", [0, 5])
+def test_permute_is_a_permutation_and_reproducible(count, first):
+    out = np.empty(count, dtype=np.int32)
+    permute(np.random.default_rng(3), out, first)
+    assert np.array_equal(np.sort(out), np.arange(first, first + count))
+    again = np.empty(count, dtype=np.int32)
+    permute(np.random.default_rng(3), again, first)
+    assert np.array_equal(out, again)
+    if count > 1000:  # several groups of ~16,000: still well mixed across the whole range
+        other = np.empty(count, dtype=np.int32)
+        permute(np.random.default_rng(4), other, first)
+        assert not np.array_equal(out, other)
+        assert abs(np.corrcoef(np.arange(count), out)[0, 1]) < 0.02
+
+
+def test_permute_spreads_every_item_evenly():
+    """Where item 0 lands, over many permutations of 65,536 items (4 groups): each eighth of
+    the positions about equally often."""
+    rng = np.random.default_rng(0)
+    hits = np.zeros(8)
+    out = np.empty(65_536, dtype=np.int64)
+    for _ in range(1600):
+        permute(rng, out)
+        hits[int(np.flatnonzero(out == 0)[0]) * 8 // out.shape[0]] += 1
+    assert np.all(np.abs(hits / 1600 - 1 / 8) < 0.03)

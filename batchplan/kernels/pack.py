@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from batchplan.kernels.shuffle import length_offsets
+from batchplan.kernels.shuffle import group_offsets
 
 __all__ = [
     "bin_destinations", "bin_item_sums", "bin_length_sums", "bin_members", "fill_bins", "pack_bins",
@@ -145,7 +145,7 @@ def _best_fit_decreasing(histogram, max_tokens, index):
 @njit(cache=True, nogil=True)
 def _items_by_length(lengths, order, max_tokens):
     """Counting sort of ``order`` by length: (items, start) with length-s items at start[s]:start[s+1]."""
-    start = length_offsets(lengths, max_tokens)
+    start = group_offsets(lengths, max_tokens + 1)
     cursor = start.copy()
     items = np.empty(order.shape[0], dtype=order.dtype)
     for item in order:
@@ -180,7 +180,7 @@ def pack_bins(items, start, max_tokens):
     """Best-fit decreasing over items grouped by length, before any member is laid out.
 
     ``items`` are item indices, those of length ``s`` at ``items[start[s]:start[s + 1]]``
-    (`batchplan.kernels.shuffle.shuffle_by_length` makes them); within a length, items
+    (`batchplan.kernels.shuffle.shuffle_by_group` makes them); within a length, items
     are consumed in this order. ``max_tokens`` is the bin capacity.
 
     Slot ``k`` is the k-th item placed: lengths are placed longest first, so the slots of

@@ -1,11 +1,19 @@
-"""Group items by length and shuffle each group with caller-given random keys, O(n).
+"""Shuffles that stay in cache: group items, then shuffle each group with given keys, O(n).
 
-Best-fit decreasing only needs a random order *among items of equal length* (items
-of one length are interchangeable), not a full permutation. A counting sort reads
-the lengths sequentially, then a Fisher-Yates shuffle inside each length group
-(contiguous, cache-friendly) draws its swaps from ``keys``: 32 random bits per item
-that the caller makes with a seeded generator. This replaces a random permutation
-of all items plus a random-access counting sort, at a third of the cost.
+A Fisher-Yates shuffle of n items swaps at random across the whole array: one cache
+(and TLB) miss per item once the array outgrows the cache. `shuffle_by_group` reads
+each item's group sequentially, writes the items to one stream per group (a counting
+sort), then runs Fisher-Yates inside each group, which is contiguous and, when groups
+are small, cached. The swaps come from ``keys``: 32 random bits per position that the
+caller makes with a seeded generator (kernels draw no random numbers).
+
+Two uses:
+- best-fit decreasing only needs a random order *among items of equal length* (items
+  of one length are interchangeable): the groups are the lengths;
+- a uniformly random permutation: the groups are random too (independent draws, one per
+  item). Any fixed relabelling of the items leaves the procedure's distribution alone,
+  so every permutation is equally likely; ~4x faster than ``Generator.permutation``
+  from 10^6 items on (`batchplan.micro_batches.permute`).
 """
 
 from __future__ import annotations
@@ -13,43 +21,46 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["length_offsets", "shuffle_by_length"]
+__all__ = ["group_offsets", "shuffle_by_group"]
 
 
 @njit(cache=True, nogil=True)
-def length_offsets(lengths, max_length):
-    """Where each length's group starts when items are grouped by length (shortest first)."""
-    start = np.zeros(max_length + 2, dtype=np.int64)
-    for item in range(lengths.shape[0]):
-        start[lengths[item] + 1] += 1
-    for length in range(1, max_length + 2):
-        start[length] += start[length - 1]
+def group_offsets(groups, num_groups):
+    """Where each group starts when items are ordered by group (group 0 first):
+    ``num_groups + 1`` offsets. Every ``groups[i]`` is in ``0..num_groups - 1``."""
+    start = np.zeros(num_groups + 1, dtype=np.int64)
+    for item in range(groups.shape[0]):
+        start[groups[item] + 1] += 1
+    for group in range(1, num_groups + 1):
+        start[group] += start[group - 1]
     return start
 
 
 @njit(cache=True, nogil=True)
-def shuffle_by_length(lengths, keys, max_length, items):
-    """Items grouped by length (shortest first), randomly ordered within each length.
+def shuffle_by_group(groups, num_groups, keys, items, first=0):
+    """Items ordered by group (group 0 first), randomly ordered within each group.
 
     Args:
-        lengths: length of each item (every one in 0..max_length).
-        keys: uint32 random bits, one per item.
-        max_length: the longest possible length.
-        items: int32 or int64, one per item, filled with the item indices (made by the
-            caller: numpy asks for huge pages, and the writes go to a stream per length).
+        groups: group of each item, each in ``0..num_groups - 1`` (any integer dtype).
+        num_groups: the number of groups.
+        keys: uint32 random bits, one per position.
+        items: int32 or int64, one per item, filled with ``first +`` the item indices
+            (made by the caller: numpy asks for huge pages, and the writes go to a
+            stream per group).
+        first: added to every item index written.
 
     Returns:
-        ``start``: items of length ``s`` are at ``items[start[s]:start[s + 1]]``.
+        ``start``: the items of group ``g`` are at ``items[start[g]:start[g + 1]]``.
     """
-    start = length_offsets(lengths, max_length)
-    cursor = start.copy()
-    for item in range(lengths.shape[0]):
-        length = lengths[item]
-        items[cursor[length]] = item
-        cursor[length] += 1
-    for length in range(max_length + 1):
-        begin = start[length]
-        for last in range(start[length + 1] - 1, begin, -1):
+    start = group_offsets(groups, num_groups)
+    cursor = start[:-1].copy()
+    for item in range(groups.shape[0]):
+        group = groups[item]
+        items[cursor[group]] = first + item
+        cursor[group] += 1
+    for group in range(num_groups):
+        begin = start[group]
+        for last in range(start[group + 1] - 1, begin, -1):
             # Lemire's multiply-shift maps 32 random bits onto 0..last-begin.
             pick = begin + ((np.uint64(keys[last]) * np.uint64(last - begin + 1)) >> np.uint64(32))
             swap = items[last]
