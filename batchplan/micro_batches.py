@@ -296,16 +296,17 @@ def form_micro_batches(lengths: NDArray[np.int32], config: PlanConfig, rng: np.r
         slot_bin, offsets, tokens = pack_bins(items, start, capacity)
         return MicroBatches.of_bins(PackedBins(items, start, slot_bin, offsets, tokens, capacity))
     else:
-        order = np.empty(count, dtype=index_dtype(count))
-        permute(rng, order)
-        offsets, members, member_lengths = cut_padded(
-            lengths, order, config.shuffle_window, config.max_tokens, config.batch_multiple
-        )
+        # The shuffle carries each entry's length along: the cut then reads them in order.
+        members = np.empty(count, dtype=index_dtype(count))
+        member_lengths = np.empty(count, dtype=np.int32)
+        permute(rng, members, values=lengths, carried=member_lengths)
+        offsets = cut_padded(members, member_lengths, config.shuffle_window, config.max_tokens, config.batch_multiple)
     return MicroBatches(members, member_lengths, offsets[:-1], offsets[1:])
 
 
-def permute(rng: np.random.Generator, out: NDArray[np.integer], first: int = 0) -> None:
-    """Fill ``out`` with ``first +`` a uniformly random permutation of ``0..len(out) - 1``.
+def permute(rng: np.random.Generator, out: NDArray[np.integer], first: int = 0, *, values=None, carried=None) -> None:
+    """Fill ``out`` with ``first +`` a uniformly random permutation of ``0..len(out) - 1``;
+    with ``values``, fill ``carried`` with ``values[out - first]`` along the way.
 
     Items go to random groups of ~16,000, then are shuffled inside each group
     (`batchplan.kernels.shuffle`): every swap stays in cache, ~4x faster than
@@ -315,7 +316,7 @@ def permute(rng: np.random.Generator, out: NDArray[np.integer], first: int = 0) 
     num_groups = 1 << min(max(count >> 14, 1).bit_length() - 1, 16)  # a power of two, <= 2^16
     groups = rng.integers(0, num_groups, size=count, dtype=np.uint16)
     keys = rng.integers(0, 2**32, size=count, dtype=np.uint32)
-    shuffle_by_group(groups, num_groups, keys, out, first)
+    shuffle_by_group(groups, num_groups, keys, out, first, values, carried)
 
 
 def form_warmup_micro_batches(entries: Entries, config: PlanConfig, warmup: SeqlenWarmup, rng, stage_rng):

@@ -166,11 +166,18 @@ def with_pad_edges(test):
     return test
 
 
+def cut_in_place(lengths, order, window, max_tokens, batch_multiple):
+    """`cut_padded` on a copy of ``order`` with its lengths: (offsets, members, member_lengths)."""
+    members, member_lengths = order.copy(), lengths[order].astype(np.int32)
+    offsets = cut_padded(members, member_lengths, window, max_tokens, batch_multiple)
+    return offsets, members, member_lengths
+
+
 @given(pad_inputs())
 @with_pad_edges
 def test_cut_padded_matches_reference(case):
     lengths, order, window, max_tokens, batch_multiple = case
-    offsets, members, member_lengths = cut_padded(lengths, order, window, max_tokens, batch_multiple)
+    offsets, members, member_lengths = cut_in_place(lengths, order, window, max_tokens, batch_multiple)
     assert member_lengths.tolist() == lengths[members].tolist()
     want_offsets, want_members = ref.cut_padded(lengths.tolist(), order.tolist(), window, max_tokens, batch_multiple)
     assert offsets.tolist() == want_offsets
@@ -181,7 +188,7 @@ def test_cut_padded_matches_reference(case):
 @with_pad_edges
 def test_cut_padded_caps_windows_and_batch_multiple(case):
     lengths, order, window, max_tokens, batch_multiple = case
-    offsets, members, member_lengths = cut_padded(lengths, order, window, max_tokens, batch_multiple)
+    offsets, members, member_lengths = cut_in_place(lengths, order, window, max_tokens, batch_multiple)
     assert member_lengths.tolist() == lengths[members].tolist()
     offsets, members = offsets.tolist(), members.tolist()
     assert sorted(members) == sorted(order.tolist())  # exactly once
@@ -454,6 +461,13 @@ def test_shuffle_by_group_matches_reference(groups, seed, first):
         start = shuffle_by_group(np.array(groups, dtype=dtype), 13, keys, items, first)
         assert (items.tolist(), start.tolist()) == ref.shuffle_by_group(groups, 13, keys.tolist(), first)
         assert items.dtype == np.int32
+    # Values carried along land next to their items; the items are the same.
+    values = np.arange(100, 100 + len(groups), dtype=np.int32)
+    carried = np.empty(len(groups), dtype=np.int32)
+    again = np.empty(len(groups), dtype=np.int64)
+    shuffle_by_group(np.array(groups, dtype=np.int32), 13, keys, again, first, values, carried)
+    assert again.tolist() == items.tolist()
+    assert carried.tolist() == (values[again - first]).tolist()
 
 
 def test_shuffle_by_group_is_a_fair_shuffle():

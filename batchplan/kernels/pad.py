@@ -33,59 +33,56 @@ def _cut_window(sorted_lengths, max_tokens, batch_multiple, sizes, num_batches):
 
 
 @njit(cache=True, nogil=True)
-def _sort_window_by_counting(lengths, order, begin, end, counts, members, member_lengths):
-    """Stable sort of ``order[begin:end]`` by decreasing length into ``members[begin:end]``."""
+def _sort_window_by_counting(members, member_lengths, counts, spare, spare_lengths):
+    """Stable sort of a window by decreasing length, in place (``spare``: scratch space)."""
     max_tokens = counts.shape[0] - 2
+    count = members.shape[0]
     counts[:] = 0
-    window_lengths = np.empty(end - begin, dtype=member_lengths.dtype)  # read at random once, then in cache
-    for i in range(begin, end):
-        length = lengths[order[i]]
-        window_lengths[i - begin] = length
-        counts[max_tokens - length + 1] += 1
-    counts[0] = begin
+    for i in range(count):
+        counts[max_tokens - member_lengths[i] + 1] += 1
     for key in range(1, max_tokens + 2):
         counts[key] += counts[key - 1]
-    for i in range(begin, end):
-        length = window_lengths[i - begin]
-        key = max_tokens - length
-        members[counts[key]] = order[i]
-        member_lengths[counts[key]] = length
+    for i in range(count):
+        key = max_tokens - member_lengths[i]
+        spare[counts[key]] = members[i]
+        spare_lengths[counts[key]] = member_lengths[i]
         counts[key] += 1
+    members[:] = spare[:count]
+    member_lengths[:] = spare_lengths[:count]
 
 
 @njit(cache=True, nogil=True)
-def cut_padded(lengths, order, window, max_tokens, batch_multiple):
-    """Cut entries into padded micro-batches.
+def cut_padded(members, member_lengths, window, max_tokens, batch_multiple):
+    """Cut entries into padded micro-batches, in place.
 
     Args:
-        lengths: length of each entry (every one in 1..max_tokens).
-        order: a permutation of entry indices (the epoch's shuffle).
+        members: entry indices in the epoch's (shuffled) order; each window is sorted in
+            place, longest first (stable), and micro-batch ``b`` is then
+            ``members[offsets[b]:offsets[b + 1]]``.
+        member_lengths: int32, the length of each of ``members`` (every one in
+            1..max_tokens), sorted along with them.
         window: entries per sorting window.
         max_tokens: cap on count x longest.
         batch_multiple: preferred multiple of the entry count per micro-batch.
 
     Returns:
-        ``(offsets, members, member_lengths)``: micro-batch ``b`` holds entries
-        ``members[offsets[b]:offsets[b + 1]]``, longest first; ``member_lengths`` (int32)
-        are their lengths.
+        ``offsets`` (int64) of the micro-batches.
     """
-    num_entries = order.shape[0]
-    members = np.empty(num_entries, dtype=order.dtype)
-    member_lengths = np.empty(num_entries, dtype=np.int32)
+    num_entries = members.shape[0]
     sizes = np.empty(num_entries, dtype=np.int64)
     counts = np.zeros(max_tokens + 2, dtype=np.int64)
+    spare = np.empty(min(window, num_entries), dtype=members.dtype)
+    spare_lengths = np.empty(min(window, num_entries), dtype=member_lengths.dtype)
     num_batches = 0
     for begin in range(0, num_entries, window):
         end = min(begin + window, num_entries)
         if max_tokens <= 4 * window:  # a counting sort is cheaper than a comparison sort
-            _sort_window_by_counting(lengths, order, begin, end, counts, members, member_lengths)
+            _sort_window_by_counting(members[begin:end], member_lengths[begin:end], counts, spare, spare_lengths)
         else:
-            chunk = order[begin:end]
-            chunk_lengths = lengths[chunk]
-            ranked = np.argsort(-chunk_lengths, kind="mergesort")
-            members[begin:end] = chunk[ranked]
-            member_lengths[begin:end] = chunk_lengths[ranked]
+            ranked = np.argsort(-member_lengths[begin:end], kind="mergesort")
+            members[begin:end] = members[begin:end][ranked]
+            member_lengths[begin:end] = member_lengths[begin:end][ranked]
         num_batches = _cut_window(member_lengths[begin:end], max_tokens, batch_multiple, sizes, num_batches)
     offsets = np.zeros(num_batches + 1, dtype=np.int64)
     offsets[1:] = np.cumsum(sizes[:num_batches])
-    return offsets, members, member_lengths
+    return offsets

@@ -37,7 +37,7 @@ def group_offsets(groups, num_groups):
 
 
 @njit(cache=True, nogil=True)
-def shuffle_by_group(groups, num_groups, keys, items, first=0):
+def shuffle_by_group(groups, num_groups, keys, items, first=0, values=None, carried=None):
     """Items ordered by group (group 0 first), randomly ordered within each group.
 
     Args:
@@ -48,6 +48,9 @@ def shuffle_by_group(groups, num_groups, keys, items, first=0):
             (made by the caller: numpy asks for huge pages, and the writes go to a
             stream per group).
         first: added to every item index written.
+        values, carried: optional; ``carried[i]`` is filled with ``values[item]`` of the
+            item at position ``i``: read in order and moved along with the items, instead
+            of a gather through ``items`` afterwards (a cache miss per item).
 
     Returns:
         ``start``: the items of group ``g`` are at ``items[start[g]:start[g + 1]]``.
@@ -57,6 +60,8 @@ def shuffle_by_group(groups, num_groups, keys, items, first=0):
     for item in range(groups.shape[0]):
         group = groups[item]
         items[cursor[group]] = first + item
+        if carried is not None:
+            carried[cursor[group]] = values[item]
         cursor[group] += 1
     for group in range(num_groups):
         begin = start[group]
@@ -66,4 +71,8 @@ def shuffle_by_group(groups, num_groups, keys, items, first=0):
             swap = items[last]
             items[last] = items[pick]
             items[pick] = swap
+            if carried is not None:
+                moved = carried[last]
+                carried[last] = carried[pick]
+                carried[pick] = moved
     return start
