@@ -26,7 +26,7 @@ from batchplan.kernels.pack import (
     scatter_bins,
 )
 from batchplan.kernels.pad import cut_padded
-from batchplan.kernels.segments import gather_segments, range_sums
+from batchplan.kernels.segments import lay_out_segments, range_sums
 from batchplan.kernels.shuffle import shuffle_by_group
 from batchplan.warmup import SeqlenWarmup
 
@@ -257,7 +257,11 @@ class MicroBatches:
         ``sizes`` are their entry counts. ``order`` names each micro-batch at most once, and
         no bin both whole and in pieces (what the planner makes: pieces only replace bins)."""
         if not self._lazy:
-            return gather_segments(self.members, self.starts, self.ends, order)
+            destination = np.empty(self.count, dtype=np.int64)  # numpy: huge pages for the scattered writes
+            members = np.empty(int(sizes.sum()), dtype=self.members.dtype)
+            offsets, written = lay_out_segments(self.members, self.starts, self.ends, order, destination, members)
+            _check_written(written, members)
+            return offsets, members
         packed = self.packed
         destination = np.empty(packed.num_bins, dtype=np.int64)  # numpy: huge pages for the scattered writes
         offsets, pieces = bin_destinations(order, sizes, destination)
@@ -269,9 +273,13 @@ class MicroBatches:
             packed.items, packed.start, packed.slot_bin, packed.offsets, destination, piece_starts[by_start],
             piece_ends[by_start], offsets[pieces][by_start], packed.capacity, members,
         )  # fmt: skip
-        if written != members.shape[0]:
-            raise AssertionError(f"laid out {written:,} of {members.shape[0]:,} members: overlapping micro-batches")
+        _check_written(written, members)
         return offsets, members
+
+
+def _check_written(written: int, members: NDArray) -> None:
+    if written != members.shape[0]:
+        raise AssertionError(f"laid out {written:,} of {members.shape[0]:,} members: overlapping micro-batches")
 
 
 def _float_sum(values: NDArray[np.float64]) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from random import Random
 
 import numpy as np
+import pytest
 import reference as ref
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -28,7 +29,7 @@ from batchplan.kernels.pack import (
 )
 from batchplan.kernels.shuffle import shuffle_by_group
 from batchplan.kernels.pad import cut_padded
-from batchplan.kernels.segments import gather_segments, range_sums
+from batchplan.kernels.segments import lay_out_segments, range_sums
 from batchplan.segments import segment_max, segment_sum
 from batchplan.kernels.steps import ramp_steps, steps_by_tokens
 
@@ -605,7 +606,7 @@ def segments(draw):
 
 
 @given(segments())
-def test_segment_reductions_and_gather_segments_match_reference(case):
+def test_segment_reductions_and_lay_out_segments_match_reference(case):
     members, offsets, order, values = case
     assert segment_sum(values, offsets).tolist() == ref.segment_sum(values.tolist(), offsets.tolist())
     assert segment_max(values, offsets).tolist() == ref.segment_max(values.tolist(), offsets.tolist())
@@ -614,6 +615,21 @@ def test_segment_reductions_and_gather_segments_match_reference(case):
     assert sums.tolist() == [float(v) for v in ref.segment_sum(values.tolist(), offsets.tolist())]
     totals = range_sums(values, starts, ends, np.zeros(starts.shape[0], dtype=np.int64))
     assert totals.tolist() == ref.segment_sum(values.tolist(), offsets.tolist())
-    new_offsets, new_members = gather_segments(members, starts, ends, order)
-    want = ref.gather_segments(members.tolist(), starts.tolist(), ends.tolist(), order.tolist())
-    assert (new_offsets.tolist(), new_members.tolist()) == want
+    for named in (order, order[::2]):  # every segment, or some left out
+        new_members = np.empty(int((ends - starts)[named].sum()), dtype=members.dtype)
+        destination = np.empty(starts.shape[0], dtype=np.int64)
+        new_offsets, written = lay_out_segments(members, starts, ends, named, destination, new_members)
+        assert written == new_members.shape[0]
+        want = ref.gather_segments(members.tolist(), starts.tolist(), ends.tolist(), named.tolist())
+        assert (new_offsets.tolist(), new_members.tolist()) == want
+
+
+def test_lay_out_segments_counts_what_it_wrote():
+    """A segment named twice is written once (the count tells); an out of the wrong size is refused."""
+    members = np.arange(6, dtype=np.int64)
+    starts, ends = np.array([0, 2], dtype=np.int64), np.array([2, 6], dtype=np.int64)
+    destination = np.empty(2, dtype=np.int64)
+    offsets, written = lay_out_segments(members, starts, ends, np.array([1, 1]), destination, np.empty(8, np.int64))
+    assert offsets.tolist() == [0, 4, 8] and written == 4
+    with pytest.raises(ValueError, match="exactly"):
+        lay_out_segments(members, starts, ends, np.array([1, 0]), destination, np.empty(5, dtype=np.int64))

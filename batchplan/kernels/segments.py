@@ -1,4 +1,4 @@
-"""Gather segments into CSR form; sum ranges.
+"""Lay segments out in CSR form; sum ranges.
 
 A CSR grouping is ``(offsets, members)``: segment ``s`` holds
 ``members[offsets[s]:offsets[s + 1]]``. All O(n), stable (items keep their order).
@@ -9,24 +9,49 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["gather_segments", "range_sums"]
+__all__ = ["lay_out_segments", "range_sums"]
 
 
 @njit(cache=True, nogil=True)
-def gather_segments(members, starts, ends, order):
-    """Concatenate segments ``members[starts[k]:ends[k]]`` for ``k`` in ``order`` into CSR form."""
-    num_segments = order.shape[0]
-    offsets = np.zeros(num_segments + 1, dtype=np.int64)
-    for i in range(num_segments):
+def lay_out_segments(members, starts, ends, order, destination, out):
+    """Segments ``members[starts[k]:ends[k]]`` for ``k`` in ``order``, one after another, in
+    CSR form: returns their offsets and fills ``out``.
+
+    Written as a scatter: the segments are read in order of ``k`` (sequentially) and each is
+    written at its place, rather than read at random in the order of ``order`` (a gather
+    waits on every read; ~4x slower at 10^7 members).
+
+    Args:
+        members, starts, ends: the segments.
+        order: segment ids, each at most once; segments not named are left out.
+        destination: int64, one per segment: scratch, filled with where each goes (-1: left out).
+        out: as long as the named segments together (made by the caller: numpy asks for
+            huge pages, and the writes land at random).
+
+    Returns:
+        ``(offsets, written)``: the CSR offsets over ``order`` and how many members were
+        written, ``len(out)`` unless ``order`` names a segment twice.
+    """
+    count = order.shape[0]
+    offsets = np.empty(count + 1, dtype=np.int64)
+    offsets[0] = 0
+    destination[:] = -1
+    for i in range(count):
         segment = order[i]
         offsets[i + 1] = offsets[i] + ends[segment] - starts[segment]
-    out = np.empty(offsets[num_segments], dtype=members.dtype)
-    for i in range(num_segments):
-        source = starts[order[i]]
-        for position in range(offsets[i], offsets[i + 1]):  # a loop: no slice object per segment
-            out[position] = members[source]
-            source += 1
-    return offsets, out
+        destination[segment] = offsets[i]
+    if offsets[count] != out.shape[0]:
+        raise ValueError("lay_out_segments: out does not hold the segments exactly")
+    written = 0
+    for segment in range(starts.shape[0]):
+        target = destination[segment]
+        if target < 0:
+            continue
+        for source in range(starts[segment], ends[segment]):  # a loop: no slice object per segment
+            out[target] = members[source]
+            target += 1
+        written += ends[segment] - starts[segment]
+    return offsets, written
 
 
 @njit(cache=True, nogil=True)
