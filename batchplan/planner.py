@@ -175,7 +175,9 @@ def _plan_epochs(entries: Entries, config: PlanConfig, warmup: SeqlenWarmup | No
     tokens_before = 0
     if config.has_rampup and config.drop_last:
         while len(epochs) < config.epochs and tokens_before < config.rampup_tokens:
-            epochs.append(plan_epoch(entries, config, len(epochs), tokens_before=tokens_before, warmup=warmup))
+            epochs.append(
+                plan_epoch(entries, config, len(epochs), tokens_before=tokens_before, warmup=warmup, threads=num_threads())
+            )
             tokens_before += int(epochs[-1].step_tokens.sum())
             if on_epoch is not None:
                 on_epoch(len(epochs) - 1)
@@ -183,9 +185,11 @@ def _plan_epochs(entries: Entries, config: PlanConfig, warmup: SeqlenWarmup | No
     # Past the ramp (or without drop_last, exactly) each later epoch starts at
     # tokens_before + k * epoch_tokens; past the ramp the value no longer matters.
     befores = [tokens_before + k * epoch_tokens for k in range(config.epochs - first)]
-    with ThreadPoolExecutor(max_workers=max(1, min(config.epochs - first, num_threads()))) as pool:
+    at_once = max(1, min(config.epochs - first, num_threads()))
+    threads = max(1, num_threads() // at_once)  # cores left over split the work of each epoch
+    with ThreadPoolExecutor(max_workers=at_once) as pool:
         futures = [
-            pool.submit(plan_epoch, entries, config, epoch, tokens_before=before, warmup=warmup)
+            pool.submit(plan_epoch, entries, config, epoch, tokens_before=before, warmup=warmup, threads=threads)
             for epoch, before in zip(range(first, config.epochs), befores)
         ]
         for epoch, future in enumerate(futures, start=first):
@@ -202,6 +206,7 @@ def plan_epoch(
     *,
     tokens_before: int = 0,
     warmup: SeqlenWarmup | None = None,
+    threads: int = 1,
 ) -> EpochPlan:
     """Plan one epoch (see the module docstring).
 
@@ -211,18 +216,19 @@ def plan_epoch(
         epoch: the epoch to plan.
         tokens_before: tokens of the run planned before this epoch (for a ramp-up).
         warmup: epoch 0's sequence-length warmup (`batchplan.warmup`), if any.
+        threads: threads for the steps that split (the plan is the same for any number).
     """
     rng = epoch_rng(config.seed, epoch, STREAM_ENTRY_ORDER)
     if warmup is None:
         batches = form_micro_batches(entries.length, config, rng)
-        return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before)
+        return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before, threads=threads)
     if epoch > 0:
         batches = form_micro_batches(entries.length[: warmup.num_base], config, rng)
-        return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before)
+        return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before, threads=threads)
     batches, ordered = form_warmup_micro_batches(
         entries, config, warmup, rng, epoch_rng(config.seed, 0, STREAM_SEQLEN_WARMUP)
     )
-    return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before, ordered=ordered)
+    return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before, ordered=ordered, threads=threads)
 
 
 def schedule_epoch(
@@ -233,6 +239,7 @@ def schedule_epoch(
     *,
     tokens_before: int | None = None,
     ordered: int = 0,
+    threads: int = 1,
 ) -> EpochPlan:
     """Steps 2-5 of the module docstring for formed micro-batches: shuffle them, complete
     or drop the last chunk, form balanced steps, assign ranks. ``batches`` may be
@@ -242,6 +249,7 @@ def schedule_epoch(
         tokens_before: tokens of the run before this epoch; needed with a ramp-up.
         ordered: the first ``ordered`` micro-batches keep their order and go first
             (a sequence-length warmup's stages), unbalanced; the rest are shuffled.
+        threads: threads for the kernels that split (the plan is the same for any number).
     """
     if config.has_rampup and tokens_before is None:
         raise ConfigError(
@@ -265,7 +273,7 @@ def schedule_epoch(
     compute = None if config.cost_coefficient is None else compute_costs(batches, config)
     kept = min(num_full, -(-ordered // config.world_size) * config.world_size)  # whole chunks
     # Each scheduled micro-batch's values, gathered once and written where balancing puts them.
-    at = _Scheduled.take(schedule, batches, compute, config, kept, num_full, epoch)
+    at = _Scheduled.take(schedule, batches, compute, config, kept, num_full, epoch, threads)
     if config.drop_last and config.has_rampup:
         # The ramp makes step boundaries depend on the order: decide on the final steps.
         step_offsets = _step_offsets(at.tokens[:num_full], config, sizing)
@@ -273,7 +281,7 @@ def schedule_epoch(
         at = at.head(keep)
     else:
         step_offsets = _step_offsets(at.tokens, config, sizing)
-    return _assemble(entries, config, epoch, batches, at, step_offsets, dropped)
+    return _assemble(entries, config, epoch, batches, at, step_offsets, dropped, threads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,7 +296,7 @@ class _Scheduled:
 
     @classmethod
     def take(
-        cls, schedule, batches: MicroBatches, compute, config: PlanConfig, begin: int, end: int, epoch: int
+        cls, schedule, batches: MicroBatches, compute, config: PlanConfig, begin: int, end: int, epoch: int, threads: int
     ) -> _Scheduled:
         """What each micro-batch of ``schedule`` needs, gathered once, with step 3 of the
         module docstring applied to positions ``begin:end`` (whole chunks): chunks of
@@ -303,9 +311,10 @@ class _Scheduled:
         out = np.empty((3, schedule.shape[0]), dtype=np.int64)  # numpy: huge pages for the scattered writes
         out_values = np.empty(schedule.shape[0] if compute is not None else 0, dtype=np.float64)
         table = batches.token_table()
-        take_scheduled(
-            schedule, begin, end, window, chunk_order, config.world_size, table, values, by_compute, out, out_values
-        )
+        _in_parts(
+            take_scheduled, threads,
+            schedule, begin, end, window, chunk_order, config.world_size, table, values, by_compute, out, out_values,
+        )  # fmt: skip
         return cls(out[0], out[1], out[2], None if compute is None else out_values, by_compute)
 
     @property
@@ -471,7 +480,9 @@ def _step_offsets(tokens: NDArray[np.int64], config: PlanConfig, sizing: _StepSi
     return chunk_offsets.astype(np.int64) * world_size
 
 
-def _assemble(entries, config, epoch, batches: MicroBatches, at: _Scheduled, step_offsets, dropped) -> EpochPlan:
+def _assemble(
+    entries, config, epoch, batches: MicroBatches, at: _Scheduled, step_offsets, dropped, threads: int
+) -> EpochPlan:
     """Assign ranks in each step, order micro-batches by (rank, step, micro), and compute
     the per-row columns (`batchplan.kernels.assemble.lay_out_rows`)."""
     world_size = config.world_size
@@ -480,9 +491,14 @@ def _assemble(entries, config, epoch, batches: MicroBatches, at: _Scheduled, ste
     compute = np.zeros(0, dtype=np.float64) if at.compute is None else at.compute
     rows = np.empty((4, step_offsets[-1]), dtype=np.int64)  # numpy: huge pages for the scattered writes
     cost = np.empty(step_offsets[-1] if at.compute is not None else 0, dtype=np.float64)
-    step, micro, num_micro, step_tokens, step_loss_tokens = lay_out_rows(
-        step_offsets, at.costs, at.batch, at.tokens, at.sizes, loss, compute, world_size, rows, cost
-    )
+    rank_rows = np.empty((3, step_offsets[-1] // world_size), dtype=np.int64)
+    step_sums = np.zeros((2, step_offsets.shape[0] - 1), dtype=np.int64)
+    _in_parts(
+        lay_out_rows, threads,
+        step_offsets, at.costs, at.batch, at.tokens, at.sizes, loss, compute, world_size, rows, cost, rank_rows, step_sums,
+    )  # fmt: skip
+    step, micro, num_micro = rank_rows[0], rank_rows[1].astype(np.int32), rank_rows[2].astype(np.int32)
+    step_tokens, step_loss_tokens = step_sums
     batch_of_row, tokens, loss_tokens, sizes = rows
     offsets, members = batches.gather(batch_of_row, sizes)
     padded = sizes * batches.longest()[batch_of_row] if config.mode == "pad" else tokens
@@ -502,6 +518,17 @@ def _assemble(entries, config, epoch, batches: MicroBatches, at: _Scheduled, ste
         step_loss_tokens=step_loss_tokens,
         dropped_entries=dropped,
     )
+
+
+def _in_parts(kernel, threads: int, *args) -> None:
+    """``kernel(*args, part, parts)`` for every part, on ``threads`` threads (the kernels
+    release the GIL and write disjoint places: the result does not depend on ``threads``)."""
+    if threads <= 1:
+        kernel(*args, 0, 1)
+        return
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for future in [pool.submit(kernel, *args, part, threads) for part in range(threads)]:
+            future.result()
 
 
 def _broadcast(values: NDArray, shape: tuple[int, int]) -> NDArray:

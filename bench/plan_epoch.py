@@ -30,10 +30,11 @@ def main() -> None:
     parser.add_argument("--mode", default="pack")
     parser.add_argument("--world-size", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, help="threads splitting the epoch's kernels (default: what a build uses)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    from batchplan.config import PlanConfig
+    from batchplan.config import PlanConfig, num_threads
     from batchplan.lengths import read_lengths
     from batchplan.entries import make_entries
     from batchplan.planner import plan_epoch
@@ -44,16 +45,17 @@ def main() -> None:
         lengths, name = read_lengths(args.file).lengths, args.file.stem
     config = PlanConfig(max_tokens=args.max_tokens, mode=args.mode, world_size=args.world_size, oversize="truncate")
     entries = make_entries(lengths, config)
-    plan_epoch(make_entries(lengths[:5000], config), config, 0)  # load the kernels
+    threads = args.threads or num_threads()
+    plan_epoch(make_entries(lengths[:5000], config), config, 0, threads=threads)  # load the kernels
     best = float("inf")
     for _ in range(args.repeats):
         start = time.perf_counter()
-        plan_epoch(entries, config, 0)
+        plan_epoch(entries, config, 0, threads=threads)
         best = min(best, time.perf_counter() - start)
     permutation = time_permutation(lengths.shape[0])
     row = {
         "case": name, "samples": int(lengths.shape[0]), "mode": args.mode, "max_tokens": args.max_tokens,
-        "world_size": args.world_size, "plan_epoch_s": round(best, 3), "permutation_s": round(permutation, 3),
+        "world_size": args.world_size, "threads": threads, "plan_epoch_s": round(best, 3), "permutation_s": round(permutation, 3),
         "ratio": round(best / permutation, 2),
     }  # fmt: skip
     if args.json:

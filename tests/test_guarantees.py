@@ -563,17 +563,27 @@ def test_drop_last_with_a_token_target_drops_a_short_final_step():
     assert plan.epochs[0].dropped_entries.size == 12
 
 
-def test_plan_does_not_depend_on_the_number_of_threads(tmp_path, monkeypatch):
-    """Epochs are planned in parallel threads; one thread or several, the same bytes."""
-    lengths = dataset_lengths("lognormal")
-    config = PlanConfig(max_tokens=2048, world_size=8, epochs=3, oversize="split", hidden_size=512)
+@pytest.mark.parametrize(
+    "config",
+    [
+        PlanConfig(max_tokens=2048, world_size=8, epochs=3, oversize="split", hidden_size=512),
+        PlanConfig(max_tokens=2048, world_size=8, oversize="split", hidden_size=512),  # one epoch: split kernels
+        PlanConfig(max_tokens=4096, world_size=4, mode="pad", epochs=2, tokens_per_step=40_000, oversize="drop"),
+    ],
+    ids=["epochs-in-parallel", "one-epoch-in-parts", "pad-two-epochs"],
+)
+def test_plan_does_not_depend_on_the_number_of_threads(tmp_path, monkeypatch, config):
+    """Epochs are planned in parallel threads, and cores left over split the kernels of
+    an epoch; one thread or several, the same bytes. (40,000 samples: several balance
+    windows and hundreds of steps for the parts to split.)"""
+    lengths = np.tile(dataset_lengths("lognormal"), 14)[:40_000]
     files = []
-    for threads in ("1", "2", "3"):
+    for threads in ("1", "2", "3", "4"):
         monkeypatch.setenv("BATCHPLAN_THREADS", threads)
         path = tmp_path / f"plan-{threads}.arrow"
         build_and_write(lengths, config, path)
         files.append(path.read_bytes())
-    assert files[0] == files[1] == files[2]
+    assert files[0] == files[1] == files[2] == files[3]
 
 
 def test_a_huge_max_tokens_packs_without_huge_memory():

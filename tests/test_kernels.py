@@ -347,10 +347,23 @@ BALANCE_EDGES = [
 ]
 
 
-@given(balance_inputs(), st.booleans(), st.booleans(), st.booleans())
-@example(BALANCE_EDGES[2], True, True, True)
-@example(BALANCE_EDGES[4], False, True, True)
-def test_lay_out_rows_matches_assign_ranks_and_order_rows(case, with_loss, with_compute, float_costs):
+def lay_out(offsets, costs, batch, tokens, sizes, loss, compute, world_size, rows, row_compute, parts=1):
+    """`lay_out_rows` in ``parts`` calls, one after another: ``(step, micro, num_micro,
+    step_tokens, step_loss)``."""
+    rank_rows = np.empty((3, offsets[-1] // world_size), dtype=np.int64)
+    step_sums = np.zeros((2, offsets.shape[0] - 1), dtype=np.int64)
+    for part in range(parts):
+        lay_out_rows(
+            offsets, costs, batch, tokens, sizes, loss, compute, world_size, rows, row_compute, rank_rows, step_sums,
+            part, parts,
+        )  # fmt: skip
+    return (*rank_rows, *step_sums)
+
+
+@given(balance_inputs(), st.booleans(), st.booleans(), st.booleans(), st.integers(1, 3))
+@example(BALANCE_EDGES[2], True, True, True, 1)
+@example(BALANCE_EDGES[4], False, True, True, 2)
+def test_lay_out_rows_matches_assign_ranks_and_order_rows(case, with_loss, with_compute, float_costs, parts):
     """The layout = the references `assign_ranks` + `order_rows`, plus the per-row values and step sums."""
     costs, offsets, world_size = case
     count = costs.shape[0]
@@ -361,7 +374,7 @@ def test_lay_out_rows_matches_assign_ranks_and_order_rows(case, with_loss, with_
     loss = (tokens - sizes - 1) if with_loss else np.zeros(0, dtype=np.int64)
     compute = tokens * 1.5 if with_compute else np.zeros(0, dtype=np.float64)
     rows, row_compute = np.empty((4, count), dtype=np.int64), np.empty(compute.shape[0])
-    found = lay_out_rows(offsets, balance_by, batch, tokens, sizes, loss, compute, world_size, rows, row_compute)
+    found = lay_out(offsets, balance_by, batch, tokens, sizes, loss, compute, world_size, rows, row_compute, parts)
     step, micro, num_micro, step_tokens, step_loss = found
     row_batch, row_tokens, row_loss, row_sizes = rows
     rank, want_micro = ref.assign_ranks(balance_by.tolist(), offsets.tolist(), world_size)
@@ -403,16 +416,18 @@ def schedules(draw):
     return schedule, begin, end, window, chunk_order, world_size, tokens, starts, ends, values
 
 
-@given(schedules(), st.booleans(), st.booleans())
-def test_take_scheduled_matches_reference(case, with_values, by_values):
+@given(schedules(), st.booleans(), st.booleans(), st.integers(1, 3))
+def test_take_scheduled_matches_reference(case, with_values, by_values, parts):
     """Outside ``begin:end`` a plain gather; inside, windows sorted by cost (the reference's
-    `sort_within_windows`), then chunk ``j`` = sorted chunk ``chunk_order[j]``."""
+    `sort_within_windows`), then chunk ``j`` = sorted chunk ``chunk_order[j]``; in one call
+    or in parts."""
     schedule, begin, end, window, chunk_order, world_size, tokens, starts, ends, values = case
     values = values if with_values else np.zeros(0)
     by_values = by_values and with_values
     table = np.column_stack([tokens, ends - starts])
     got = [np.empty((3, schedule.shape[0]), dtype=np.int64), np.empty(values.shape[0])]
-    take_scheduled(schedule, begin, end, window, chunk_order, world_size, table, values, by_values, *got)
+    for part in range(parts):
+        take_scheduled(schedule, begin, end, window, chunk_order, world_size, table, values, by_values, *got, part, parts)
     got = [*got[0], got[1]]
     order = list(schedule)
     if window:
@@ -434,7 +449,7 @@ def test_lay_out_rows_gives_every_rank_equal_counts(case):
     count = costs.shape[0]
     rows = np.empty((4, count), dtype=np.int64)
     batch, none = np.arange(count), np.zeros(0)
-    found = lay_out_rows(offsets, costs, batch, costs, costs, costs[:0], none, world_size, rows, none)
+    found = lay_out(offsets, costs, batch, costs, costs, costs[:0], none, world_size, rows, none)
     row_batch, step, micro = rows[0].tolist(), found[0].tolist(), found[1].tolist()
     assert sorted(row_batch) == list(range(count))
     per_rank_rows = count // world_size

@@ -21,7 +21,9 @@ __all__ = ["lay_out_rows", "take_scheduled"]
 
 
 @njit(cache=True, nogil=True)
-def take_scheduled(schedule, begin, end, window, chunk_order, world_size, table, values, by_values, out, out_values):
+def take_scheduled(
+    schedule, begin, end, window, chunk_order, world_size, table, values, by_values, out, out_values, part, parts
+):
     """Per scheduled position, its micro-batch's id, tokens, entry count and ``values``,
     gathered in one pass (the only random reads), with positions ``begin:end`` balanced.
 
@@ -39,19 +41,25 @@ def take_scheduled(schedule, begin, end, window, chunk_order, world_size, table,
         out: int64, shape (3, positions), filled with each position's micro-batch id,
             tokens and entries (made by the caller: numpy asks for huge pages).
         out_values: float64, filled with each position's ``values`` (empty when none).
+        part, parts: this call does part ``part`` of ``parts`` (its share of the windows
+            and of the other positions); the parts write disjoint places, so threads can
+            run them at once, with the same result as one call.
     """
     count = schedule.shape[0]
     if window <= 0:
         begin = end = count
-    for position in range(begin):
+    first, last = _share(begin, part, parts)
+    for position in range(first, last):
         _put(out, out_values, position, schedule[position], table, values)
-    for position in range(end, count):
+    first, last = _share(count - end, part, parts)
+    for position in range(end + first, end + last):
         _put(out, out_values, position, schedule[position], table, values)
     inverse = np.empty(chunk_order.shape[0], dtype=np.int64)
     for j in range(chunk_order.shape[0]):
         inverse[chunk_order[j]] = j
     costs = np.empty(min(window, max(end - begin, 0)), dtype=np.float64)
-    for first in range(begin, end, max(window, 1)):
+    first_window, last_window = _share(-(-(end - begin) // max(window, 1)), part, parts)
+    for first in range(begin + first_window * window, min(begin + last_window * window, end), max(window, 1)):
         n = min(first + window, end) - first
         for i in range(n):
             k = schedule[first + i]
@@ -64,6 +72,12 @@ def take_scheduled(schedule, begin, end, window, chunk_order, world_size, table,
 
 
 @njit(cache=True, nogil=True, inline="always")
+def _share(count, part, parts):
+    """Part ``part`` of ``parts`` near-equal consecutive shares of ``range(count)``: ``(first, last)``."""
+    return count * part // parts, count * (part + 1) // parts
+
+
+@njit(cache=True, nogil=True, inline="always")
 def _put(out, out_values, target, k, table, values):
     out[0, target] = k
     out[1, target] = table[k, 0]
@@ -73,7 +87,10 @@ def _put(out, out_values, target, k, table, values):
 
 
 @njit(cache=True, nogil=True)
-def lay_out_rows(step_offsets, costs, batch, tokens, sizes, loss, compute, world_size, rows, row_compute):
+def lay_out_rows(
+    step_offsets, costs, batch, tokens, sizes, loss, compute, world_size, rows, row_compute, rank_rows, step_sums,
+    part, parts,
+):  # fmt: skip
     """Assign ranks in each step and lay the rows out by (rank, step, micro), in one pass.
 
     Args:
@@ -87,34 +104,34 @@ def lay_out_rows(step_offsets, costs, batch, tokens, sizes, loss, compute, world
             ``loss`` and ``sizes``, rows ordered by (rank, step, micro); made by the caller
             (numpy asks for huge pages: the writes go to ``4 x world_size`` streams).
         row_compute: float64, filled with each row's compute (empty when not given).
-
-    Returns:
-        Per row of one rank (every rank has the same): ``step``, ``micro``, ``num_micro``;
-        per step: ``step_tokens``, ``step_loss``.
+        rank_rows: int64, shape (3, rows per rank), filled with ``step``, ``micro`` and
+            ``num_micro`` of each row of one rank (every rank has the same).
+        step_sums: int64 zeros, shape (2, steps), filled with each step's tokens and loss.
+        part, parts: this call lays out part ``part`` of ``parts`` (a share of the steps);
+            the parts write disjoint places, so threads can run them at once, with the
+            same result as one call.
     """
     count = step_offsets[-1]
-    num_steps = step_offsets.shape[0] - 1
     rows_per_rank = count // world_size
-    rank_step = np.empty(rows_per_rank, dtype=np.int64)
-    rank_micro = np.empty(rows_per_rank, dtype=np.int32)
-    rank_num_micro = np.empty(rows_per_rank, dtype=np.int32)
-    step_tokens = np.zeros(num_steps, dtype=np.int64)
-    step_loss = np.zeros(num_steps, dtype=np.int64)
-    rank = np.empty(0, dtype=np.int64)
-    micro = np.empty(0, dtype=np.int64)
-    before = 0
-    for step in range(num_steps):
+    first_step, last_step = _share(step_offsets.shape[0] - 1, part, parts)
+    longest = 0
+    for step in range(first_step, last_step):
+        longest = max(longest, step_offsets[step + 1] - step_offsets[step])
+    rank = np.empty(longest, dtype=np.int64)
+    micro = np.empty(longest, dtype=np.int64)
+    step_costs = np.empty(longest, dtype=np.float64)
+    for step in range(first_step, last_step):
         begin = step_offsets[step]
         end = step_offsets[step + 1]
         per_rank = (end - begin) // world_size
-        if rank.shape[0] < end - begin:
-            rank = np.empty(end - begin, dtype=np.int64)
-            micro = np.empty(end - begin, dtype=np.int64)
-        assign_step(costs[begin:end].astype(np.float64), per_rank, world_size, rank, micro)
+        before = begin // world_size  # rows of each rank in earlier steps
+        for p in range(begin, end):
+            step_costs[p - begin] = costs[p]
+        assign_step(step_costs[: end - begin], per_rank, world_size, rank, micro)
         for m in range(per_rank):
-            rank_step[before + m] = step
-            rank_micro[before + m] = m
-            rank_num_micro[before + m] = per_rank
+            rank_rows[0, before + m] = step
+            rank_rows[1, before + m] = m
+            rank_rows[2, before + m] = per_rank
         for p in range(begin, end):
             row = rank[p - begin] * rows_per_rank + before + micro[p - begin]
             lost = loss[p] if loss.shape[0] else tokens[p] - sizes[p]
@@ -124,7 +141,5 @@ def lay_out_rows(step_offsets, costs, batch, tokens, sizes, loss, compute, world
             rows[3, row] = sizes[p]
             if compute.shape[0]:
                 row_compute[row] = compute[p]
-            step_tokens[step] += tokens[p]
-            step_loss[step] += lost
-        before += per_rank
-    return rank_step, rank_micro, rank_num_micro, step_tokens, step_loss
+            step_sums[0, step] += tokens[p]
+            step_sums[1, step] += lost
