@@ -160,6 +160,20 @@ def test_interrupted_build_leaves_no_partial_plan_and_keeps_the_old_one(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.arrow"]
 
 
+def test_the_command_keeps_exit_codes_and_output_when_it_skips_teardown(tmp_path):
+    """`main` ends with os._exit after flushing: the exit code (0 done, 1 known error,
+    2 usage) and every line of output survive."""
+    command = [sys.executable, "-m", "batchplan_cli.main"]
+    plan = tmp_path / "plan.arrow"
+    done = subprocess.run([*command, "build", SQUAD, "-o", plan, "--max-tokens", "512"], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.startswith(f"wrote {plan}") and "dropped samples" in done.stdout
+    assert json.loads(subprocess.run([*command, "inspect", plan, "--json"], capture_output=True).stdout)
+    failed = subprocess.run([*command, "build", tmp_path / "none.parquet", "-o", plan, "--max-tokens", "8"],
+                            capture_output=True, text=True)  # fmt: skip
+    assert failed.returncode == 1 and failed.stderr.count("error:") == 1
+    assert subprocess.run([*command, "build"], capture_output=True).returncode == 2
+
+
 def test_stale_temporary_of_a_killed_build_is_removed_on_rerun(tmp_path):
     plan = tmp_path / "plan.arrow"
     stale = tmp_path / ".plan.arrow.999999999.abcd.tmp"  # no such process
