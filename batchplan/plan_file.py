@@ -19,6 +19,7 @@ import os
 import tempfile
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,12 +105,18 @@ def write_plan(
         shifts = {"step": lineage.get("first_step", 0),
                   "tokens_before_step": lineage.get("tokens_before_first_step", 0)}  # fmt: skip
         batches = [_shift_columns(batch, shifts) for batch in batches]
-    metadata["content_hash"] = _content_hash(metadata, batches)
+    # The hash covers the metadata and the values, not the file's bytes: it is computed
+    # while the file is written (CRC and writes release the GIL), then written over a
+    # placeholder of the same length. The bytes are those of writing the hash up front.
+    metadata["content_hash"] = _HASH_PLACEHOLDER
     schema = plan_schema(plan.num_samples, plan.entries.has_spans, metadata, has_cost=_has_cost(plan))
-    with _atomic_path(path) as temporary:
+    with _atomic_path(path) as temporary, ThreadPoolExecutor(max_workers=1) as hasher:
+        hashing = hasher.submit(_content_hash, metadata, batches)
         with pa.OSFile(str(temporary), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             for batch in batches:
                 writer.write_batch(batch.replace_schema_metadata(schema.metadata))
+        metadata["content_hash"] = hashing.result()
+        _replace_placeholder(temporary, metadata["content_hash"])
     return metadata
 
 
@@ -261,6 +268,33 @@ def _content_hash(metadata: dict[str, Any], batches) -> str:
             else:
                 crc = zlib.crc32(np.ascontiguousarray(column.to_numpy()).data, crc)
     return f"crc32:{crc:08x}"
+
+
+# Not a possible CRC (not hex), as long as one: found only where it was put.
+_HASH_PLACEHOLDER = "crc32:????????"
+
+
+def _replace_placeholder(path: Path, content_hash: str) -> None:
+    """Write ``content_hash`` over the placeholder in the schema's two copies in an Arrow
+    IPC file: the schema message after the leading magic, and the footer before the
+    trailing one (their lengths are in the file; only those two messages are read)."""
+    placeholder = _dump_json({"content_hash": _HASH_PLACEHOLDER})[1:-1]  # '"content_hash":"crc32:????????"'
+    replacement = _dump_json({"content_hash": content_hash})[1:-1]
+    if len(replacement) != len(placeholder):
+        raise AssertionError(f"content hash {content_hash!r} is not as long as its placeholder")
+    with open(path, "rb+") as file:
+        size = os.fstat(file.fileno()).st_size
+        # "ARROW1\0\0", then the schema message: 0xFFFFFFFF, its length, the flatbuffer.
+        header = os.pread(file.fileno(), 16, 8)
+        schema_at, schema_length = 16, int.from_bytes(header[4:8], "little")
+        # The footer (a flatbuffer holding the schema again), its length, then "ARROW1".
+        footer_length = int.from_bytes(os.pread(file.fileno(), 4, size - 10), "little")
+        footer_at = size - 10 - footer_length
+        for start, length in ((schema_at, schema_length), (footer_at, footer_length)):
+            message = os.pread(file.fileno(), length, start)
+            if message.count(placeholder) != 1:
+                raise AssertionError(f"{path}: the content-hash placeholder is not where the Arrow format puts it")
+            os.pwrite(file.fileno(), replacement, start + message.index(placeholder))
 
 
 @contextlib.contextmanager
