@@ -28,6 +28,7 @@ from batchplan.kernels.pack import (
 from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import lay_out_segments, range_sums
 from batchplan.kernels.shuffle import shuffle_by_group
+from batchplan.parts import run_in_parts
 from batchplan.warmup import SeqlenWarmup
 
 __all__ = [
@@ -252,10 +253,13 @@ class MicroBatches:
         self._joined_cache = None
         return np.arange(first, self.count, dtype=np.int64)
 
-    def gather(self, order: NDArray[np.integer], sizes: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray]:
+    def gather(
+        self, order: NDArray[np.integer], sizes: NDArray[np.int64], threads: int = 1
+    ) -> tuple[NDArray[np.int64], NDArray]:
         """Members of micro-batches ``order`` one after another, in CSR form ``(offsets, members)``;
         ``sizes`` are their entry counts. ``order`` names each micro-batch at most once, and
-        no bin both whole and in pieces (what the planner makes: pieces only replace bins)."""
+        no bin both whole and in pieces (what the planner makes: pieces only replace bins).
+        Packed bins are laid out on ``threads`` threads (the same result for any number)."""
         if not self._lazy:
             destination = np.empty(self.count, dtype=np.int64)  # numpy: huge pages for the scattered writes
             members = np.empty(int(sizes.sum()), dtype=self.members.dtype)
@@ -263,17 +267,21 @@ class MicroBatches:
             _check_written(written, members)
             return offsets, members
         packed = self.packed
-        destination = np.empty(packed.num_bins, dtype=np.int64)  # numpy: huge pages for the scattered writes
-        offsets, pieces = bin_destinations(order, sizes, destination)
+        offsets = np.zeros(order.shape[0] + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        destination = np.full(packed.num_bins, -1, dtype=np.int64)  # numpy: huge pages for the scattered writes
+        run_in_parts(bin_destinations, threads, order, offsets, destination)
+        pieces = np.flatnonzero(order >= packed.num_bins)
         pieces = pieces[sizes[pieces] > 0]
         piece_starts, piece_ends = self.bounds(order[pieces])
         by_start = np.argsort(piece_starts, kind="stable")
         members = np.empty(offsets[-1], dtype=packed.items.dtype)  # numpy: huge pages for the scattered writes
-        written = scatter_bins(
+        written = run_in_parts(
+            scatter_bins, threads,
             packed.items, packed.start, packed.slot_bin, packed.offsets, destination, piece_starts[by_start],
             piece_ends[by_start], offsets[pieces][by_start], packed.capacity, members,
         )  # fmt: skip
-        _check_written(written, members)
+        _check_written(sum(written), members)
         return offsets, members
 
 

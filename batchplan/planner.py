@@ -47,6 +47,7 @@ from batchplan.micro_batches import (
     form_warmup_micro_batches,
     permute,
 )
+from batchplan.parts import run_in_parts
 from batchplan.warmup import SeqlenWarmup, add_warmup_pieces
 
 __all__ = ["EpochPlan", "Plan", "build_plan", "epoch_rng", "plan_epoch", "schedule_epoch"]
@@ -311,7 +312,7 @@ class _Scheduled:
         out = np.empty((3, schedule.shape[0]), dtype=np.int64)  # numpy: huge pages for the scattered writes
         out_values = np.empty(schedule.shape[0] if compute is not None else 0, dtype=np.float64)
         table = batches.token_table()
-        _in_parts(
+        run_in_parts(
             take_scheduled, threads,
             schedule, begin, end, window, chunk_order, config.world_size, table, values, by_compute, out, out_values,
         )  # fmt: skip
@@ -493,14 +494,14 @@ def _assemble(
     cost = np.empty(step_offsets[-1] if at.compute is not None else 0, dtype=np.float64)
     rank_rows = np.empty((3, step_offsets[-1] // world_size), dtype=np.int64)
     step_sums = np.zeros((2, step_offsets.shape[0] - 1), dtype=np.int64)
-    _in_parts(
+    run_in_parts(
         lay_out_rows, threads,
         step_offsets, at.costs, at.batch, at.tokens, at.sizes, loss, compute, world_size, rows, cost, rank_rows, step_sums,
     )  # fmt: skip
     step, micro, num_micro = rank_rows[0], rank_rows[1].astype(np.int32), rank_rows[2].astype(np.int32)
     step_tokens, step_loss_tokens = step_sums
     batch_of_row, tokens, loss_tokens, sizes = rows
-    offsets, members = batches.gather(batch_of_row, sizes)
+    offsets, members = batches.gather(batch_of_row, sizes, threads)
     padded = sizes * batches.longest()[batch_of_row] if config.mode == "pad" else tokens
     return EpochPlan(
         epoch=epoch,
@@ -518,17 +519,6 @@ def _assemble(
         step_loss_tokens=step_loss_tokens,
         dropped_entries=dropped,
     )
-
-
-def _in_parts(kernel, threads: int, *args) -> None:
-    """``kernel(*args, part, parts)`` for every part, on ``threads`` threads (the kernels
-    release the GIL and write disjoint places: the result does not depend on ``threads``)."""
-    if threads <= 1:
-        kernel(*args, 0, 1)
-        return
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        for future in [pool.submit(kernel, *args, part, threads) for part in range(threads)]:
-            future.result()
 
 
 def _broadcast(values: NDArray, shape: tuple[int, int]) -> NDArray:

@@ -560,16 +560,22 @@ def test_packed_bins_give_the_bins_of_pack_segments_in_any_layout(case, seed):
     random.shuffle(order_of)
     starts, ends, layout = (np.array(x, dtype=np.int64) for x in (starts, ends, order_of))
     sizes = ends[layout] - starts[layout]
-    destination = np.empty(num_bins, dtype=np.int64)
-    out_offsets, pieces = bin_destinations(layout, sizes, destination)
-    assert pieces.tolist() == [i for i, k in enumerate(layout.tolist()) if k >= num_bins]
+    parts = random.randint(1, 3)  # the kernels split into parts, called one after another
+    out_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    destination = np.full(num_bins, -1, dtype=np.int64)
+    for part in range(parts):
+        bin_destinations(layout, out_offsets, destination, part, parts)
+    pieces = np.array([i for i, k in enumerate(layout.tolist()) if k >= num_bins], dtype=np.int64)
     pieces = pieces[sizes[pieces] > 0]  # the contract: non-empty pieces sorted by start
     by_start = np.argsort(starts[layout[pieces]], kind="stable")
     laid = np.empty(out_offsets[-1], dtype=items.dtype)
-    written = scatter_bins(
-        items, start, slot_bin, offsets, destination, starts[layout[pieces]][by_start],
-        ends[layout[pieces]][by_start], out_offsets[pieces][by_start], max_tokens, laid,
-    )  # fmt: skip
+    written = sum(
+        scatter_bins(
+            items, start, slot_bin, offsets, destination, starts[layout[pieces]][by_start],
+            ends[layout[pieces]][by_start], out_offsets[pieces][by_start], max_tokens, laid, part, parts,
+        )  # fmt: skip
+        for part in range(parts)
+    )
     want = ref.gather_segments(want_members, starts.tolist(), ends.tolist(), layout.tolist())
     assert (out_offsets.tolist(), laid.tolist(), written) == (*want, len(want[1]))
     assert destination.tolist() == [

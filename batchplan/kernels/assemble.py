@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit
 
 from batchplan.kernels.balance import assign_step
+from batchplan.kernels.split import share
 
 __all__ = ["lay_out_rows", "take_scheduled"]
 
@@ -48,17 +49,17 @@ def take_scheduled(
     count = schedule.shape[0]
     if window <= 0:
         begin = end = count
-    first, last = _share(begin, part, parts)
+    first, last = share(begin, part, parts)
     for position in range(first, last):
         _put(out, out_values, position, schedule[position], table, values)
-    first, last = _share(count - end, part, parts)
+    first, last = share(count - end, part, parts)
     for position in range(end + first, end + last):
         _put(out, out_values, position, schedule[position], table, values)
     inverse = np.empty(chunk_order.shape[0], dtype=np.int64)
     for j in range(chunk_order.shape[0]):
         inverse[chunk_order[j]] = j
     costs = np.empty(min(window, max(end - begin, 0)), dtype=np.float64)
-    first_window, last_window = _share(-(-(end - begin) // max(window, 1)), part, parts)
+    first_window, last_window = share(-(-(end - begin) // max(window, 1)), part, parts)
     for first in range(begin + first_window * window, min(begin + last_window * window, end), max(window, 1)):
         n = min(first + window, end) - first
         for i in range(n):
@@ -69,12 +70,6 @@ def take_scheduled(
             relative = first - begin + i  # its place once sorted, then its chunk's place
             target = begin + inverse[relative // world_size] * world_size + relative % world_size
             _put(out, out_values, target, schedule[first + order[i]], table, values)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _share(count, part, parts):
-    """Part ``part`` of ``parts`` near-equal consecutive shares of ``range(count)``: ``(first, last)``."""
-    return count * part // parts, count * (part + 1) // parts
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -113,7 +108,7 @@ def lay_out_rows(
     """
     count = step_offsets[-1]
     rows_per_rank = count // world_size
-    first_step, last_step = _share(step_offsets.shape[0] - 1, part, parts)
+    first_step, last_step = share(step_offsets.shape[0] - 1, part, parts)
     longest = 0
     for step in range(first_step, last_step):
         longest = max(longest, step_offsets[step + 1] - step_offsets[step])

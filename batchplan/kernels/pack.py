@@ -27,6 +27,7 @@ import numpy as np
 from numba import njit
 
 from batchplan.kernels.shuffle import group_offsets
+from batchplan.kernels.split import share
 
 __all__ = [
     "bin_destinations", "bin_item_sums", "bin_length_sums", "bin_members", "fill_bins", "pack_bins",
@@ -220,8 +221,9 @@ def fill_bins(items, start, slot_bin, offsets, max_tokens):
 
 @njit(cache=True, nogil=True)
 def scatter_bins(
-    items, start, slot_bin, offsets, destination, piece_starts, piece_ends, piece_destination, max_tokens, out
-):
+    items, start, slot_bin, offsets, destination, piece_starts, piece_ends, piece_destination, max_tokens, out,
+    part, parts,
+):  # fmt: skip
     """Lay members out straight into their final places, one pass over the slots.
 
     Args:
@@ -235,19 +237,25 @@ def scatter_bins(
         out: filled with the members (dtype of ``items``): bin ``b``'s list at
             ``destination[b]``, in the order `fill_bins` gives them. Made by the caller
             (numpy asks for huge pages: the writes land at random).
+        part, parts: this call lays out the bins of part ``part`` of ``parts`` (a share of
+            the bin ids; every part reads all slots); the parts write disjoint places.
 
     Returns:
-        How many members were written: ``len(out)`` when the layout covers ``out`` once.
+        How many members this part wrote: over all parts, ``len(out)`` when the layout
+        covers ``out`` once.
     """
-    cursor = np.zeros(offsets.shape[0] - 1, dtype=np.int32)
+    first_bin, last_bin = share(offsets.shape[0] - 1, part, parts)
+    cursor = np.zeros(last_bin - first_bin, dtype=np.int32)
     written = 0
     slot = 0
     for length in range(max_tokens, 0, -1):
         for item in range(start[length], start[length + 1]):
             target = slot_bin[slot]
             slot += 1
-            within = cursor[target]
-            cursor[target] = within + 1
+            if target < first_bin or target >= last_bin:
+                continue
+            within = cursor[target - first_bin]
+            cursor[target - first_bin] = within + 1
             if destination[target] >= 0:
                 out[destination[target] + within] = items[item]
                 written += 1
@@ -261,37 +269,19 @@ def scatter_bins(
 
 
 @njit(cache=True, nogil=True)
-def bin_destinations(order, sizes, destination):
+def bin_destinations(order, offsets, destination, part, parts):
     """Where `scatter_bins` puts the members of micro-batches ``order`` laid one after another.
 
-    Micro-batch ``k < num_bins`` is bin ``k`` whole; later ones are pieces of bins (or empty).
-    ``sizes`` are the entry counts of ``order``'s micro-batches; ``destination`` (int64, one
-    per bin, made by the caller: numpy asks for huge pages) is filled with each bin's
-    destination, -1 when it is not laid out whole.
-
-    Returns:
-        ``(offsets, pieces)``: CSR offsets of the result (int64) and the positions of
-        ``order`` holding pieces.
+    Micro-batch ``k < num_bins`` is bin ``k`` whole; later ones are pieces of bins (or
+    empty). ``offsets`` are the CSR offsets of the result (``len(order) + 1``).
+    ``destination`` (int64, one per bin, -1 filled by the caller: numpy asks for huge pages)
+    gets each whole bin's destination, for this part's share of ``order``.
     """
-    count = order.shape[0]
     num_bins = destination.shape[0]
-    offsets = np.empty(count + 1, dtype=np.int64)
-    destination[:] = -1
-    pieces = 0
-    offsets[0] = 0
-    for i in range(count):
-        offsets[i + 1] = offsets[i] + sizes[i]
+    first, last = share(order.shape[0], part, parts)
+    for i in range(first, last):
         if order[i] < num_bins:
             destination[order[i]] = offsets[i]
-        else:
-            pieces += 1
-    piece_positions = np.empty(pieces, dtype=np.int64)
-    pieces = 0
-    for i in range(count):
-        if order[i] >= num_bins:
-            piece_positions[pieces] = i
-            pieces += 1
-    return offsets, piece_positions
 
 
 @njit(cache=True, nogil=True)
