@@ -254,14 +254,16 @@ class MicroBatches:
         return np.arange(first, self.count, dtype=np.int64)
 
     def gather(
-        self, order: NDArray[np.integer], sizes: NDArray[np.int64], threads: int = 1
+        self, order: NDArray[np.integer], sizes: NDArray[np.int64], threads: int = 1, scratch: NDArray | None = None
     ) -> tuple[NDArray[np.int64], NDArray]:
         """Members of micro-batches ``order`` one after another, in CSR form ``(offsets, members)``;
         ``sizes`` are their entry counts. ``order`` names each micro-batch at most once, and
         no bin both whole and in pieces (what the planner makes: pieces only replace bins).
-        Packed bins are laid out on ``threads`` threads (the same result for any number)."""
+        Packed bins are laid out on ``threads`` threads (the same result for any number).
+        ``scratch``: an int64 array free to overwrite, used for the per-micro-batch
+        destinations when long enough (memory already faulted in costs less than new)."""
         if not self._lazy:
-            destination = np.empty(self.count, dtype=np.int64)  # numpy: huge pages for the scattered writes
+            destination = _scratch_or_new(scratch, self.count)
             members = np.empty(int(sizes.sum()), dtype=self.members.dtype)
             offsets, written = lay_out_segments(self.members, self.starts, self.ends, order, destination, members)
             _check_written(written, members)
@@ -269,7 +271,8 @@ class MicroBatches:
         packed = self.packed
         offsets = np.zeros(order.shape[0] + 1, dtype=np.int64)
         np.cumsum(sizes, out=offsets[1:])
-        destination = np.full(packed.num_bins, -1, dtype=np.int64)  # numpy: huge pages for the scattered writes
+        destination = _scratch_or_new(scratch, packed.num_bins)
+        destination.fill(-1)
         run_in_parts(bin_destinations, threads, order, offsets, destination)
         pieces = np.flatnonzero(order >= packed.num_bins)
         pieces = pieces[sizes[pieces] > 0]
@@ -283,6 +286,14 @@ class MicroBatches:
         )  # fmt: skip
         _check_written(sum(written), members)
         return offsets, members
+
+
+def _scratch_or_new(scratch: NDArray | None, count: int) -> NDArray[np.int64]:
+    """``count`` int64 of ``scratch`` if it has them, else a new array (numpy: huge pages for
+    the scattered writes)."""
+    if scratch is not None and scratch.dtype == np.int64 and scratch.shape[0] >= count:
+        return scratch[:count]
+    return np.empty(count, dtype=np.int64)
 
 
 def _check_written(written: int, members: NDArray) -> None:

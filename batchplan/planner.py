@@ -294,6 +294,7 @@ class _Scheduled:
     sizes: NDArray[np.int64]  # entries
     compute: NDArray[np.float64] | None  # predicted compute, with a cost coefficient
     by_compute: bool  # balance ranks by compute, else by tokens
+    buffer: NDArray[np.int64]  # where batch, tokens and sizes live: scratch once rows are laid out
 
     @classmethod
     def take(
@@ -314,9 +315,10 @@ class _Scheduled:
         table = batches.token_table()
         run_in_parts(
             take_scheduled, threads,
-            schedule, begin, end, window, chunk_order, config.world_size, table, values, by_compute, out, out_values,
+            schedule, begin, end, window, chunk_order, config.world_size, table, values, by_compute, config.max_tokens,
+            out, out_values,
         )  # fmt: skip
-        return cls(out[0], out[1], out[2], None if compute is None else out_values, by_compute)
+        return cls(out[0], out[1], out[2], None if compute is None else out_values, by_compute, out.reshape(-1))
 
     @property
     def costs(self) -> NDArray:
@@ -326,7 +328,9 @@ class _Scheduled:
     def head(self, count: int) -> _Scheduled:
         """The first ``count`` positions."""
         compute = None if self.compute is None else self.compute[:count]
-        return _Scheduled(self.batch[:count], self.tokens[:count], self.sizes[:count], compute, self.by_compute)
+        return _Scheduled(
+            self.batch[:count], self.tokens[:count], self.sizes[:count], compute, self.by_compute, self.buffer
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -501,7 +505,9 @@ def _assemble(
     step, micro, num_micro = rank_rows[0], rank_rows[1].astype(np.int32), rank_rows[2].astype(np.int32)
     step_tokens, step_loss_tokens = step_sums
     batch_of_row, tokens, loss_tokens, sizes = rows
-    offsets, members = batches.gather(batch_of_row, sizes, threads)
+    # The schedule's arrays are dead once the rows are laid out: their memory (already
+    # faulted in, unlike a new array's) serves the layout as scratch.
+    offsets, members = batches.gather(batch_of_row, sizes, threads, scratch=at.buffer)
     padded = sizes * batches.longest()[batch_of_row] if config.mode == "pad" else tokens
     return EpochPlan(
         epoch=epoch,

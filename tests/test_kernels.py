@@ -416,8 +416,8 @@ def schedules(draw):
     return schedule, begin, end, window, chunk_order, world_size, tokens, starts, ends, values
 
 
-@given(schedules(), st.booleans(), st.booleans(), st.integers(1, 3))
-def test_take_scheduled_matches_reference(case, with_values, by_values, parts):
+@given(schedules(), st.booleans(), st.booleans(), st.integers(1, 3), st.sampled_from([9, 10_000]))
+def test_take_scheduled_matches_reference(case, with_values, by_values, parts, max_tokens):
     """Outside ``begin:end`` a plain gather; inside, windows sorted by cost (the reference's
     `sort_within_windows`), then chunk ``j`` = sorted chunk ``chunk_order[j]``; in one call
     or in parts."""
@@ -427,7 +427,10 @@ def test_take_scheduled_matches_reference(case, with_values, by_values, parts):
     table = np.column_stack([tokens, ends - starts])
     got = [np.empty((3, schedule.shape[0]), dtype=np.int64), np.empty(values.shape[0])]
     for part in range(parts):
-        take_scheduled(schedule, begin, end, window, chunk_order, world_size, table, values, by_values, *got, part, parts)
+        # max_tokens 9 (every token count here is below 10): windows sorted by counting; 10,000: by comparison.
+        take_scheduled(
+            schedule, begin, end, window, chunk_order, world_size, table, values, by_values, max_tokens, *got, part, parts
+        )
     got = [*got[0], got[1]]
     order = list(schedule)
     if window:

@@ -72,9 +72,15 @@ def test_packed_micro_batches_agree_with_laid_out_ones(case, seed):
     # A layout as the planner makes it: bins that were cut appear only as their pieces.
     order = np.array([k for k in which if k >= num_bins or k not in cut_bins], dtype=np.int64)
     sizes = (eager.ends - eager.starts)[order]
+    want = eager.gather(order, sizes)
     for threads in (1, 2, 3):  # laid out in parts on threads: the same
-        for got, want in zip(lazy.gather(order, sizes, threads), eager.gather(order, sizes)):
-            assert got.tolist() == want.tolist()
+        for got, expected in zip(lazy.gather(order, sizes, threads), want):
+            assert got.tolist() == expected.tolist()
+    # Scratch memory holding garbage, long enough or not (then unused): the same.
+    for scratch in (np.full(lazy.count + 5, 7, dtype=np.int64), np.full(1, 7, dtype=np.int64)):
+        for batches in (lazy, eager):
+            for got, expected in zip(batches.gather(order, sizes, 2, scratch=scratch), want):
+                assert got.tolist() == expected.tolist()
 
 
 def test_gather_refuses_a_bin_laid_out_whole_and_in_pieces():

@@ -23,8 +23,9 @@ __all__ = ["lay_out_rows", "take_scheduled"]
 
 @njit(cache=True, nogil=True)
 def take_scheduled(
-    schedule, begin, end, window, chunk_order, world_size, table, values, by_values, out, out_values, part, parts
-):
+    schedule, begin, end, window, chunk_order, world_size, table, values, by_values, max_tokens, out, out_values,
+    part, parts,
+):  # fmt: skip
     """Per scheduled position, its micro-batch's id, tokens, entry count and ``values``,
     gathered in one pass (the only random reads), with positions ``begin:end`` balanced.
 
@@ -39,6 +40,9 @@ def take_scheduled(
         table: shape (micro-batches, 2): tokens and entries of each (one cache line per
             random read).
         values: float64 per micro-batch (predicted compute), or empty.
+        max_tokens: no micro-batch has more tokens: windows sorted by tokens use a counting
+            sort over ``0..max_tokens`` when that is not much longer than a window (the
+            order a stable comparison sort gives, ~3x faster).
         out: int64, shape (3, positions), filled with each position's micro-batch id,
             tokens and entries (made by the caller: numpy asks for huge pages).
         out_values: float64, filled with each position's ``values`` (empty when none).
@@ -58,14 +62,32 @@ def take_scheduled(
     inverse = np.empty(chunk_order.shape[0], dtype=np.int64)
     for j in range(chunk_order.shape[0]):
         inverse[chunk_order[j]] = j
-    costs = np.empty(min(window, max(end - begin, 0)), dtype=np.float64)
+    size = min(window, max(end - begin, 0))
+    costs = np.empty(size, dtype=np.float64)
+    by_counting = not by_values and max_tokens <= 4 * window
+    counts = np.empty(max_tokens + 2 if by_counting else 0, dtype=np.int64)
+    keys = np.empty(size if by_counting else 0, dtype=np.int64)
+    order = np.empty(size, dtype=np.int64)
     first_window, last_window = share(-(-(end - begin) // max(window, 1)), part, parts)
     for first in range(begin + first_window * window, min(begin + last_window * window, end), max(window, 1)):
         n = min(first + window, end) - first
-        for i in range(n):
-            k = schedule[first + i]
-            costs[i] = values[k] if by_values else table[k, 0]
-        order = np.argsort(-costs[:n], kind="mergesort")  # stable: depends only on the input order
+        if by_counting:  # stable by decreasing tokens: key = max_tokens - tokens
+            counts[:] = 0
+            for i in range(n):
+                keys[i] = max_tokens - table[schedule[first + i], 0]
+                if keys[i] < 0:
+                    raise ValueError("take_scheduled: a micro-batch holds more than max_tokens tokens")
+                counts[keys[i] + 1] += 1
+            for key in range(1, max_tokens + 2):
+                counts[key] += counts[key - 1]
+            for i in range(n):
+                order[counts[keys[i]]] = i
+                counts[keys[i]] += 1
+        else:
+            for i in range(n):
+                k = schedule[first + i]
+                costs[i] = values[k] if by_values else table[k, 0]
+            order[:n] = np.argsort(-costs[:n], kind="mergesort")  # stable: depends only on the input order
         for i in range(n):
             relative = first - begin + i  # its place once sorted, then its chunk's place
             target = begin + inverse[relative // world_size] * world_size + relative % world_size
