@@ -269,11 +269,10 @@ class MicroBatches:
             _check_written(written, members)
             return offsets, members
         packed = self.packed
-        offsets = np.zeros(order.shape[0] + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
+        offsets = np.empty(order.shape[0] + 1, dtype=np.int64)
         destination = _scratch_or_new(scratch, packed.num_bins)
         destination.fill(-1)
-        run_in_parts(bin_destinations, threads, order, offsets, destination)
+        run_in_parts(bin_destinations, threads, order, sizes, offsets, destination)
         pieces = np.flatnonzero(order >= packed.num_bins)
         pieces = pieces[sizes[pieces] > 0]
         piece_starts, piece_ends = self.bounds(order[pieces])

@@ -564,10 +564,11 @@ def test_packed_bins_give_the_bins_of_pack_segments_in_any_layout(case, seed):
     starts, ends, layout = (np.array(x, dtype=np.int64) for x in (starts, ends, order_of))
     sizes = ends[layout] - starts[layout]
     parts = random.randint(1, 3)  # the kernels split into parts, called one after another
-    out_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    out_offsets = np.full(sizes.shape[0] + 1, -7, dtype=np.int64)
     destination = np.full(num_bins, -1, dtype=np.int64)
     for part in range(parts):
-        bin_destinations(layout, out_offsets, destination, part, parts)
+        bin_destinations(layout, sizes, out_offsets, destination, part, parts)
+    assert out_offsets.tolist() == [0, *np.cumsum(sizes).tolist()]
     pieces = np.array([i for i, k in enumerate(layout.tolist()) if k >= num_bins], dtype=np.int64)
     pieces = pieces[sizes[pieces] > 0]  # the contract: non-empty pieces sorted by start
     by_start = np.argsort(starts[layout[pieces]], kind="stable")

@@ -269,19 +269,28 @@ def scatter_bins(
 
 
 @njit(cache=True, nogil=True)
-def bin_destinations(order, offsets, destination, part, parts):
+def bin_destinations(order, sizes, offsets, destination, part, parts):
     """Where `scatter_bins` puts the members of micro-batches ``order`` laid one after another.
 
     Micro-batch ``k < num_bins`` is bin ``k`` whole; later ones are pieces of bins (or
-    empty). ``offsets`` are the CSR offsets of the result (``len(order) + 1``).
-    ``destination`` (int64, one per bin, -1 filled by the caller: numpy asks for huge pages)
-    gets each whole bin's destination, for this part's share of ``order``.
+    empty); ``sizes`` are the entry counts of ``order``'s micro-batches. For this part's
+    share of ``order``, fills ``offsets`` (int64, ``len(order) + 1``: the CSR offsets of the
+    result) and each whole bin's ``destination`` (int64, one per bin, -1 filled by the
+    caller). Both are made by the caller (numpy asks for huge pages); each part sums the
+    sizes before its share itself, so the parts also fault in their share of ``offsets``.
     """
     num_bins = destination.shape[0]
     first, last = share(order.shape[0], part, parts)
+    offset = 0
+    for i in range(first):
+        offset += sizes[i]
+    if first == 0:
+        offsets[0] = 0
     for i in range(first, last):
         if order[i] < num_bins:
-            destination[order[i]] = offsets[i]
+            destination[order[i]] = offset
+        offset += sizes[i]
+        offsets[i + 1] = offset
 
 
 @njit(cache=True, nogil=True)
