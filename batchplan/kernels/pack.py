@@ -71,8 +71,9 @@ def _push(head, below, tree, size, target, residual):
 
 @njit(cache=True, nogil=True)
 def _best_fit_decreasing(histogram, max_tokens, index):
-    """Pack a histogram of lengths; returns ``(slot_bin, counts, tokens)``: the bin of each
-    slot in placement order, and each bin's slots and tokens (int64). Slots are placed
+    """Pack a histogram of lengths; returns ``(slot_bin, offsets, tokens)``: the bin of each
+    slot in placement order, the bins' offsets over the slots (int64, ``num_bins + 1``; bin
+    ``b`` has ``offsets[b + 1] - offsets[b]`` slots) and each bin's tokens (int64). Slots are placed
     longest first, so slot k's length follows from the histogram. ``index`` is an array
     whose dtype (int32 or int64) bins are counted in.
     """
@@ -91,11 +92,27 @@ def _best_fit_decreasing(histogram, max_tokens, index):
         total += length * histogram[length]
     most_bins = min(num_items, 2 * total // max_tokens + 2)
     below = np.empty(most_bins, dtype=index.dtype)
-    counts = np.zeros(most_bins, dtype=np.int64)
+    counts = np.zeros(most_bins + 1, dtype=np.int64)  # bin b's slots at b + 1: made offsets in place
     num_bins = 0
     slot = 0
     for length in range(max_tokens, 0, -1):
         left = histogram[length]
+        if 2 * length > max_tokens:
+            # Longer than half: every open bin holds a longer item or one of these, so none
+            # has room; each item opens its own bin (as the general loop below would, one
+            # tree search and one tree update per item).
+            residual = max_tokens - length
+            for _ in range(left):
+                slot_bin[slot] = num_bins
+                counts[num_bins + 1] = 1
+                if residual > 0:
+                    below[num_bins] = head[residual]
+                    head[residual] = num_bins
+                num_bins += 1
+                slot += 1
+            if residual > 0:
+                _tree_add(tree, size, residual, left)
+            left = 0
         while left > 0:
             fit = _tree_first_at_least(tree, size, length)
             if fit < 0 or fit - length >= length:
@@ -113,7 +130,7 @@ def _best_fit_decreasing(histogram, max_tokens, index):
                 for _ in range(take):
                     slot_bin[slot] = target
                     slot += 1
-                counts[target] += take
+                counts[target + 1] += take
                 _push(head, below, tree, size, target, fit - take * length)
             else:
                 # Every bin at residual `fit` takes exactly one item of this length, in
@@ -127,7 +144,7 @@ def _best_fit_decreasing(histogram, max_tokens, index):
                         below[target] = head[remaining]
                         head[remaining] = target
                     slot_bin[slot] = target
-                    counts[target] += 1
+                    counts[target + 1] += 1
                     slot += 1
                 _tree_add(tree, size, fit, -take)
                 if remaining > 0:
@@ -140,7 +157,9 @@ def _best_fit_decreasing(histogram, max_tokens, index):
         for _ in range(tree[residual + size]):
             tokens[target] = max_tokens - residual
             target = below[target]
-    return slot_bin, counts[:num_bins], tokens
+    for target in range(num_bins):
+        counts[target + 1] += counts[target]
+    return slot_bin, counts[: num_bins + 1], tokens
 
 
 @njit(cache=True, nogil=True)
@@ -195,11 +214,7 @@ def pack_bins(items, start, max_tokens):
         space (int64, ``num_bins + 1``) and their tokens (int64).
     """
     histogram = np.diff(start)[: max_tokens + 1]
-    slot_bin, counts, tokens = _best_fit_decreasing(histogram, max_tokens, items)
-    offsets = np.zeros(counts.shape[0] + 1, dtype=np.int64)
-    for target in range(counts.shape[0]):
-        offsets[target + 1] = offsets[target] + counts[target]
-    return slot_bin, offsets, tokens
+    return _best_fit_decreasing(histogram, max_tokens, items)
 
 
 @njit(cache=True, nogil=True)
