@@ -107,16 +107,22 @@ def write_plan(
         batches = [_shift_columns(batch, shifts) for batch in batches]
     # The hash covers the metadata and the values, not the file's bytes: it is computed
     # while the file is written (CRC and writes release the GIL), then written over a
-    # placeholder of the same length. The bytes are those of writing the hash up front.
+    # placeholder of the same length. The bytes are those of writing the hash up front,
+    # which is done instead when the placeholder's text occurs elsewhere in the metadata
+    # (a caller's nested dict could hold it).
     metadata["content_hash"] = _HASH_PLACEHOLDER
+    deferred = _dump_json(metadata).count(_placeholder_entry()) == 1
+    if not deferred:
+        metadata["content_hash"] = _content_hash(metadata, batches)
     schema = plan_schema(plan.num_samples, plan.entries.has_spans, metadata, has_cost=_has_cost(plan))
     with _atomic_path(path) as temporary, ThreadPoolExecutor(max_workers=1) as hasher:
-        hashing = hasher.submit(_content_hash, metadata, batches)
+        hashing = hasher.submit(_content_hash, metadata, batches) if deferred else None
         with pa.OSFile(str(temporary), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             for batch in batches:
                 writer.write_batch(batch.replace_schema_metadata(schema.metadata))
-        metadata["content_hash"] = hashing.result()
-        _replace_placeholder(temporary, metadata["content_hash"])
+        if hashing is not None:
+            metadata["content_hash"] = hashing.result()
+            _replace_placeholder(temporary, metadata["content_hash"])
     return metadata
 
 
@@ -274,11 +280,16 @@ def _content_hash(metadata: dict[str, Any], batches) -> str:
 _HASH_PLACEHOLDER = "crc32:????????"
 
 
+def _placeholder_entry() -> bytes:
+    """The placeholder as it stands in the metadata's JSON: ``"content_hash":"crc32:????????"``."""
+    return _dump_json({"content_hash": _HASH_PLACEHOLDER})[1:-1]
+
+
 def _replace_placeholder(path: Path, content_hash: str) -> None:
     """Write ``content_hash`` over the placeholder in the schema's two copies in an Arrow
     IPC file: the schema message after the leading magic, and the footer before the
     trailing one (their lengths are in the file; only those two messages are read)."""
-    placeholder = _dump_json({"content_hash": _HASH_PLACEHOLDER})[1:-1]  # '"content_hash":"crc32:????????"'
+    placeholder = _placeholder_entry()
     replacement = _dump_json({"content_hash": content_hash})[1:-1]
     if len(replacement) != len(placeholder):
         raise AssertionError(f"content hash {content_hash!r} is not as long as its placeholder")

@@ -58,6 +58,23 @@ def test_failed_write_keeps_the_previous_plan_and_leaves_no_temporary(plan_path,
     assert [p.name for p in plan_path.parent.iterdir()] == ["plan.arrow"]
 
 
+def test_content_hash_is_the_same_written_beside_or_before_the_file(tmp_path):
+    """The hash is computed while the file is written and put over a placeholder; metadata
+    that holds the placeholder's text itself (a caller's dict) gets it written up front.
+    Either way the file verifies and keeps the caller's metadata."""
+    plan = build_plan(np.arange(1, 250, dtype=np.int32), PlanConfig(max_tokens=256, world_size=2))
+    plain, tricky = tmp_path / "plain.arrow", tmp_path / "tricky.arrow"
+    write_plan(plan, plain, dataset={"name": "x"})
+    odd = {"name": "x", "note": {"content_hash": "crc32:????????"}}
+    write_plan(plan, tricky, dataset=odd)
+    for path in (plain, tricky):
+        opened = open_plan(path)
+        opened.verify()
+        assert opened.metadata["content_hash"].startswith("crc32:") and "?" not in opened.metadata["content_hash"]
+    assert open_plan(tricky).metadata["dataset"] == odd
+    assert b"????????" not in plain.read_bytes()
+
+
 def test_missing_output_directory(tmp_path):
     with pytest.raises(PlanFormatError, match="does not exist"):
         write_plan(build_plan(LENGTHS, PlanConfig(max_tokens=512)), tmp_path / "nope" / "p.arrow")
