@@ -22,6 +22,7 @@ from batchplan.kernels.pack import (
     bin_length_sums,
     bin_members,
     fill_bins,
+    most_bins,
     pack_bins,
     pack_items,
     pack_segments,
@@ -540,6 +541,12 @@ def test_packed_bins_give_the_bins_of_pack_segments_in_any_layout(case, seed):
     lengths, order, max_tokens = case
     items, start = grouped(lengths, order, max_tokens, dtype=random.choice([np.int32, np.int64]))
     slot_bin, offsets, tokens = pack_bins(items, start, max_tokens)
+    # The same with the big outputs made by the caller (as the planner does, with numpy).
+    buffers = np.empty(items.shape[0], dtype=items.dtype), np.zeros(
+        most_bins(np.diff(start)[: max_tokens + 1], max_tokens) + 1, dtype=np.int64
+    )
+    again = pack_bins(items, start, max_tokens, *buffers)
+    assert [a.tolist() for a in again] == [slot_bin.tolist(), offsets.tolist(), tokens.tolist()]
     members, member_lengths = fill_bins(items, start, slot_bin, offsets, max_tokens)
     want_offsets, want_members = ref.pack_segments(lengths.tolist(), order.tolist(), max_tokens)
     assert (offsets.tolist(), members.tolist(), members.dtype) == (want_offsets, want_members, items.dtype)

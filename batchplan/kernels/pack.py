@@ -30,7 +30,7 @@ from batchplan.kernels.shuffle import group_offsets
 from batchplan.kernels.split import share
 
 __all__ = [
-    "bin_destinations", "bin_item_sums", "bin_length_sums", "bin_members", "fill_bins", "pack_bins",
+    "bin_destinations", "bin_item_sums", "bin_length_sums", "bin_members", "fill_bins", "most_bins", "pack_bins",
     "pack_items", "pack_segments", "scatter_bins",
 ]  # fmt: skip
 
@@ -70,29 +70,39 @@ def _push(head, below, tree, size, target, residual):
 
 
 @njit(cache=True, nogil=True)
-def _best_fit_decreasing(histogram, max_tokens, index):
+def most_bins(histogram, max_tokens):
+    """An upper bound on the bins best fit opens for a histogram of lengths: at most one
+    bin ends up half full or less (an item opening a second such bin would have fit the
+    first), so bins <= 2 tokens / max_tokens + 1, and never more than the items."""
+    total = 0
+    for length in range(max_tokens + 1):
+        total += length * histogram[length]
+    return min(histogram.sum(), 2 * total // max_tokens + 2)
+
+
+@njit(cache=True, nogil=True)
+def _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts):
     """Pack a histogram of lengths; returns ``(slot_bin, offsets, tokens)``: the bin of each
     slot in placement order, the bins' offsets over the slots (int64, ``num_bins + 1``; bin
     ``b`` has ``offsets[b + 1] - offsets[b]`` slots) and each bin's tokens (int64). Slots are placed
     longest first, so slot k's length follows from the histogram. ``index`` is an array
-    whose dtype (int32 or int64) bins are counted in.
+    whose dtype (int32 or int64) bins are counted in. ``slot_bin`` (one per item, dtype of
+    ``index``) and ``counts`` (int64 zeros, `most_bins` + 1) may come from the caller, else
+    are made here (None).
     """
     num_items = histogram.sum()
-    slot_bin = np.empty(num_items, dtype=index.dtype)
+    bound = most_bins(histogram, max_tokens)
+    if slot_bin is None:
+        slot_bin = np.empty(num_items, dtype=index.dtype)
+    if counts is None:
+        counts = np.zeros(bound + 1, dtype=np.int64)  # bin b's slots at b + 1: made offsets in place
     size = 1
     while size < max_tokens + 1:
         size <<= 1
     tree = np.zeros(2 * size, dtype=np.int64)
     # One stack of open bins per residual: head[r] -> bin, below[bin] -> next bin down.
     head = np.full(max_tokens + 1, -1, dtype=np.int64)
-    # At most one bin ends up half full or less (an item opening a second such bin
-    # would have fit the first), so bins <= 2 tokens / max_tokens + 1.
-    total = 0
-    for length in range(max_tokens + 1):
-        total += length * histogram[length]
-    most_bins = min(num_items, 2 * total // max_tokens + 2)
-    below = np.empty(most_bins, dtype=index.dtype)
-    counts = np.zeros(most_bins + 1, dtype=np.int64)  # bin b's slots at b + 1: made offsets in place
+    below = np.empty(bound, dtype=index.dtype)
     num_bins = 0
     slot = 0
     for length in range(max_tokens, 0, -1):
@@ -196,7 +206,7 @@ def pack_segments(lengths, order, max_tokens):
 
 
 @njit(cache=True, nogil=True)
-def pack_bins(items, start, max_tokens):
+def pack_bins(items, start, max_tokens, slot_bin=None, counts=None):
     """Best-fit decreasing over items grouped by length, before any member is laid out.
 
     ``items`` are item indices, those of length ``s`` at ``items[start[s]:start[s + 1]]``
@@ -209,12 +219,16 @@ def pack_bins(items, start, max_tokens):
     positions ``offsets[b]:offsets[b + 1]`` of the "member space" that `fill_bins`
     materialises and `scatter_bins` lays out in any order of bins.
 
+    ``slot_bin`` (one per item, dtype of ``items``) and ``counts`` (int64 zeros,
+    ``most_bins(histogram, max_tokens) + 1``) may be made by the caller: numpy asks for huge
+    pages, numba does not, and faulting in fresh memory is much of the cost.
+
     Returns:
         ``(slot_bin, offsets, tokens)``: the bin of each slot, the bins' offsets in member
-        space (int64, ``num_bins + 1``) and their tokens (int64).
+        space (int64, ``num_bins + 1``; a view of ``counts``) and their tokens (int64).
     """
     histogram = np.diff(start)[: max_tokens + 1]
-    return _best_fit_decreasing(histogram, max_tokens, items)
+    return _best_fit_decreasing(histogram, max_tokens, items, slot_bin, counts)
 
 
 @njit(cache=True, nogil=True)
