@@ -320,10 +320,12 @@ def form_micro_batches(lengths: NDArray[np.int32], config: PlanConfig, rng: np.r
         items = np.empty(count, dtype=index_dtype(count))
         start = shuffle_by_group(lengths, capacity + 1, keys, items)
         del keys  # 4 bytes per entry, no longer needed while packing
-        # numpy makes best fit's two big outputs: huge pages, fewer faults than numba's own.
-        slot_bin = np.empty(count, dtype=items.dtype)
-        counts = np.zeros(most_bins(np.diff(start)[: capacity + 1], capacity) + 1, dtype=np.int64)
-        slot_bin, offsets, tokens = pack_bins(items, start, capacity, slot_bin, counts)
+        # numpy makes best fit's big arrays: huge pages, fewer faults than numba's own (pages
+        # past the bins actually opened are never touched, so never resident).
+        bound = most_bins(np.diff(start)[: capacity + 1], capacity)
+        buffers = (np.empty(count, dtype=items.dtype), np.zeros(bound + 1, dtype=np.int64),
+                   np.empty(bound, dtype=items.dtype), np.empty(bound, dtype=np.int64))  # fmt: skip
+        slot_bin, offsets, tokens = pack_bins(items, start, capacity, *buffers)
         return MicroBatches.of_bins(PackedBins(items, start, slot_bin, offsets, tokens, capacity))
     else:
         # The shuffle carries each entry's length along: the cut then reads them in order.

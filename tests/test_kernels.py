@@ -542,9 +542,9 @@ def test_packed_bins_give_the_bins_of_pack_segments_in_any_layout(case, seed):
     items, start = grouped(lengths, order, max_tokens, dtype=random.choice([np.int32, np.int64]))
     slot_bin, offsets, tokens = pack_bins(items, start, max_tokens)
     # The same with the big outputs made by the caller (as the planner does, with numpy).
-    buffers = np.empty(items.shape[0], dtype=items.dtype), np.zeros(
-        most_bins(np.diff(start)[: max_tokens + 1], max_tokens) + 1, dtype=np.int64
-    )
+    bound = most_bins(np.diff(start)[: max_tokens + 1], max_tokens)
+    buffers = (np.empty(items.shape[0], dtype=items.dtype), np.zeros(bound + 1, dtype=np.int64),
+               np.empty(bound, dtype=items.dtype), np.empty(bound, dtype=np.int64))  # fmt: skip
     again = pack_bins(items, start, max_tokens, *buffers)
     assert [a.tolist() for a in again] == [slot_bin.tolist(), offsets.tolist(), tokens.tolist()]
     members, member_lengths = fill_bins(items, start, slot_bin, offsets, max_tokens)

@@ -81,14 +81,15 @@ def most_bins(histogram, max_tokens):
 
 
 @njit(cache=True, nogil=True)
-def _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts):
+def _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts, below, tokens):
     """Pack a histogram of lengths; returns ``(slot_bin, offsets, tokens)``: the bin of each
     slot in placement order, the bins' offsets over the slots (int64, ``num_bins + 1``; bin
     ``b`` has ``offsets[b + 1] - offsets[b]`` slots) and each bin's tokens (int64). Slots are placed
     longest first, so slot k's length follows from the histogram. ``index`` is an array
     whose dtype (int32 or int64) bins are counted in. ``slot_bin`` (one per item, dtype of
-    ``index``) and ``counts`` (int64 zeros, `most_bins` + 1) may come from the caller, else
-    are made here (None).
+    ``index``), ``counts`` (int64 zeros, `most_bins` + 1), ``below`` (dtype of ``index``,
+    `most_bins`) and ``tokens`` (int64, `most_bins`) may come from the caller, else are made
+    here (None).
     """
     num_items = histogram.sum()
     bound = most_bins(histogram, max_tokens)
@@ -102,7 +103,8 @@ def _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts):
     tree = np.zeros(2 * size, dtype=np.int64)
     # One stack of open bins per residual: head[r] -> bin, below[bin] -> next bin down.
     head = np.full(max_tokens + 1, -1, dtype=np.int64)
-    below = np.empty(bound, dtype=index.dtype)
+    if below is None:
+        below = np.empty(bound, dtype=index.dtype)
     num_bins = 0
     slot = 0
     for length in range(max_tokens, 0, -1):
@@ -161,7 +163,10 @@ def _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts):
                     _tree_add(tree, size, remaining, take)
             left -= take
     # A bin's tokens: the capacity less the residual of the stack it ends on (none: full).
-    tokens = np.full(num_bins, max_tokens, dtype=np.int64)
+    if tokens is None:
+        tokens = np.empty(num_bins, dtype=np.int64)
+    tokens = tokens[:num_bins]
+    tokens[:] = max_tokens
     for residual in range(1, max_tokens + 1):
         target = head[residual]
         for _ in range(tree[residual + size]):
@@ -206,7 +211,7 @@ def pack_segments(lengths, order, max_tokens):
 
 
 @njit(cache=True, nogil=True)
-def pack_bins(items, start, max_tokens, slot_bin=None, counts=None):
+def pack_bins(items, start, max_tokens, slot_bin=None, counts=None, below=None, tokens=None):
     """Best-fit decreasing over items grouped by length, before any member is laid out.
 
     ``items`` are item indices, those of length ``s`` at ``items[start[s]:start[s + 1]]``
@@ -219,16 +224,18 @@ def pack_bins(items, start, max_tokens, slot_bin=None, counts=None):
     positions ``offsets[b]:offsets[b + 1]`` of the "member space" that `fill_bins`
     materialises and `scatter_bins` lays out in any order of bins.
 
-    ``slot_bin`` (one per item, dtype of ``items``) and ``counts`` (int64 zeros,
-    ``most_bins(histogram, max_tokens) + 1``) may be made by the caller: numpy asks for huge
-    pages, numba does not, and faulting in fresh memory is much of the cost.
+    The arrays it fills may be made by the caller (numpy asks for huge pages, numba does
+    not, and faulting in fresh memory is much of the cost): ``slot_bin`` (one per item, dtype
+    of ``items``), ``counts`` (int64 zeros) and ``below`` (dtype of ``items``) and ``tokens``
+    (int64), the last three ``most_bins(histogram, max_tokens)`` long (``counts`` one more).
 
     Returns:
         ``(slot_bin, offsets, tokens)``: the bin of each slot, the bins' offsets in member
-        space (int64, ``num_bins + 1``; a view of ``counts``) and their tokens (int64).
+        space (int64, ``num_bins + 1``; a view of ``counts``) and their tokens (int64; a
+        view of ``tokens``).
     """
     histogram = np.diff(start)[: max_tokens + 1]
-    return _best_fit_decreasing(histogram, max_tokens, items, slot_bin, counts)
+    return _best_fit_decreasing(histogram, max_tokens, items, slot_bin, counts, below, tokens)
 
 
 @njit(cache=True, nogil=True)
