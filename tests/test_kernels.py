@@ -29,6 +29,7 @@ from batchplan.kernels.pack import (
     scatter_bins,
 )
 from batchplan.kernels.shuffle import shuffle_by_group
+from batchplan.kernels.order import order_by_decreasing
 from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import lay_out_segments, range_sums
 from batchplan.segments import segment_max, segment_sum
@@ -665,3 +666,16 @@ def test_lay_out_segments_counts_what_it_wrote():
     assert offsets.tolist() == [0, 4, 8] and written == 4
     with pytest.raises(ValueError, match="exactly"):
         lay_out_segments(members, starts, ends, np.array([1, 0]), destination, np.empty(5, dtype=np.int64))
+
+
+@given(st.lists(st.integers(0, 20), max_size=60), st.booleans())
+def test_order_by_decreasing_is_a_stable_sort(keys, by_counting):
+    """Both ways (counting over 0..20, comparison) give Python's stable sort by -key."""
+    order = np.full(len(keys), -1, dtype=np.int64)
+    order_by_decreasing(np.array(keys, dtype=np.int64), 20, by_counting, np.empty(22, dtype=np.int64), order)
+    assert order.tolist() == sorted(range(len(keys)), key=lambda i: -keys[i])
+
+
+def test_order_by_decreasing_refuses_a_key_out_of_range():
+    with pytest.raises(ValueError, match="outside"):
+        order_by_decreasing(np.array([3, 21]), 20, True, np.empty(22, dtype=np.int64), np.empty(2, dtype=np.int64))

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from batchplan.kernels.order import order_by_decreasing
+
 __all__ = ["cut_padded"]
 
 
@@ -30,25 +32,6 @@ def _cut_window(sorted_lengths, max_tokens, batch_multiple, sizes, num_batches):
         num_batches += 1
         position += take
     return num_batches
-
-
-@njit(cache=True, nogil=True)
-def _sort_window_by_counting(members, member_lengths, counts, spare, spare_lengths):
-    """Stable sort of a window by decreasing length, in place (``spare``: scratch space)."""
-    max_tokens = counts.shape[0] - 2
-    count = members.shape[0]
-    counts[:] = 0
-    for i in range(count):
-        counts[max_tokens - member_lengths[i] + 1] += 1
-    for key in range(1, max_tokens + 2):
-        counts[key] += counts[key - 1]
-    for i in range(count):
-        key = max_tokens - member_lengths[i]
-        spare[counts[key]] = members[i]
-        spare_lengths[counts[key]] = member_lengths[i]
-        counts[key] += 1
-    members[:] = spare[:count]
-    member_lengths[:] = spare_lengths[:count]
 
 
 @njit(cache=True, nogil=True)
@@ -70,18 +53,21 @@ def cut_padded(members, member_lengths, window, max_tokens, batch_multiple):
     """
     num_entries = members.shape[0]
     sizes = np.empty(num_entries, dtype=np.int64)
-    counts = np.zeros(max_tokens + 2, dtype=np.int64)
-    spare = np.empty(min(window, num_entries), dtype=members.dtype)
-    spare_lengths = np.empty(min(window, num_entries), dtype=member_lengths.dtype)
+    by_counting = max_tokens <= 4 * window  # a counting sort is cheaper than a comparison sort
+    counts = np.empty(max_tokens + 2 if by_counting else 0, dtype=np.int64)
+    size = min(window, num_entries)
+    order = np.empty(size, dtype=np.int64)
+    spare = np.empty(size, dtype=members.dtype)
+    spare_lengths = np.empty(size, dtype=member_lengths.dtype)
     num_batches = 0
     for begin in range(0, num_entries, window):
         end = min(begin + window, num_entries)
-        if max_tokens <= 4 * window:  # a counting sort is cheaper than a comparison sort
-            _sort_window_by_counting(members[begin:end], member_lengths[begin:end], counts, spare, spare_lengths)
-        else:
-            ranked = np.argsort(-member_lengths[begin:end], kind="mergesort")
-            members[begin:end] = members[begin:end][ranked]
-            member_lengths[begin:end] = member_lengths[begin:end][ranked]
+        order_by_decreasing(member_lengths[begin:end], max_tokens, by_counting, counts, order)
+        for i in range(end - begin):  # the window in that order, through the spare space
+            spare[i] = members[begin + order[i]]
+            spare_lengths[i] = member_lengths[begin + order[i]]
+        members[begin:end] = spare[: end - begin]
+        member_lengths[begin:end] = spare_lengths[: end - begin]
         num_batches = _cut_window(member_lengths[begin:end], max_tokens, batch_multiple, sizes, num_batches)
     offsets = np.zeros(num_batches + 1, dtype=np.int64)
     offsets[1:] = np.cumsum(sizes[:num_batches])

@@ -1,0 +1,38 @@
+"""Stable orders by decreasing integer key: a counting sort when the keys are small."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["order_by_decreasing"]
+
+
+@njit(cache=True, nogil=True)
+def order_by_decreasing(keys, max_key, by_counting, counts, order):
+    """Fill ``order[:len(keys)]`` with the positions of ``keys`` by decreasing key; equal keys
+    keep their order (stable).
+
+    Args:
+        keys: integers in ``0..max_key``.
+        max_key: the largest possible key.
+        by_counting: a counting sort over ``0..max_key`` (worth it when that range is not
+            much longer than ``keys``; the same order as the comparison sort, faster).
+        counts: int64 scratch, ``max_key + 2`` long (unused without ``by_counting``).
+        order: int64, at least as long as ``keys``.
+    """
+    n = keys.shape[0]
+    if not by_counting:
+        order[:n] = np.argsort(-keys, kind="mergesort")  # stable: depends only on the input order
+        return
+    counts[:] = 0
+    for i in range(n):
+        if keys[i] < 0 or keys[i] > max_key:
+            raise ValueError("order_by_decreasing: a key is outside 0..max_key")
+        counts[max_key - keys[i] + 1] += 1
+    for key in range(1, max_key + 2):
+        counts[key] += counts[key - 1]
+    for i in range(n):
+        key = max_key - keys[i]
+        order[counts[key]] = i
+        counts[key] += 1
