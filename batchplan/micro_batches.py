@@ -43,8 +43,8 @@ class PackedBins:
 
     Bin ``b`` holds positions ``offsets[b]:offsets[b + 1]`` of the member space (its members
     longest first). Members are only materialised in bin order when something needs them
-    all (`members`); a plan lays them out straight in row order (`scatter`), one pass
-    instead of filling the bins and then gathering them into rows.
+    all (`members`); a plan lays them out straight in row order (`MicroBatches.gather`,
+    with `scatter_bins`), one pass instead of filling the bins and then gathering them.
     """
 
     items: NDArray[np.integer]

@@ -73,16 +73,31 @@ def fill_of(plan: Path) -> float:
     return summarize_plan(open_plan(plan))["fill"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def case_parser(description: str) -> argparse.ArgumentParser:
+    """The options that pick a case (lengths, cap, mode, ranks) and ``--json``."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=float, default=1e7, help="synthetic lognormal samples")
     parser.add_argument("--file", type=Path, help="a Parquet file with a `length` column instead")
     parser.add_argument("--max-tokens", type=int, default=8192)
     parser.add_argument("--mode", default="pack")
     parser.add_argument("--world-size", type=int, default=64)
+    parser.add_argument("--json", action="store_true")
+    return parser
+
+
+def print_row(row: dict, as_json: bool) -> None:
+    """One result: a JSON line, or one ``key: value`` line per field."""
+    if as_json:
+        print(json.dumps(row))
+        return
+    for key, value in row.items():
+        print(f"{key:>14}: {value}")
+
+
+def main() -> None:
+    parser = case_parser(__doc__)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1, help="timed builds (best is reported)")
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
@@ -111,11 +126,7 @@ def main() -> None:
             "peak_rss_gib": round(peak, 2), "fill": round(fill_of(plan), 5),
             "plan_mib": round(plan.stat().st_size / 2**20, 1),
         }  # fmt: skip
-    if args.json:
-        print(json.dumps(row))
-        return
-    for key, value in row.items():
-        print(f"{key:>14}: {value}")
+    print_row(row, args.json)
 
 
 if __name__ == "__main__":

@@ -12,26 +12,15 @@ end to end, without the fixed start-up, reading and writing.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
 
-import numpy as np
-
-from bench.build import lognormal_lengths, time_permutation
+from bench.build import case_parser, lognormal_lengths, print_row, time_permutation
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=float, default=1e7, help="synthetic lognormal samples")
-    parser.add_argument("--file", type=Path, help="a Parquet file with a `length` column instead")
-    parser.add_argument("--max-tokens", type=int, default=8192)
-    parser.add_argument("--mode", default="pack")
-    parser.add_argument("--world-size", type=int, default=64)
+    parser = case_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, help="threads splitting the epoch's kernels (default: what a build uses)")
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     from batchplan.config import PlanConfig, num_threads
@@ -58,11 +47,7 @@ def main() -> None:
         "world_size": args.world_size, "threads": threads, "plan_epoch_s": round(best, 3), "permutation_s": round(permutation, 3),
         "ratio": round(best / permutation, 2),
     }  # fmt: skip
-    if args.json:
-        print(json.dumps(row))
-        return
-    for key, value in row.items():
-        print(f"{key:>14}: {value}")
+    print_row(row, args.json)
 
 
 if __name__ == "__main__":
