@@ -28,12 +28,13 @@ from batchplan.kernels.pack import (
 )
 from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import lay_out_segments, range_sums
-from batchplan.kernels.shuffle import shuffle_by_group
+from batchplan.kernels.shuffle import count_groups, scatter_groups, shuffle_groups
 from batchplan.parts import run_in_parts
 from batchplan.warmup import SeqlenWarmup
 
 __all__ = [
     "MicroBatches", "PackedBins", "compute_costs", "form_micro_batches", "form_warmup_micro_batches", "permute",
+    "shuffle_by_group",
 ]  # fmt: skip
 
 
@@ -309,8 +310,11 @@ def _float_sum(values: NDArray[np.float64]) -> float:
     return total
 
 
-def form_micro_batches(lengths: NDArray[np.int32], config: PlanConfig, rng: np.random.Generator) -> MicroBatches:
-    """Micro-batches over entries ``0..len(lengths)-1`` (members index ``lengths``)."""
+def form_micro_batches(
+    lengths: NDArray[np.int32], config: PlanConfig, rng: np.random.Generator, threads: int = 1
+) -> MicroBatches:
+    """Micro-batches over entries ``0..len(lengths)-1`` (members index ``lengths``); the
+    shuffles run on ``threads`` threads (the same result for any number)."""
     count = lengths.shape[0]
     if config.mode == "pack":
         # The kernels' memory grows with the capacity; a capacity above all the tokens
@@ -318,7 +322,7 @@ def form_micro_batches(lengths: NDArray[np.int32], config: PlanConfig, rng: np.r
         capacity = int(min(config.max_tokens, lengths.sum(dtype=np.int64)))
         keys = rng.integers(0, 2**32, size=count, dtype=np.uint32)
         items = np.empty(count, dtype=index_dtype(count))
-        start = shuffle_by_group(lengths, capacity + 1, keys, items)
+        start = shuffle_by_group(lengths, capacity + 1, keys, items, threads=threads)
         del keys  # 4 bytes per entry, no longer needed while packing
         # numpy makes best fit's big arrays: huge pages, fewer faults than numba's own (pages
         # past the bins actually opened are never touched, so never resident).
@@ -331,27 +335,72 @@ def form_micro_batches(lengths: NDArray[np.int32], config: PlanConfig, rng: np.r
         # The shuffle carries each entry's length along: the cut then reads them in order.
         members = np.empty(count, dtype=index_dtype(count))
         member_lengths = np.empty(count, dtype=np.int32)
-        permute(rng, members, values=lengths, carried=member_lengths)
+        permute(rng, members, values=lengths, carried=member_lengths, threads=threads)
         offsets = cut_padded(members, member_lengths, config.shuffle_window, config.max_tokens, config.batch_multiple)
     return MicroBatches(members, member_lengths, offsets[:-1], offsets[1:])
 
 
-def permute(rng: np.random.Generator, out: NDArray[np.integer], first: int = 0, *, values=None, carried=None) -> None:
+def permute(
+    rng: np.random.Generator, out: NDArray[np.integer], first: int = 0, *, values=None, carried=None, threads: int = 1
+) -> None:
     """Fill ``out`` with ``first +`` a uniformly random permutation of ``0..len(out) - 1``;
     with ``values``, fill ``carried`` with ``values[out - first]`` along the way.
 
     Items go to random groups of ~16,000, then are shuffled inside each group
-    (`batchplan.kernels.shuffle`): every swap stays in cache, ~4x faster than
-    ``rng.permutation`` at 10^7 items, and 6 bytes of random draws per item.
+    (`shuffle_by_group`): every swap stays in cache, ~4x faster than ``rng.permutation``
+    at 10^7 items, and 6 bytes of random draws per item. The same result on any number
+    of ``threads``.
     """
     count = out.shape[0]
     num_groups = 1 << min(max(count >> 14, 1).bit_length() - 1, 16)  # a power of two, <= 2^16
     groups = rng.integers(0, num_groups, size=count, dtype=np.uint16)
     keys = rng.integers(0, 2**32, size=count, dtype=np.uint32)
-    shuffle_by_group(groups, num_groups, keys, out, first, values, carried)
+    shuffle_by_group(groups, num_groups, keys, out, first, values, carried, threads=threads)
 
 
-def form_warmup_micro_batches(entries: Entries, config: PlanConfig, warmup: SeqlenWarmup, rng, stage_rng):
+def shuffle_by_group(
+    groups: NDArray[np.integer],
+    num_groups: int,
+    keys: NDArray[np.uint32],
+    items: NDArray[np.integer],
+    first: int = 0,
+    values: NDArray | None = None,
+    carried: NDArray | None = None,
+    *,
+    threads: int = 1,
+) -> NDArray[np.int64]:
+    """Items ordered by group (group 0 first), randomly ordered within each group
+    (`batchplan.kernels.shuffle`), on ``threads`` threads with the same result.
+
+    Args:
+        groups: group of each item, each in ``0..num_groups - 1`` (any integer dtype).
+        num_groups: the number of groups.
+        keys: uint32 random bits, one per position.
+        items: int32 or int64, one per item, filled with ``first +`` the item indices.
+        first: added to every item index written.
+        values, carried: optional; ``carried[i]`` is filled with ``values[item]`` of the
+            item at position ``i``.
+
+    Returns:
+        ``start``: the items of group ``g`` are at ``items[start[g]:start[g + 1]]``.
+    """
+    count = groups.shape[0]
+    # Per-part counts cost parts x num_groups: split only when the items far outnumber the groups.
+    parts = threads if count >= 16 * num_groups * threads else 1
+    counts = np.zeros((parts, num_groups), dtype=np.int64)
+    run_in_parts(count_groups, parts, groups, counts)
+    start = np.zeros(num_groups + 1, dtype=np.int64)
+    np.cumsum(counts.sum(axis=0), out=start[1:])
+    # Each part writes a group's items after those of the parts before it: the one-part order.
+    cursors = start[:-1] + np.cumsum(counts, axis=0) - counts
+    run_in_parts(scatter_groups, parts, groups, cursors, items, first, values, carried)
+    run_in_parts(shuffle_groups, parts, start, keys, items, carried)
+    return start
+
+
+def form_warmup_micro_batches(
+    entries: Entries, config: PlanConfig, warmup: SeqlenWarmup, rng, stage_rng, threads: int = 1
+):
     """Epoch 0 with a sequence-length warmup: each stage's pieces form micro-batches on
     their own, stage after stage (shuffled within a stage), then the rest of the epoch.
 
@@ -362,11 +411,11 @@ def form_warmup_micro_batches(entries: Entries, config: PlanConfig, warmup: Seql
     for stage in range(warmup.num_stages):
         first, end = int(warmup.stage_offsets[stage]), int(warmup.stage_offsets[stage + 1])
         if end > first:
-            formed = form_micro_batches(entries.length[first:end], config, stage_rng)
+            formed = form_micro_batches(entries.length[first:end], config, stage_rng, threads)
             parts.append((formed, first + np.arange(end - first, dtype=np.int64), stage_rng.permutation(formed.count)))
     ordered = sum(part[0].count for part in parts)
     if warmup.rest.size:
-        formed = form_micro_batches(entries.length[warmup.rest], config, rng)
+        formed = form_micro_batches(entries.length[warmup.rest], config, rng, threads)
         parts.append((formed, warmup.rest, np.arange(formed.count)))
     return _concatenate(parts, entries.num_entries), ordered
 

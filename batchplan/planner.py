@@ -221,13 +221,13 @@ def plan_epoch(
     """
     rng = epoch_rng(config.seed, epoch, STREAM_ENTRY_ORDER)
     if warmup is None:
-        batches = form_micro_batches(entries.length, config, rng)
+        batches = form_micro_batches(entries.length, config, rng, threads)
         return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before, threads=threads)
     if epoch > 0:
-        batches = form_micro_batches(entries.length[: warmup.num_base], config, rng)
+        batches = form_micro_batches(entries.length[: warmup.num_base], config, rng, threads)
         return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before, threads=threads)
     batches, ordered = form_warmup_micro_batches(
-        entries, config, warmup, rng, epoch_rng(config.seed, 0, STREAM_SEQLEN_WARMUP)
+        entries, config, warmup, rng, epoch_rng(config.seed, 0, STREAM_SEQLEN_WARMUP), threads
     )
     return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before, ordered=ordered, threads=threads)
 
@@ -263,7 +263,7 @@ def schedule_epoch(
     room = np.empty(batches.count + config.world_size, dtype=np.int64)
     schedule = room[: batches.count]
     schedule[:ordered] = np.arange(ordered)
-    permute(epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER), schedule[ordered:], first=ordered)
+    permute(epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER), schedule[ordered:], first=ordered, threads=threads)
     if config.drop_last:
         if not config.has_rampup:
             schedule, dropped = _drop_last_step(batches, schedule, config, epoch)

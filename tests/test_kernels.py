@@ -28,12 +28,12 @@ from batchplan.kernels.pack import (
     pack_segments,
     scatter_bins,
 )
-from batchplan.kernels.shuffle import shuffle_by_group
 from batchplan.kernels.order import order_by_decreasing
 from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import lay_out_segments, range_sums
 from batchplan.segments import segment_max, segment_sum
 from batchplan.kernels.steps import ramp_steps, steps_by_tokens
+from batchplan.micro_batches import shuffle_by_group
 
 # --------------------------------------------------------------------------- strategies
 
@@ -489,6 +489,24 @@ def test_shuffle_by_group_matches_reference(groups, seed, first):
     shuffle_by_group(np.array(groups, dtype=np.int32), 13, keys, again, first, values, carried)
     assert again.tolist() == items.tolist()
     assert carried.tolist() == (values[again - first]).tolist()
+
+
+@given(st.integers(0, 3000), st.integers(1, 13), st.integers(0, 2**32 - 1), st.integers(1, 4), st.booleans())
+@example(0, 1, 0, 4, False)
+@example(1000, 1, 5, 3, True)  # one group spans every part
+def test_shuffle_by_group_in_parts_matches_reference(count, num_groups, seed, threads, carry):
+    """The three passes split over threads (shares of the items, then of the groups) give
+    the one-thread result, the reference's."""
+    rng = np.random.default_rng(seed)
+    groups = rng.integers(0, num_groups, size=count, dtype=np.uint16)
+    keys = rng.integers(0, 2**32, size=count, dtype=np.uint32)
+    values = rng.integers(0, 1000, size=count, dtype=np.int32) if carry else None
+    carried = np.empty(count, dtype=np.int32) if carry else None
+    items = np.empty(count, dtype=np.int64)
+    start = shuffle_by_group(groups, num_groups, keys, items, 7, values, carried, threads=threads)
+    assert (items.tolist(), start.tolist()) == ref.shuffle_by_group(groups.tolist(), num_groups, keys.tolist(), 7)
+    if carry:
+        assert np.array_equal(carried, values[items - 7])
 
 
 def test_shuffle_by_group_is_a_fair_shuffle():

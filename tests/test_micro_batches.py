@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 
 from batchplan.entries import index_dtype
 from batchplan.kernels.pack import pack_bins
-from batchplan.kernels.shuffle import shuffle_by_group
-from batchplan.micro_batches import MicroBatches, PackedBins, permute
+from batchplan.micro_batches import MicroBatches, PackedBins, permute, shuffle_by_group
 
 
 def both_forms(lengths: np.ndarray, cap: int, seed: int) -> tuple[MicroBatches, MicroBatches, PackedBins]:
@@ -103,6 +102,10 @@ def test_permute_is_a_permutation_and_reproducible(count, first):
     again = np.empty(count, dtype=np.int32)
     permute(np.random.default_rng(3), again, first)
     assert np.array_equal(out, again)
+    for threads in (2, 3):  # the same permutation on any number of threads
+        split = np.empty(count, dtype=np.int32)
+        permute(np.random.default_rng(3), split, first, threads=threads)
+        assert np.array_equal(out, split)
     if count > 1000:  # several groups of ~16,000: still well mixed across the whole range
         other = np.empty(count, dtype=np.int32)
         permute(np.random.default_rng(4), other, first)
