@@ -47,9 +47,15 @@ _REQUIRED_METADATA = {
 
 
 def plan_schema(
-    num_samples: int, has_spans: bool, metadata: dict[str, Any] | None = None, *, has_cost: bool = False
+    num_samples: int,
+    has_spans: bool,
+    metadata: dict[str, Any] | None = None,
+    *,
+    has_cost: bool = False,
+    has_padded: bool = True,
 ) -> pa.Schema:
-    """The schema of a plan; ``samples`` holds int32 below 2^31 samples, else int64."""
+    """The schema of a plan; ``samples`` holds int32 below 2^31 samples, else int64.
+    ``padded_tokens`` is written in pad mode only (pack mode: it would equal ``tokens``)."""
     index = pa.int32() if num_samples < _INT32_LIMIT else pa.int64()
     fields = [
         pa.field("epoch", pa.int32(), nullable=False),
@@ -65,6 +71,8 @@ def plan_schema(
         pa.field("step_loss_tokens", pa.int64(), nullable=False),
         pa.field("tokens_before_step", pa.int64(), nullable=False),
     ]
+    if not has_padded:
+        fields = [field for field in fields if field.name != "padded_tokens"]
     if has_cost:
         fields.append(pa.field("cost", pa.float64(), nullable=False))
     if has_spans:
@@ -114,7 +122,9 @@ def write_plan(
     deferred = _dump_json(metadata).count(_placeholder_entry()) == 1
     if not deferred:
         metadata["content_hash"] = _content_hash(metadata, batches)
-    schema = plan_schema(plan.num_samples, plan.entries.has_spans, metadata, has_cost=_has_cost(plan))
+    schema = plan_schema(
+        plan.num_samples, plan.entries.has_spans, metadata, has_cost=_has_cost(plan), has_padded=_has_padded(plan)
+    )
     with _atomic_path(path) as temporary, ThreadPoolExecutor(max_workers=1) as hasher:
         hashing = hasher.submit(_content_hash, metadata, batches) if deferred else None
         with pa.OSFile(str(temporary), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
@@ -182,6 +192,10 @@ def _has_cost(plan: Plan) -> bool:
     return plan.config.cost_coefficient is not None
 
 
+def _has_padded(plan: Plan) -> bool:
+    return plan.config.mode == "pad"
+
+
 def _dropped_samples(plan: Plan, epoch: EpochPlan) -> list[int]:
     return np.unique(plan.entries.samples_of(epoch.dropped_entries)).tolist()
 
@@ -194,7 +208,9 @@ def _dropped_spans(plan: Plan, epoch: EpochPlan) -> list[list[int]]:
 
 
 def _record_batches(plan: Plan, on_batch) -> Iterator[pa.RecordBatch]:
-    schema = plan_schema(plan.num_samples, plan.entries.has_spans, has_cost=_has_cost(plan))
+    schema = plan_schema(
+        plan.num_samples, plan.entries.has_spans, has_cost=_has_cost(plan), has_padded=_has_padded(plan)
+    )
     step_base = 0
     tokens_base = 0
     for epoch in plan.epochs:
@@ -237,8 +253,9 @@ def _rank_batch(schema, plan, epoch: EpochPlan, rank: int, rows: slice, shared) 
         "samples": _list_array(list_offsets, plan.entries.samples_of(members), schema.field("samples").type),
         "tokens": epoch.tokens[rows],
         "loss_tokens": epoch.loss_tokens[rows],
-        "padded_tokens": epoch.padded_tokens[rows],
     }
+    if "padded_tokens" in schema.names:
+        columns["padded_tokens"] = epoch.padded_tokens[rows]
     if epoch.cost is not None:
         columns["cost"] = epoch.cost[rows]
     if plan.entries.has_spans:
@@ -478,7 +495,11 @@ class PlanFile:
             raise PlanFormatError(f"{self.path}: required column(s) {missing} missing; not a valid plan")
         # Every column of this format version, with its type; more columns are allowed.
         has_cost = self.metadata.get("attention_coefficient") is not None
-        for field in plan_schema(self.num_samples, bool(self.metadata.get("has_spans")), has_cost=has_cost):
+        has_padded = self.metadata["mode"] == "pad"  # pack plans of earlier versions have it too: allowed
+        expected = plan_schema(
+            self.num_samples, bool(self.metadata.get("has_spans")), has_cost=has_cost, has_padded=has_padded
+        )
+        for field in expected:
             found = self.schema.field(field.name).type if field.name in self.schema.names else None
             if found != field.type:
                 raise PlanFormatError(

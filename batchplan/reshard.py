@@ -266,6 +266,8 @@ def _read_epoch(plan: PlanFile, epoch: int) -> _Rows:
     """Every non-empty micro-batch of one parent epoch, in the order the run trains them."""
     table = plan.read_epoch(epoch)
     column = {name: table.column(name).combine_chunks() for name in table.column_names}
+    if "padded_tokens" not in column:  # pack plans: it equals tokens
+        column["padded_tokens"] = column["tokens"]
     numbers = {name: column[name].to_numpy().astype(np.int64)
                for name in ("step", "rank", "micro", "tokens", "loss_tokens", "padded_tokens")}  # fmt: skip
     spans = "starts" in column

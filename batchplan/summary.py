@@ -41,7 +41,8 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
     step = table.column("step").to_numpy() - first_step  # 0-based over the steps this plan holds
     rank = table.column("rank").to_numpy()
     tokens = table.column("tokens").to_numpy()
-    padded = table.column("padded_tokens").to_numpy()
+    # Pack plans hold no padded_tokens column: no padding, it would equal tokens.
+    padded = table.column("padded_tokens").to_numpy() if "padded_tokens" in table.column_names else tokens
     counts = np.diff(table.column("samples").combine_chunks().offsets.to_numpy())
     num_steps = plan.num_steps
 

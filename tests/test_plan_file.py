@@ -118,6 +118,41 @@ def test_not_a_plan(tmp_path):
         open_plan(other)
 
 
+def test_padded_tokens_only_in_pad_mode(tmp_path):
+    """Pack plans leave out ``padded_tokens`` (it would equal ``tokens``); pad plans hold it."""
+    for mode, has_padded in (("pack", False), ("pad", True)):
+        path = tmp_path / f"{mode}.arrow"
+        write_plan(build_plan(LENGTHS, PlanConfig(max_tokens=256, world_size=3, mode=mode)), path)
+        assert ("padded_tokens" in open_plan(path).schema.names) == has_padded
+
+
+def test_pack_plans_of_earlier_versions_with_padded_tokens_still_read(tmp_path, monkeypatch):
+    """Earlier versions wrote ``padded_tokens`` in pack mode too: such plans open, verify,
+    validate, summarize, replay and reshard as before."""
+    from batchplan.reshard import reshard_plan_file
+    from batchplan.runtime import PlanSampler
+    from batchplan.summary import summarize_plan
+    from batchplan.validate import validate_plan
+
+    config = PlanConfig(max_tokens=256, world_size=3, epochs=2)
+    current, earlier = tmp_path / "current.arrow", tmp_path / "earlier.arrow"
+    write_plan(build_plan(LENGTHS, config), current)
+    monkeypatch.setattr(plan_file, "_has_padded", lambda plan: True)
+    write_plan(build_plan(LENGTHS, config), earlier)
+    monkeypatch.undo()
+    plan = open_plan(earlier)
+    assert "padded_tokens" in plan.schema.names
+    plan.verify()
+    assert validate_plan(plan, LENGTHS) == []
+    assert summarize_plan(plan) == summarize_plan(open_plan(current))
+    sampler = PlanSampler(earlier, rank=1, world_size=3)
+    assert [record.padded_tokens for record in sampler.schedule()] == [record.tokens for record in sampler.schedule()]
+    reshard_plan_file(earlier, tmp_path / "from_earlier.arrow", world_size=2, from_step=1)
+    reshard_plan_file(current, tmp_path / "from_current.arrow", world_size=2, from_step=1)
+    # The same rows (the metadata names its parent, by content hash).
+    assert open_plan(tmp_path / "from_earlier.arrow").read_all().equals(open_plan(tmp_path / "from_current.arrow").read_all())
+
+
 def test_missing_required_column(plan_path):
     batches = [batch.drop_columns(["step_loss_tokens"]) for batch in read_batches(plan_path)]
     rewrite(plan_path, batches)

@@ -56,8 +56,10 @@ def test_iteration_yields_this_ranks_rows_in_plan_order(plans, rank, epoch):
         assert (record.starts, record.lengths) == (row["starts"], row["lengths"])
         assert record.spans == list(zip(row["starts"], row["lengths"]))
         for field in ("epoch", "step", "micro", "num_micro", "tokens", "loss_tokens", "step_loss_tokens",
-                      "tokens_before_step", "step_tokens", "padded_tokens"):  # fmt: skip
+                      "tokens_before_step", "step_tokens"):  # fmt: skip
             assert getattr(record, field) == row[field], field
+        assert "padded_tokens" not in row  # a pack plan: no padding, the record says tokens
+        assert record.padded_tokens == row["tokens"]
         assert record.is_last == (row["micro"] == row["num_micro"] - 1)
 
 

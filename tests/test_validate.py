@@ -60,7 +60,8 @@ def recount(metadata: dict, batches: list[dict[str, list]], lengths: np.ndarray)
                 sizes = [int(lengths[s]) for s in samples]
                 batch["tokens"][i] = sum(sizes)
                 batch["loss_tokens"][i] = sum(n - 1 for n in sizes)
-                batch["padded_tokens"][i] = len(sizes) * max(sizes, default=0) if pad else sum(sizes)
+                if "padded_tokens" in batch:  # pad plans only
+                    batch["padded_tokens"][i] = len(sizes) * max(sizes, default=0) if pad else sum(sizes)
                 batch["num_micro"][i] = micro_count[(batch["rank"][i], batch["step"][i])]
                 step_tokens[batch["step"][i]] += batch["tokens"][i]
                 step_loss[batch["step"][i]] += batch["loss_tokens"][i]
