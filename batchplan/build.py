@@ -57,17 +57,17 @@ def build_plan_file(
     advance = _stage(progress, "reading lengths", len(files))
     columns = {"length_column": length_column, "tokens_column": tokens_column, "loss_tokens_column": loss_tokens_column}
     with ThreadPoolExecutor(max_workers=1) as reader:
-        # Reading and hashing the lengths release the GIL: they run while numba is
-        # imported and started, which is Python (~0.3 s of every build).
-        reading = reader.submit(_read_and_fingerprint, files, columns)
+        # Reading and hashing the lengths and estimating the build's memory from them
+        # release the GIL: they run while numba is imported and started, which is
+        # Python (~0.3 s of every build).
+        reading = reader.submit(_read_and_estimate, files, columns, config, threads)
         from batchplan.kernels.startup import start_numba
         from batchplan.planner import build_plan
 
         start_numba()
-        lengths, fingerprint = reading.result()
+        lengths, fingerprint, estimate = reading.result()
     advance(len(files))
-    # Before planning: micro-batches and spans estimated from the lengths.
-    check_build_memory(estimate_build_memory(lengths.num_samples, config, num_threads=threads, lengths=lengths.lengths))
+    check_build_memory(estimate)  # before planning: micro-batches and spans estimated from the lengths
     advance = _stage(progress, "planning epochs", config.epochs)
     plan = build_plan(lengths.lengths, config, loss_tokens=lengths.loss_tokens, on_epoch=lambda _: advance(1))
     advance = _stage(progress, "writing plan", config.epochs * config.world_size)
@@ -102,9 +102,11 @@ def validate_plan_file(plan_path: PathLike, dataset: PathLike | Sequence[PathLik
     return violations, f"{plan.num_epochs} epoch(s), {plan.world_size} rank(s), {lengths.num_samples:,} samples"
 
 
-def _read_and_fingerprint(files: list[Path], columns: dict[str, Any]):
+def _read_and_estimate(files: list[Path], columns: dict[str, Any], config: PlanConfig, threads: int):
+    """The lengths, their fingerprint, and the build's memory estimate from them."""
     lengths = read_lengths(files, **columns)
-    return lengths, lengths.fingerprint()
+    estimate = estimate_build_memory(lengths.num_samples, config, num_threads=threads, lengths=lengths.lengths)
+    return lengths, lengths.fingerprint(), estimate
 
 
 def _check_output(output: Path, inputs: list[Path]) -> None:
