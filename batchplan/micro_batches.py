@@ -385,7 +385,15 @@ def shuffle_by_group(
         ``start``: the items of group ``g`` are at ``items[start[g]:start[g + 1]]``.
     """
     count = groups.shape[0]
-    # Per-part counts cost parts x num_groups: split only when the items far outnumber the groups.
+    # The kernels do not check bounds: a wrong size or dtype here writes outside the arrays.
+    if keys.shape[0] != count or items.shape[0] != count or (carried is not None and carried.shape[0] != count):
+        raise ValueError(f"groups, keys, items (and carried) must have one entry per item: {count:,} groups, "
+                         f"{keys.shape[0]:,} keys, {items.shape[0]:,} items")  # fmt: skip
+    if (values is None) != (carried is None) or (values is not None and values.shape[0] != count):
+        raise ValueError("give values and carried together, one value per item")
+    # Per-part counts cost parts x num_groups: split only when the items far outnumber the groups
+    # (and run_in_parts runs any threads < 1 as one part: so must this).
+    threads = max(1, threads)
     parts = threads if count >= 16 * num_groups * threads else 1
     counts = np.zeros((parts, num_groups), dtype=np.int64)
     run_in_parts(count_groups, parts, groups, counts)

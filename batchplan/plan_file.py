@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMAT_VERSION", "METADATA_KEY", "PlanFile", "open_plan", "plan_metadata", "write_plan"]
 
-FORMAT_VERSION = 1
+# 2: pack plans leave out padded_tokens (version 1 wrote it in both modes). Readers take
+# every version up to this one.
+FORMAT_VERSION = 2
 METADATA_KEY = b"batchplan"
 REQUIRED_COLUMNS = (
     "epoch", "step", "rank", "micro", "samples", "tokens", "loss_tokens", "step_loss_tokens",

@@ -12,8 +12,8 @@ build (interpreter, imports, loading the cached numba kernels), reported beside 
 ratio without it. Prints a table; --json for machines.
 
 Timed builds follow one another, so each finds the memory the previous one freed still
-at hand. ``--pause S`` sleeps S seconds before each timed build and each permutation
-(then run in a new process) instead: on a VM that hands freed memory back to its host,
+at hand. ``--pause S`` sleeps S seconds before each timed build (the 1,000-sample ones too) and
+each permutation (then run in a new process) instead: on a VM that hands freed memory back to its host,
 what a first build on a quiet machine meets (docs/benchmarks.md, "Fresh memory").
 """
 
@@ -131,6 +131,8 @@ def main() -> None:
         "process): memory the previous run freed is no longer at hand (see docs/benchmarks.md)",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.pause < 0:
+        parser.error("--pause must be >= 0 seconds")
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         tmp = Path(tmp)
@@ -147,7 +149,7 @@ def main() -> None:
         # The fixed cost of any build (interpreter, imports, loading the cached kernels).
         tiny = tmp / "tiny.parquet"
         write_lengths(lognormal_lengths(1000, args.max_tokens), tiny)
-        startup = min(run_build(tiny, tmp / "tiny.arrow", args)[0] for _ in range(3))
+        startup = min(_paused(args.pause, run_build, tiny, tmp / "tiny.arrow", args)[0] for _ in range(3))
         peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
         permutation = time_permutation(num_samples, pause=args.pause)
         row = {

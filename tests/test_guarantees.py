@@ -569,8 +569,10 @@ def test_drop_last_with_a_token_target_drops_a_short_final_step():
         PlanConfig(max_tokens=2048, world_size=8, epochs=3, oversize="split", hidden_size=512),
         PlanConfig(max_tokens=2048, world_size=8, oversize="split", hidden_size=512),  # one epoch: split kernels
         PlanConfig(max_tokens=4096, world_size=4, mode="pad", epochs=2, tokens_per_step=40_000, oversize="drop"),
+        # A cap this small against 40,000 samples: the shuffle within lengths splits too.
+        PlanConfig(max_tokens=256, world_size=8, oversize="truncate", seqlen_warmup_min=64, seqlen_warmup_tokens=10**5),
     ],
-    ids=["epochs-in-parallel", "one-epoch-in-parts", "pad-two-epochs"],
+    ids=["epochs-in-parallel", "one-epoch-in-parts", "pad-two-epochs", "small-cap-with-warmup"],
 )
 def test_plan_does_not_depend_on_the_number_of_threads(tmp_path, monkeypatch, config):
     """Epochs are planned in parallel threads, and cores left over split the kernels of

@@ -509,6 +509,28 @@ def test_shuffle_by_group_in_parts_matches_reference(count, num_groups, seed, th
         assert np.array_equal(carried, values[items - 7])
 
 
+@pytest.mark.parametrize("threads", [0, -1])
+def test_shuffle_by_group_takes_fewer_than_one_thread_as_one(threads):
+    """As `run_in_parts` does: no part-count array of zero rows for the kernels to write past."""
+    groups = np.arange(1000, dtype=np.uint16) % 4
+    keys = np.random.default_rng(0).integers(0, 2**32, size=1000, dtype=np.uint32)
+    one, other = np.empty(1000, dtype=np.int64), np.empty(1000, dtype=np.int64)
+    assert np.array_equal(shuffle_by_group(groups, 4, keys, one), shuffle_by_group(groups, 4, keys, other, threads=threads))
+    assert np.array_equal(one, other)
+
+
+def test_shuffle_by_group_refuses_arrays_of_other_lengths():
+    """The kernels do not check bounds: sizes are checked before they run."""
+    groups = np.zeros(10, dtype=np.int32)
+    keys = np.zeros(10, dtype=np.uint32)
+    with pytest.raises(ValueError, match="one entry per item"):
+        shuffle_by_group(groups, 1, keys, np.empty(9, dtype=np.int64))
+    with pytest.raises(ValueError, match="one entry per item"):
+        shuffle_by_group(groups, 1, keys[:5], np.empty(10, dtype=np.int64))
+    with pytest.raises(ValueError, match="together"):
+        shuffle_by_group(groups, 1, keys, np.empty(10, dtype=np.int64), 0, np.zeros(10, dtype=np.int32), None)
+
+
 def test_shuffle_by_group_is_a_fair_shuffle():
     """Each of 4 items of one group lands first about a quarter of the time."""
     groups = np.full(4, 3, dtype=np.int32)

@@ -126,8 +126,8 @@ def test_padded_tokens_only_in_pad_mode(tmp_path):
         assert ("padded_tokens" in open_plan(path).schema.names) == has_padded
 
 
-def test_pack_plans_of_earlier_versions_with_padded_tokens_still_read(tmp_path, monkeypatch):
-    """Earlier versions wrote ``padded_tokens`` in pack mode too: such plans open, verify,
+def test_pack_plans_of_format_version_1_with_padded_tokens_still_read(tmp_path, monkeypatch):
+    """Format version 1 wrote ``padded_tokens`` in pack mode too: such plans open, verify,
     validate, summarize, replay and reshard as before."""
     from batchplan.reshard import reshard_plan_file
     from batchplan.runtime import PlanSampler
@@ -138,10 +138,11 @@ def test_pack_plans_of_earlier_versions_with_padded_tokens_still_read(tmp_path, 
     current, earlier = tmp_path / "current.arrow", tmp_path / "earlier.arrow"
     write_plan(build_plan(LENGTHS, config), current)
     monkeypatch.setattr(plan_file, "_has_padded", lambda plan: True)
+    monkeypatch.setattr(plan_file, "FORMAT_VERSION", 1)
     write_plan(build_plan(LENGTHS, config), earlier)
     monkeypatch.undo()
     plan = open_plan(earlier)
-    assert "padded_tokens" in plan.schema.names
+    assert "padded_tokens" in plan.schema.names and plan.metadata["format_version"] == 1
     plan.verify()
     assert validate_plan(plan, LENGTHS) == []
     assert summarize_plan(plan) == summarize_plan(open_plan(current))

@@ -244,7 +244,7 @@ ROWS = {
            ("flipped byte in the metadata", flipped_metadata_key,
             "batchplan metadata key 'world_size' is missing or not a int; the plan is corrupt, rebuild it"),
            ("newer format version", newer_plan,
-            "plan format version 99 is newer than this batchplan reads (1); upgrade batchplan"),
+            "plan format version 99 is newer than this batchplan reads (2); upgrade batchplan"),
            ("required column missing", plan_without_column,
             "required column(s) ['step_loss_tokens'] missing; not a valid plan"),
        )},
