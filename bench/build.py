@@ -12,9 +12,10 @@ build (interpreter, imports, loading the cached numba kernels), reported beside 
 ratio without it. Prints a table; --json for machines.
 
 Timed builds follow one another, so each finds the memory the previous one freed still
-at hand. ``--pause S`` sleeps S seconds before each timed build (the 1,000-sample ones too) and
-each permutation (then run in a new process) instead: on a VM that hands freed memory back to its host,
-what a first build on a quiet machine meets (docs/benchmarks.md, "Fresh memory").
+at hand. ``--pause S`` sleeps S seconds before each timed build (the 1,000-sample ones
+too) and each permutation (then run in a new process) instead: on a VM that hands freed
+memory back to its host, what a first build on a quiet machine meets
+(docs/benchmarks.md, "Fresh memory").
 """
 
 from __future__ import annotations
