@@ -43,23 +43,23 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
     tokens = table.column("tokens").to_numpy()
     # Pack plans hold no padded_tokens column: no padding, it would equal tokens.
     padded = table.column("padded_tokens").to_numpy() if "padded_tokens" in table.column_names else tokens
-    counts = np.diff(table.column("samples").combine_chunks().offsets.to_numpy())
+    counts = np.concatenate([np.diff(chunk.offsets.to_numpy()) for chunk in table.column("samples").chunks] or [[]])
     num_steps = plan.num_steps
 
     steps_per_epoch = np.asarray(meta["steps_per_epoch"], dtype=np.int64)
     last_steps = (np.cumsum(steps_per_epoch) - 1)[steps_per_epoch > 0]  # empty epochs have none
     not_last = ~np.isin(step, last_steps)
     capacity = int(not_last.sum()) * plan.metadata["max_tokens"]
+    # Rows come rank by rank, steps in order: bins (rank, step) are written in order, not at
+    # a stride of world_size (a cache miss per row).
+    by_rank_step = rank.astype(np.int64) * num_steps + step
     # shape (num_steps, world_size): tokens of each rank in each step
-    rank_tokens = np.bincount(step * world_size + rank, weights=tokens, minlength=num_steps * world_size)
-    rank_tokens = rank_tokens.reshape(num_steps, world_size)
+    rank_tokens = _per_step_and_rank(by_rank_step, tokens, num_steps, world_size)
     imbalance = _imbalance(np.delete(rank_tokens, last_steps, axis=0))
     cost_imbalance = None
     if "cost" in table.column_names:
-        rank_cost = np.bincount(
-            step * world_size + rank, weights=table.column("cost").to_numpy(), minlength=num_steps * world_size
-        )
-        cost_imbalance = _imbalance(np.delete(rank_cost.reshape(num_steps, world_size), last_steps, axis=0))
+        rank_cost = _per_step_and_rank(by_rank_step, table.column("cost").to_numpy(), num_steps, world_size)
+        cost_imbalance = _imbalance(np.delete(rank_cost, last_steps, axis=0))
     step_tokens = rank_tokens.sum(axis=1)
     # shape (num_steps,): tokens of the run before each step this plan holds
     tokens_before = int(meta.get("tokens_before_first_step", 0)) + np.cumsum(step_tokens) - step_tokens
@@ -150,6 +150,13 @@ def _p99(values: np.ndarray | None) -> float | None:
     if values is None:
         return None
     return float(np.percentile(values, 99)) if values.size else 0.0
+
+
+def _per_step_and_rank(by_rank_step: np.ndarray, values: np.ndarray, num_steps: int, world_size: int) -> np.ndarray:
+    """Sums of ``values`` per (step, rank), shape (num_steps, world_size), from each row's
+    ``rank x num_steps + step``."""
+    sums = np.bincount(by_rank_step, weights=values, minlength=num_steps * world_size)
+    return np.ascontiguousarray(sums.reshape(world_size, num_steps).T)
 
 
 def _imbalance(rank_tokens: np.ndarray) -> np.ndarray:
