@@ -391,16 +391,21 @@ def shuffle_by_group(
                          f"{keys.shape[0]:,} keys, {items.shape[0]:,} items")  # fmt: skip
     if (values is None) != (carried is None) or (values is not None and values.shape[0] != count):
         raise ValueError("give values and carried together, one value per item")
-    # Per-part counts cost parts x num_groups: split only when the items far outnumber the groups
-    # (and run_in_parts runs any threads < 1 as one part: so must this).
+    # Per-part counts cost parts x num_groups: split only when the items far outnumber the
+    # groups (so those arrays stay small), and run any threads < 1 as one part, as
+    # run_in_parts does. One part (groups up to the capacity in pack mode, which may be
+    # large) needs only the counts, turned into cursors in place, and the offsets.
     threads = max(1, threads)
     parts = threads if count >= 16 * num_groups * threads else 1
     counts = np.zeros((parts, num_groups), dtype=np.int64)
     run_in_parts(count_groups, parts, groups, counts)
     start = np.zeros(num_groups + 1, dtype=np.int64)
-    np.cumsum(counts.sum(axis=0), out=start[1:])
-    # Each part writes a group's items after those of the parts before it: the one-part order.
-    cursors = start[:-1] + np.cumsum(counts, axis=0) - counts
+    np.cumsum(counts[0] if parts == 1 else counts.sum(axis=0), out=start[1:])
+    if parts == 1:
+        cursors = counts
+        cursors[0] = start[:-1]
+    else:  # each part writes a group's items after those of the parts before it: the one-part order
+        cursors = start[:-1] + np.cumsum(counts, axis=0) - counts
     run_in_parts(scatter_groups, parts, groups, cursors, items, first, values, carried)
     run_in_parts(shuffle_groups, parts, start, keys, items, carried)
     return start
