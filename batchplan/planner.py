@@ -185,13 +185,18 @@ def _plan_epochs(entries: Entries, config: PlanConfig, warmup: SeqlenWarmup | No
     first = len(epochs)
     # Past the ramp (or without drop_last, exactly) each later epoch starts at
     # tokens_before + k * epoch_tokens; past the ramp the value no longer matters.
-    befores = [tokens_before + k * epoch_tokens for k in range(config.epochs - first)]
-    at_once = max(1, min(config.epochs - first, num_threads()))
-    threads = max(1, num_threads() // at_once)  # cores left over split the work of each epoch
+    count = config.epochs - first
+    befores = [tokens_before + k * epoch_tokens for k in range(count)]
+    cores = num_threads()
+    at_once = max(1, min(count, cores))
+    # Cores left over split the work of each epoch: epochs run at_once at a time, and the
+    # epochs of a last, partial round share all the cores (3 epochs on 2: 1, 1, then 2).
+    last_round = count % at_once or at_once
+    threads = [max(1, cores // at_once)] * (count - last_round) + [max(1, cores // last_round)] * last_round
     with ThreadPoolExecutor(max_workers=at_once) as pool:
         futures = [
-            pool.submit(plan_epoch, entries, config, epoch, tokens_before=before, warmup=warmup, threads=threads)
-            for epoch, before in zip(range(first, config.epochs), befores)
+            pool.submit(plan_epoch, entries, config, epoch, tokens_before=before, warmup=warmup, threads=share)
+            for epoch, before, share in zip(range(first, config.epochs), befores, threads)
         ]
         for epoch, future in enumerate(futures, start=first):
             epochs.append(future.result())
