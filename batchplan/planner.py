@@ -280,6 +280,7 @@ def schedule_epoch(
     kept = min(num_full, -(-ordered // config.world_size) * config.world_size)  # whole chunks
     # Each scheduled micro-batch's values, gathered once and written where balancing puts them.
     at = _Scheduled.take(schedule, batches, compute, config, kept, num_full, epoch, threads)
+    del room, schedule, compute  # taken: their memory serves the rows laid out next
     if config.drop_last and config.has_rampup:
         # The ramp makes step boundaries depend on the order: decide on the final steps.
         step_offsets = _step_offsets(at.tokens[:num_full], config, sizing)
