@@ -32,7 +32,9 @@ from batchplan.errors import PlanFormatError
 if TYPE_CHECKING:
     from batchplan.planner import EpochPlan, Plan
 
-__all__ = ["FORMAT_VERSION", "METADATA_KEY", "PlanFile", "open_plan", "plan_metadata", "write_plan"]
+__all__ = [
+    "FORMAT_VERSION", "METADATA_KEY", "PlanFile", "open_plan", "padded_tokens_column", "plan_metadata", "write_plan",
+]  # fmt: skip
 
 # 2: pack plans leave out padded_tokens (version 1 wrote it in both modes). Readers take
 # every version up to this one.
@@ -514,6 +516,12 @@ class PlanFile:
                 f"{self.path}: {self._reader.num_record_batches} record batches, expected "
                 f"{expected} (epochs {self.num_epochs} x world_size {self.world_size})"
             )
+
+
+def padded_tokens_column(rows: pa.RecordBatch | pa.Table) -> pa.Array | pa.ChunkedArray:
+    """Rows' ``padded_tokens``: pack plans leave the column out (format version 2), and
+    there it equals ``tokens`` (no padding)."""
+    return rows.column("padded_tokens" if "padded_tokens" in rows.schema.names else "tokens")
 
 
 def open_plan(path: str | os.PathLike) -> PlanFile:

@@ -22,7 +22,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.errors import BatchPlanError, PlanMismatchError
-from batchplan.plan_file import PlanFile
+from batchplan.plan_file import PlanFile, padded_tokens_column
+from batchplan.summary import per_step_and_rank, samples_per_row, summarize_plan
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -118,8 +119,6 @@ def plot_plan(plan: PlanFile, lengths: NDArray[np.integer] | None = None, length
             micro-batch (pack) or its longest sample (pad) instead, and says so.
         lengths_label: the title of the lengths panel when ``lengths`` is given.
     """
-    from batchplan.summary import summarize_plan
-
     figure_class, _ = _matplotlib()
     data = _plan_arrays(plan)
     summary = summarize_plan(plan)
@@ -142,23 +141,20 @@ def _plan_arrays(plan: PlanFile) -> dict[str, Any]:
     rank = table.column("rank").to_numpy()
     tokens = table.column("tokens").to_numpy()
     num_steps = plan.num_steps
-    slot = step * world_size + rank
-    counts = np.diff(table.column("samples").combine_chunks().offsets.to_numpy())
     data = {
         "mode": plan.metadata["mode"],
         "max_tokens": int(plan.metadata["max_tokens"]),
         "world_size": world_size,
         "tokens": tokens,
-        "padded": table.column("padded_tokens").to_numpy() if "padded_tokens" in table.column_names else tokens,
-        "counts": counts,
+        "padded": padded_tokens_column(table).to_numpy(),
+        "counts": samples_per_row(table),
         # shape (num_steps, world_size): per rank and step
-        "rank_tokens": np.bincount(slot, weights=tokens, minlength=num_steps * world_size).reshape(num_steps, -1),
+        "rank_tokens": per_step_and_rank(step, rank, tokens, num_steps, world_size),
         "micro_per_step": np.bincount(step, minlength=num_steps) // world_size,
         "epoch_starts": np.cumsum(plan.metadata["steps_per_epoch"])[:-1],
     }
     if "cost" in table.column_names:
-        cost = table.column("cost").to_numpy()
-        data["rank_cost"] = np.bincount(slot, weights=cost, minlength=num_steps * world_size).reshape(num_steps, -1)
+        data["rank_cost"] = per_step_and_rank(step, rank, table.column("cost").to_numpy(), num_steps, world_size)
     return data
 
 

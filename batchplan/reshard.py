@@ -55,7 +55,7 @@ from numpy.typing import NDArray
 from batchplan.config import PlanConfig
 from batchplan.entries import Entries, index_dtype
 from batchplan.errors import ConfigError
-from batchplan.plan_file import PlanFile, open_plan, write_plan
+from batchplan.plan_file import PlanFile, open_plan, padded_tokens_column, write_plan
 from batchplan.micro_batches import MicroBatches
 from batchplan.planner import EpochPlan, Plan, schedule_epoch
 
@@ -266,8 +266,7 @@ def _read_epoch(plan: PlanFile, epoch: int) -> _Rows:
     """Every non-empty micro-batch of one parent epoch, in the order the run trains them."""
     table = plan.read_epoch(epoch)
     column = {name: table.column(name).combine_chunks() for name in table.column_names}
-    if "padded_tokens" not in column:  # pack plans: it equals tokens
-        column["padded_tokens"] = column["tokens"]
+    column["padded_tokens"] = padded_tokens_column(table).combine_chunks()
     numbers = {name: column[name].to_numpy().astype(np.int64)
                for name in ("step", "rank", "micro", "tokens", "loss_tokens", "padded_tokens")}  # fmt: skip
     spans = "starts" in column

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from batchplan.plan_file import PlanFile
+from batchplan.plan_file import PlanFile, padded_tokens_column
 
-__all__ = ["summarize_plan"]
+__all__ = ["per_step_and_rank", "samples_per_row", "summarize_plan"]
 
 
 def summarize_plan(plan: PlanFile) -> dict[str, Any]:
@@ -41,24 +41,20 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
     step = table.column("step").to_numpy() - first_step  # 0-based over the steps this plan holds
     rank = table.column("rank").to_numpy()
     tokens = table.column("tokens").to_numpy()
-    # Pack plans hold no padded_tokens column: no padding, it would equal tokens.
-    padded = table.column("padded_tokens").to_numpy() if "padded_tokens" in table.column_names else tokens
-    counts = np.concatenate([np.diff(chunk.offsets.to_numpy()) for chunk in table.column("samples").chunks] or [[]])
+    padded = padded_tokens_column(table).to_numpy()
+    counts = samples_per_row(table)
     num_steps = plan.num_steps
 
     steps_per_epoch = np.asarray(meta["steps_per_epoch"], dtype=np.int64)
     last_steps = (np.cumsum(steps_per_epoch) - 1)[steps_per_epoch > 0]  # empty epochs have none
     not_last = ~np.isin(step, last_steps)
     capacity = int(not_last.sum()) * plan.metadata["max_tokens"]
-    # Rows come rank by rank, steps in order: bins (rank, step) are written in order, not at
-    # a stride of world_size (a cache miss per row).
-    by_rank_step = rank.astype(np.int64) * num_steps + step
     # shape (num_steps, world_size): tokens of each rank in each step
-    rank_tokens = _per_step_and_rank(by_rank_step, tokens, num_steps, world_size)
+    rank_tokens = per_step_and_rank(step, rank, tokens, num_steps, world_size)
     imbalance = _imbalance(np.delete(rank_tokens, last_steps, axis=0))
     cost_imbalance = None
     if "cost" in table.column_names:
-        rank_cost = _per_step_and_rank(by_rank_step, table.column("cost").to_numpy(), num_steps, world_size)
+        rank_cost = per_step_and_rank(step, rank, table.column("cost").to_numpy(), num_steps, world_size)
         cost_imbalance = _imbalance(np.delete(rank_cost, last_steps, axis=0))
     step_tokens = rank_tokens.sum(axis=1)
     # shape (num_steps,): tokens of the run before each step this plan holds
@@ -152,11 +148,19 @@ def _p99(values: np.ndarray | None) -> float | None:
     return float(np.percentile(values, 99)) if values.size else 0.0
 
 
-def _per_step_and_rank(by_rank_step: np.ndarray, values: np.ndarray, num_steps: int, world_size: int) -> np.ndarray:
-    """Sums of ``values`` per (step, rank), shape (num_steps, world_size), from each row's
-    ``rank x num_steps + step``."""
-    sums = np.bincount(by_rank_step, weights=values, minlength=num_steps * world_size)
+def per_step_and_rank(step, rank, values, num_steps: int, world_size: int) -> np.ndarray:
+    """Sums of the rows' ``values`` per (step, rank): float64, shape (num_steps, world_size).
+    ``step`` counts from the plan's first step. Binned by ``rank x num_steps + step``: rows
+    come rank by rank, steps in order, so the bins are written in order rather than at a
+    stride of world_size (a cache miss per row)."""
+    sums = np.bincount(rank.astype(np.int64) * num_steps + step, weights=values, minlength=num_steps * world_size)
     return np.ascontiguousarray(sums.reshape(world_size, num_steps).T)
+
+
+def samples_per_row(table) -> np.ndarray:
+    """Entries in each row's ``samples`` list, chunk by chunk (no combined copy of the lists)."""
+    counts = [np.diff(chunk.offsets.to_numpy()) for chunk in table.column("samples").chunks]
+    return np.concatenate(counts) if counts else np.zeros(0, dtype=np.int32)
 
 
 def _imbalance(rank_tokens: np.ndarray) -> np.ndarray:

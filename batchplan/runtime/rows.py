@@ -15,6 +15,7 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 from batchplan.errors import PlanFormatError
+from batchplan.plan_file import padded_tokens_column
 from batchplan.runtime.records import MicroBatch, SpanIndex
 
 __all__ = ["CHUNK_ROWS", "RUNTIME_COLUMNS", "RankRows"]
@@ -92,9 +93,8 @@ class RankRows:
 
 
 def _scalar_column(batch: pa.RecordBatch, name: str) -> NDArray[np.int64]:
-    if name == "padded_tokens" and name not in batch.schema.names:
-        name = "tokens"  # pack-only plans may omit it: there it equals tokens
-    return batch.column(name).to_numpy(zero_copy_only=True)
+    column = padded_tokens_column(batch) if name == "padded_tokens" else batch.column(name)
+    return column.to_numpy(zero_copy_only=True)
 
 
 def _list_column(batch: pa.RecordBatch, name: str) -> tuple[NDArray[np.int64], NDArray]:
