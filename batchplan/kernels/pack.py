@@ -92,19 +92,20 @@ def _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts, below, 
     here (None).
     """
     num_items = histogram.sum()
-    bound = most_bins(histogram, max_tokens)
     if slot_bin is None:
         slot_bin = np.empty(num_items, dtype=index.dtype)
-    if counts is None:
-        counts = np.zeros(bound + 1, dtype=np.int64)  # bin b's slots at b + 1: made offsets in place
+    if counts is None or below is None:  # a caller that made them has the bound already
+        bound = most_bins(histogram, max_tokens)
+        if counts is None:
+            counts = np.zeros(bound + 1, dtype=np.int64)  # bin b's slots at b + 1: made offsets in place
+        if below is None:
+            below = np.empty(bound, dtype=index.dtype)
     size = 1
     while size < max_tokens + 1:
         size <<= 1
     tree = np.zeros(2 * size, dtype=np.int64)
     # One stack of open bins per residual: head[r] -> bin, below[bin] -> next bin down.
     head = np.full(max_tokens + 1, -1, dtype=np.int64)
-    if below is None:
-        below = np.empty(bound, dtype=index.dtype)
     num_bins = 0
     slot = 0
     for length in range(max_tokens, 0, -1):
