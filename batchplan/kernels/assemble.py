@@ -16,7 +16,7 @@ import numpy as np
 from numba import njit
 
 from batchplan.kernels.balance import assign_step
-from batchplan.kernels.order import order_by_decreasing
+from batchplan.kernels.order import counting_pays, order_by_decreasing
 from batchplan.kernels.split import share
 
 __all__ = ["lay_out_rows", "take_scheduled"]
@@ -42,8 +42,7 @@ def take_scheduled(
             random read).
         values: float64 per micro-batch (predicted compute), or empty.
         max_tokens: no micro-batch has more tokens: windows sorted by tokens use a counting
-            sort over ``0..max_tokens`` when that is not much longer than a window
-            (`batchplan.kernels.order`; ~3x faster, the same order).
+            sort over ``0..max_tokens`` when that pays (`batchplan.kernels.order`).
         out: int64, shape (3, positions), filled with each position's micro-batch id,
             tokens and entries (made by the caller: numpy asks for huge pages).
         out_values: float64, filled with each position's ``values`` (empty when none).
@@ -64,7 +63,7 @@ def take_scheduled(
     for j in range(chunk_order.shape[0]):
         inverse[chunk_order[j]] = j
     size = min(window, max(end - begin, 0))
-    by_counting = not by_values and max_tokens <= 4 * window
+    by_counting = not by_values and counting_pays(max_tokens, window)
     tokens = np.empty(0 if by_values else size, dtype=np.int64)
     costs = np.empty(size if by_values else 0, dtype=np.float64)
     counts = np.empty(max_tokens + 2 if by_counting else 0, dtype=np.int64)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["order_by_decreasing"]
+__all__ = ["counting_pays", "order_by_decreasing"]
+
+
+@njit(cache=True, nogil=True, inline="always")
+def counting_pays(max_key, count):
+    """Whether a counting sort over ``0..max_key`` beats a comparison sort of ``count`` keys:
+    when the range is not much longer than the keys (~3x faster there, the same order)."""
+    return max_key <= 4 * count
 
 
 @njit(cache=True, nogil=True)
@@ -16,8 +23,8 @@ def order_by_decreasing(keys, max_key, by_counting, counts, order):
     Args:
         keys: integers in ``0..max_key``.
         max_key: the largest possible key.
-        by_counting: a counting sort over ``0..max_key`` (worth it when that range is not
-            much longer than ``keys``; the same order as the comparison sort, faster).
+        by_counting: a counting sort over ``0..max_key`` (when `counting_pays`; the same
+            order as the comparison sort, faster).
         counts: int64 scratch, ``max_key + 2`` long (unused without ``by_counting``).
         order: int64, at least as long as ``keys``.
     """

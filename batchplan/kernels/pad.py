@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from batchplan.kernels.order import order_by_decreasing
+from batchplan.kernels.order import counting_pays, order_by_decreasing
 
 __all__ = ["cut_padded"]
 
@@ -53,7 +53,7 @@ def cut_padded(members, member_lengths, window, max_tokens, batch_multiple):
     """
     num_entries = members.shape[0]
     sizes = np.empty(num_entries, dtype=np.int64)
-    by_counting = max_tokens <= 4 * window  # a counting sort is cheaper than a comparison sort
+    by_counting = counting_pays(max_tokens, window)
     counts = np.empty(max_tokens + 2 if by_counting else 0, dtype=np.int64)
     size = min(window, num_entries)
     order = np.empty(size, dtype=np.int64)
