@@ -7,8 +7,9 @@ Token ids are random, with the real lengths of data/sharegpt_dialogues_cl100k.pa
 (9,457 conversations, median 977 tokens, longest 199,994: split into 2,048-token
 pieces by the plan). Rank 0 builds the plan on first use. What it shows:
 
-- `PlanSampler` as the loader's ``batch_sampler`` + `PackCollator`/`PadCollator`,
-  records from ``sampler.schedule()`` in lockstep with the batches;
+- `PlanSampler` as the loader's ``batch_sampler`` + `PackCollator`/`PadCollator`;
+  each batch carries its plan record (``batch.record``), so one loop over the loader
+  is the whole training loop, and each pass over it is the next epoch;
 - exact token-mean loss: ``token_loss_sum * world_size / step_loss_tokens``
   on every micro-batch, ``no_sync`` except on the step's last one;
 - learning rate by tokens (`token_lr_scheduler`), a checkpoint with every rank's
@@ -90,9 +91,9 @@ def main() -> None:
     step = scheduler.last_epoch  # optimizer steps done so far
     loss_sum = torch.zeros((), dtype=torch.float64)
     started = time.perf_counter()
-    for epoch in range(sampler.epoch, sampler.num_epochs):
-        sampler.set_epoch(epoch)  # keeps a resumed position in the saved epoch
-        for mb, batch in zip(sampler.schedule(), loader):
+    while not sampler.finished:  # each pass over the loader walks the plan's next epoch
+        for batch in loader:
+            mb = batch.record  # the micro-batch's plan record
             if count_loss_tokens(batch) != mb.loss_tokens:
                 raise RuntimeError(f"batch has {count_loss_tokens(batch)} loss tokens, plan says {mb.loss_tokens}")
             with contextlib.nullcontext() if mb.is_last else ddp.no_sync():
@@ -108,7 +109,7 @@ def main() -> None:
             log_step(step, mb, loss_sum, scheduler, started, rank)
             loss_sum.zero_()
             if step % args.checkpoint_every == 0 or step == last_step:
-                save_checkpoint(args.checkpoint, model, optimizer, scheduler, sampler, rank)
+                save_checkpoint(args.checkpoint, model, optimizer, scheduler, sampler.state_dict(after=mb), rank)
             if step == last_step:
                 dist.destroy_process_group()
                 return
@@ -138,9 +139,10 @@ def log_step(step: int, mb, loss_sum: torch.Tensor, scheduler, started: float, r
         )
 
 
-def save_checkpoint(path: Path, model, optimizer, scheduler, sampler: PlanSampler, rank: int) -> None:
+def save_checkpoint(path: Path, model, optimizer, scheduler, sampler_state: dict, rank: int) -> None:
+    # The loader's worker has drawn ahead: the state is taken after the last micro-batch trained.
     samplers = [None] * dist.get_world_size()
-    dist.all_gather_object(samplers, sampler.state_dict())  # each rank's position is its own
+    dist.all_gather_object(samplers, sampler_state)  # each rank's position is its own
     if rank == 0:
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "samplers": samplers}  # fmt: skip

@@ -53,9 +53,9 @@ def _train(path: str, lengths, *, stop_after: int | None = None, state: dict | N
     collate = PackCollator() if sampler.mode == "pack" else PadCollator()
     loader = DataLoader(PlanDataset(RandomTokens(lengths, VOCAB_SIZE)), batch_sampler=sampler, collate_fn=collate)
     seen, steps, world_size = [], 0, dist.get_world_size()
-    for epoch in range(sampler.epoch, sampler.num_epochs):
-        sampler.set_epoch(epoch)
-        for mb, batch in zip(sampler.schedule(), loader):
+    while not sampler.finished:
+        for batch in loader:
+            mb = batch.record
             _check_lockstep(mb)
             with contextlib.nullcontext() if mb.is_last else ddp.no_sync():
                 (token_loss_sum(ddp(**batch), batch) * mb.loss_scale(world_size)).backward()
@@ -66,7 +66,7 @@ def _train(path: str, lengths, *, stop_after: int | None = None, state: dict | N
                 optimizer.zero_grad()
                 steps += 1
                 if steps == stop_after:
-                    return {"seen": seen, "state": sampler.state_dict()}
+                    return {"seen": seen, "state": sampler.state_dict(after=mb)}
     return {"seen": seen, "state": sampler.state_dict()}
 
 

@@ -1,4 +1,4 @@
-"""What each process of the real DDP test runs (gloo on CPU, spawned by `launch`).
+"""What each process of the real DDP test runs (gloo on CPU, spawned by `_spawn.launch`).
 
 One spawn runs every check and saves its results to ``rank{r}.pt``; the tests in
 test_runtime_ddp.py compare them. Checks: the micro-batches each rank replays
@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import io
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from _ddp_plans import make_dataset, make_model, process_group
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
@@ -36,17 +34,6 @@ from batchplan.runtime import (
 RESUME_AFTER_STEPS = 2
 
 
-def launch(fn, args: tuple, world_size: int = 2, timeout_s: float = 240.0) -> None:
-    """Spawn ``fn(rank, *args)`` on ``world_size`` processes; fail (not hang) after ``timeout_s``."""
-    context = mp.start_processes(fn, args=args, nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.terminate()
-            raise TimeoutError(f"DDP processes did not finish in {timeout_s:.0f} s (a rank hung?)")
-
-
 def run_checks(rank: int, world_size: int, port: int, plans: dict[str, str], out_dir: str) -> None:
     with process_group(rank, world_size, port):
         results = {
@@ -64,13 +51,15 @@ def run_checks(rank: int, world_size: int, port: int, plans: dict[str, str], out
 
 
 def replay_epochs(path: str) -> list[tuple]:
-    """Every micro-batch this rank runs, each epoch, in lockstep with the other rank."""
+    """Every micro-batch this rank runs, each epoch, in lockstep with the other rank.
+
+    The loop never calls set_epoch: each pass over the loader walks the next epoch."""
     sampler = PlanSampler(path)
     loader = DataLoader(PlanDataset(make_dataset()), batch_sampler=sampler, collate_fn=PackCollator())
     seen = []
-    for epoch in range(sampler.num_epochs):
-        sampler.set_epoch(epoch)
-        for mb, batch in zip(sampler.schedule(), loader):
+    for _ in range(sampler.num_epochs):
+        for batch in loader:
+            mb = batch.record
             # A collective per micro-batch: both ranks must be at the same (step, micro).
             here = torch.tensor([mb.step, mb.micro, mb.num_micro], dtype=torch.int64)
             total = here.clone()
@@ -93,7 +82,8 @@ def gradient_check(path: str, collator, attention: str, lengths=None) -> dict:
     loader = DataLoader(PlanDataset(dataset), batch_sampler=sampler, collate_fn=collator)
     world_size = dist.get_world_size()
     count = 0
-    for mb, batch in zip(sampler.schedule(), loader):
+    for batch in loader:
+        mb = batch.record
         with contextlib.nullcontext() if mb.is_last else ddp.no_sync():
             (token_loss_sum(ddp(**batch), batch) * mb.loss_scale(world_size)).backward()
         count += 1
@@ -157,9 +147,9 @@ def train(path: str, *, num_workers: int, stop_after: int | None = None, checkpo
         multiprocessing_context="fork" if num_workers else None,
     )  # fmt: skip
     seen, steps, world_size = [], 0, dist.get_world_size()
-    for epoch in range(sampler.epoch, sampler.num_epochs):
-        sampler.set_epoch(epoch)
-        for mb, batch in zip(sampler.schedule(), loader):
+    while not sampler.finished:
+        for batch in loader:
+            mb = batch.record
             if batch["input_ids"].shape[1] != max(mb.tokens, 1):
                 raise AssertionError(f"batch of {batch['input_ids'].shape[1]} tokens for record {mb}")
             with contextlib.nullcontext() if mb.is_last else ddp.no_sync():
@@ -170,15 +160,15 @@ def train(path: str, *, num_workers: int, stop_after: int | None = None, checkpo
                 scheduler.step()
                 optimizer.zero_grad()
                 steps += 1
-                if steps == stop_after:
-                    return {"seen": seen, "checkpoint": _checkpoint(model, optimizer, scheduler, sampler)}
+                if steps == stop_after:  # the loader's workers have drawn ahead: save the state after mb
+                    return {"seen": seen, "checkpoint": _checkpoint(model, optimizer, scheduler, sampler, mb)}
     return {"seen": seen, "params": {name: p.detach().clone() for name, p in model.named_parameters()}}
 
 
-def _checkpoint(model, optimizer, scheduler, sampler) -> dict:
+def _checkpoint(model, optimizer, scheduler, sampler, last) -> dict:
     return {
         "model": {k: v.clone() for k, v in model.state_dict().items()},
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
-        "sampler": sampler.state_dict(),
+        "sampler": sampler.state_dict(after=last),
     }

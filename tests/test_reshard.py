@@ -22,7 +22,7 @@ import reference as ref
 import torch
 from _ddp_plans import free_port, sample_lengths, write_test_plan
 from _ddp_reshard_worker import resume_on, train_until
-from _ddp_worker import launch
+from _spawn import launch
 from conftest import build_and_write
 from typer.testing import CliRunner
 
@@ -409,9 +409,8 @@ def states_after(path, world_size: int, steps: int) -> list[dict]:
         sampler = PlanSampler(path, rank=rank, world_size=world_size)
         done = 0
         for epoch in range(sampler.num_epochs):
-            sampler.set_epoch(epoch)
-            for mb in sampler.schedule():
-                done += mb.is_last
+            for rows in sampler:
+                done += rows.record.is_last
                 if done == steps:
                     break
             if done == steps:
@@ -422,9 +421,8 @@ def states_after(path, world_size: int, steps: int) -> list[dict]:
 
 def records(sampler) -> list[tuple]:
     out = []
-    for epoch in range(sampler.epoch, sampler.num_epochs):
-        sampler.set_epoch(epoch)
-        out += [(mb.epoch, mb.step, mb.micro, tuple(mb.indices)) for mb in sampler.schedule()]
+    while not sampler.finished:
+        out += [(mb.epoch, mb.step, mb.micro, tuple(mb.indices)) for mb in (rows.record for rows in sampler)]
     return out
 
 
@@ -451,7 +449,7 @@ def test_a_state_at_the_end_of_the_previous_epoch_is_at_the_boundary_step(make_p
     child = tmp_path / "child.arrow"
     reshard_plan_file(parent, child, world_size=3, from_step=from_step)
     old = PlanSampler(parent, rank=1, world_size=2)
-    list(old.schedule())  # all of epoch 0, no set_epoch(1) yet
+    list(old)  # all of epoch 0, not yet epoch 1
     sampler = PlanSampler(child, rank=0, world_size=3)
     sampler.load_state_dict(old.state_dict())
     assert sampler.epoch == 1 and sampler.position == 0
@@ -492,7 +490,7 @@ def test_other_states_are_still_refused_strictly(make_parent, tmp_path):
     with pytest.raises(PlanMismatchError, match="config fingerprint"):
         sampler.load_state_dict({**state, "config_fingerprint": "0" * 16})
     own = PlanSampler(child, rank=2, world_size=3)
-    next(iter(own.schedule()))
+    next(iter(own))
     saved = own.state_dict()
     with pytest.raises(PlanMismatchError, match="rank"):
         sampler.load_state_dict(saved)  # a state of the new plan keeps its rank check

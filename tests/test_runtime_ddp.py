@@ -18,7 +18,8 @@ from collections import defaultdict
 import pytest
 import torch
 from _ddp_plans import free_port, standard_plans
-from _ddp_worker import RESUME_AFTER_STEPS, launch, run_checks
+from _ddp_worker import RESUME_AFTER_STEPS, run_checks
+from _spawn import launch
 
 from batchplan.plan_file import open_plan
 

@@ -46,8 +46,10 @@ def test_iteration_yields_this_ranks_rows_in_plan_order(plans, rank, epoch):
     sampler.set_epoch(epoch)
     rows = open_plan(plans["pack"]).read_rank(epoch, rank).to_pylist()
     assert len(sampler) == len(rows)
-    assert as_ints(sampler) == [row["samples"] for row in rows]
     records = list(sampler.schedule())
+    drawn = list(sampler)
+    assert as_ints(drawn) == [row["samples"] for row in rows]
+    assert [planned.record for planned in drawn] == records  # each batch's rows carry their record
     assert len(records) == len(rows)
     for position, (record, row) in enumerate(zip(records, rows)):
         assert isinstance(record, MicroBatch)
@@ -65,7 +67,8 @@ def test_iteration_yields_this_ranks_rows_in_plan_order(plans, rank, epoch):
 
 def test_spans_travel_as_span_indices(plans):
     sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
-    for batch, record in zip(sampler, sampler.schedule()):
+    for batch, record in zip(sampler, PlanSampler(plans["pack"], rank=0, world_size=2).schedule()):
+        assert batch.record == record
         assert all(isinstance(i, SpanIndex) and isinstance(i, int) for i in batch)
         assert [(i.start, i.length) for i in batch] == record.spans
         assert pickle.loads(pickle.dumps(batch)) == batch
@@ -180,18 +183,17 @@ def test_state_dict_is_small_plain_and_versioned(plans):
 
 @pytest.mark.parametrize("taken", [0, 1, 5, 11, 12])
 def test_resume_continues_with_exactly_the_remaining_micro_batches(plans, taken):
-    full = PlanSampler(plans["pack"], rank=0, world_size=2)
-    expected = list(full.schedule())
+    expected = list(PlanSampler(plans["pack"], rank=0, world_size=2).schedule())
     before = PlanSampler(plans["pack"], rank=0, world_size=2)
-    loader_side, schedule_side = iter(before), before.schedule()
-    for _ in range(min(taken + 3, len(expected))):
-        next(loader_side)  # the loader prefetches ahead of training ...
-    for _ in range(taken):
-        next(schedule_side)  # ... but the state counts what training took
-    state = json.loads(json.dumps(before.state_dict()))
+    loader_side = iter(before)
+    drawn = [next(loader_side) for _ in range(min(taken + 3, len(expected)))]  # the loader prefetches ahead
+    state = before.state_dict(after=drawn[taken - 1].record) if taken else before.state_dict(after=None)
+    if not taken:
+        state["position"] = 0  # nothing trained yet: what a sampler that drew nothing saves
+    state = json.loads(json.dumps(state))
     after = PlanSampler(plans["pack"], rank=0, world_size=2)
     after.load_state_dict(state)
-    after.set_epoch(0)  # the usual loop calls set_epoch: it keeps the resumed position
+    after.set_epoch(0)  # a loop that calls set_epoch with the saved epoch keeps the resumed position
     assert len(after) == len(expected) - taken
     assert list(after.schedule()) == expected[taken:]
     assert as_ints(after) == [r.indices for r in expected[taken:]]
@@ -199,48 +201,116 @@ def test_resume_continues_with_exactly_the_remaining_micro_batches(plans, taken)
     assert len(after) == len(expected) and list(after.schedule())[0].epoch == 1
 
 
+def test_a_state_at_the_end_of_an_epoch_continues_with_the_next(plans):
+    source = PlanSampler(plans["pack"], rank=0, world_size=2)
+    list(source)
+    assert source.state_dict()["epoch"] == 0  # all of epoch 0 drawn
+    for call_set_epoch in (None, 0, 1):
+        sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
+        sampler.load_state_dict(source.state_dict())
+        assert sampler.epoch == 1
+        if call_set_epoch == 0:  # the loop's counter says epoch 0: it has nothing left
+            sampler.set_epoch(0)
+            assert list(sampler) == []
+        elif call_set_epoch == 1:
+            sampler.set_epoch(1)
+        assert [p.record.epoch for p in sampler] == [1] * len(PlanSampler(plans["pack"], rank=0, world_size=2))
+
+
 def test_a_state_loaded_after_the_iterators_were_created_is_honoured(plans):
-    """What a stateful loader does: zip(sampler.schedule(), loader) first, then it restores itself."""
+    """What a stateful loader does: iter(sampler) first, then it restores itself."""
     expected = list(PlanSampler(plans["pack"], rank=0, world_size=2).schedule())
     source = PlanSampler(plans["pack"], rank=0, world_size=2)
-    taken = source.schedule()
+    taken = iter(source)
     for _ in range(3):
         next(taken)
     sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
-    records, batches = sampler.schedule(), iter(sampler)
+    batches = iter(sampler)
     sampler.load_state_dict(source.state_dict())
-    assert list(records) == expected[3:]
-    assert as_ints(batches) == [r.indices for r in expected[3:]]
+    assert [planned.record for planned in batches] == expected[3:]
 
 
-def test_without_schedule_the_state_counts_what_the_loader_drew(plans):
+def test_the_state_counts_what_the_loader_drew(plans):
     sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
     batches = iter(sampler)
-    next(batches), next(batches)
+    first, second = next(batches), next(batches)
     assert sampler.state_dict()["position"] == 2
+    assert sampler.state_dict(after=first.record)["position"] == 1
+    assert sampler.state_dict(after=second.record) == sampler.state_dict()
 
 
-def test_set_epoch_to_another_epoch_drops_a_loaded_position(plans):
+def test_state_after_a_record_the_sampler_did_not_draw_is_refused(plans):
+    sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
+    batches = iter(sampler)
+    next(batches)
+    later = list(PlanSampler(plans["pack"], rank=0, world_size=2).schedule())[3]
+    with pytest.raises(ConfigError, match="micro-batch 3 was not drawn by this sampler"):
+        sampler.state_dict(after=later)
+    with pytest.raises(ConfigError, match="MicroBatch record"):
+        sampler.state_dict(after={"position": 0})
+
+
+def test_set_epoch_after_a_load_must_be_the_loaded_epoch(plans):
     source = PlanSampler(plans["pack"], rank=0, world_size=2)
-    records = source.schedule()
-    next(records), next(records)
+    source.set_epoch(1)
+    batches = iter(source)
+    next(batches), next(batches)
     sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
     sampler.load_state_dict(source.state_dict())
+    with pytest.raises(PlanMismatchError, match=r"set_epoch\(0\) right after loading a state at epoch 1.*replay"):
+        sampler.set_epoch(0)  # e.g. a framework whose epoch counter restarted at 0
     sampler.set_epoch(1)
-    assert len(sampler) == PlanSampler(plans["pack"], rank=0, world_size=2).__len__()
+    assert len(sampler) == open_plan(plans["pack"]).metadata["rows_per_rank"][1] - 2
+    assert [p.record.position for p in sampler][0] == 2
 
 
 def test_resume_in_the_second_epoch(plans):
     sampler = PlanSampler(plans["pack"], rank=1, world_size=2)
     sampler.set_epoch(1)
     expected = list(sampler.schedule())
-    records = sampler.schedule()
+    batches = iter(sampler)
     for _ in range(4):
-        next(records)
+        next(batches)
     resumed = PlanSampler(plans["pack"], rank=1, world_size=2)
     resumed.load_state_dict(sampler.state_dict())
     assert resumed.epoch == 1
     assert list(resumed.schedule()) == expected[4:]
+
+
+# -- epochs without set_epoch -------------------------------------------------------
+
+
+def test_iterating_again_walks_the_next_epoch_and_never_repeats_one(plans):
+    sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
+    plan = open_plan(plans["pack"])
+    walked = []
+    while not sampler.finished:
+        walked.append([(p.record.epoch, p.record.step, p.record.micro) for p in sampler])
+    assert len(walked) == plan.num_epochs == 2
+    for epoch, batches in enumerate(walked):
+        rows = plan.read_rank(epoch, 0).to_pylist()
+        assert batches == [(epoch, row["step"], row["micro"]) for row in rows]
+    assert sampler.epoch == 1 and len(sampler) == 0
+    with pytest.raises(PlanMismatchError, match=r"all 2 epoch\(s\) of the plan are done.*--epochs 3"):
+        list(sampler)
+
+
+def test_a_loader_without_set_epoch_trains_each_epoch_once(plans):
+    sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
+    loader = DataLoader(PlanDataset(make_dataset()), batch_sampler=sampler, collate_fn=PackCollator())
+    epochs = [[batch.record.epoch for batch in loader] for _ in range(2)]
+    assert [set(e) for e in epochs] == [{0}, {1}]
+    with pytest.raises(PlanMismatchError, match="are done"):
+        next(iter(loader))
+
+
+def test_set_epoch_with_the_current_epoch_every_epoch_changes_nothing(plans):
+    """A loop that calls set_epoch(epoch) at each epoch start (Trainer, Accelerate) walks the plan."""
+    sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
+    for epoch in range(sampler.num_epochs):
+        sampler.set_epoch(epoch)
+        assert {p.record.epoch for p in sampler} == {epoch}
+    assert sampler.finished
 
 
 def mismatch_cases(plans):
@@ -287,11 +357,13 @@ def test_malformed_state_is_a_format_error(plans, change, pattern):
 
 def test_a_pickled_sampler_reopens_the_plan_at_the_same_place(plans):
     sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
-    records = sampler.schedule()
-    next(records), next(records)
+    batches = iter(sampler)
+    next(batches), next(batches)
     copy = pickle.loads(pickle.dumps(sampler))
     assert copy.state_dict() == sampler.state_dict()
-    assert list(copy.schedule()) == list(PlanSampler(plans["pack"], rank=0, world_size=2).schedule())
+    assert list(copy.schedule()) == list(PlanSampler(plans["pack"], rank=0, world_size=2).schedule())[2:]
+    planned = next(iter(copy))
+    assert pickle.loads(pickle.dumps(planned)).record == planned.record
 
 
 # -- loaders and files -------------------------------------------------------------
@@ -303,11 +375,13 @@ def test_loader_workers_give_the_same_batches(plans):
     plain = [b["input_ids"] for b in DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)]
     workers = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=2,
                          multiprocessing_context="fork")  # fmt: skip
-    together = list(zip(sampler.schedule(), workers))
-    assert len(together) == len(plain)
-    for (record, batch), expected in zip(together, plain):
+    sampler.set_epoch(0)
+    records = list(sampler.schedule())
+    together = list(workers)
+    assert len(together) == len(plain) == len(records)
+    for batch, expected, record in zip(together, plain, records):
         assert torch.equal(batch["input_ids"], expected)
-        assert batch["input_ids"].shape[1] == record.tokens
+        assert batch.record == record and batch["input_ids"].shape[1] == record.tokens
     for picklable in (dataset, collate):  # what spawn-started workers receive
         pickle.loads(pickle.dumps(picklable))
 

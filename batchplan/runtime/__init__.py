@@ -3,9 +3,9 @@
 ```python
 sampler = PlanSampler("plan.arrow")                        # rank/world_size from torch.distributed
 loader = DataLoader(PlanDataset(dataset), batch_sampler=sampler, collate_fn=PackCollator())
-for epoch in range(sampler.epoch, sampler.num_epochs):
-    sampler.set_epoch(epoch)
-    for mb, batch in zip(sampler.schedule(), loader):
+while not sampler.finished:                                # one pass of the loader = one epoch
+    for batch in loader:
+        mb = batch.record                                  # the micro-batch's plan record
         loss = token_loss_sum(model(**batch), batch) * mb.loss_scale(world_size)
         loss.backward()                                    # (DDP: no_sync() unless mb.is_last)
         if mb.is_last: optimizer.step(); scheduler.step(); optimizer.zero_grad()
@@ -16,10 +16,11 @@ See docs/runtime.md.
 """
 
 from batchplan.runtime.attention import document_causal_mask, padding_causal_mask
-from batchplan.runtime.collate import IGNORE_INDEX, PackCollator, PadCollator
+from batchplan.runtime.batch import PlanBatch, record_of
+from batchplan.runtime.collate import IGNORE_INDEX, PackCollator, PadCollator, with_record
 from batchplan.runtime.dataset import PlanDataset
 from batchplan.runtime.loss import count_loss_tokens, token_loss_sum
-from batchplan.runtime.records import MicroBatch, SpanIndex, SpanItem
+from batchplan.runtime.records import MicroBatch, PlannedItems, PlannedRows, SpanIndex, SpanItem
 from batchplan.runtime.sampler import PlanSampler
 from batchplan.runtime.schedule import read_step_tokens, token_lr_factor, token_lr_lambda, token_lr_scheduler
 
@@ -28,16 +29,21 @@ __all__ = [
     "MicroBatch",
     "PackCollator",
     "PadCollator",
+    "PlanBatch",
     "PlanDataset",
     "PlanSampler",
+    "PlannedItems",
+    "PlannedRows",
     "SpanIndex",
     "SpanItem",
     "count_loss_tokens",
     "document_causal_mask",
     "padding_causal_mask",
     "read_step_tokens",
+    "record_of",
     "token_loss_sum",
     "token_lr_factor",
     "token_lr_lambda",
     "token_lr_scheduler",
+    "with_record",
 ]

@@ -18,21 +18,26 @@ of forwards) becomes a one-token dummy with no label: loss 0, gradients 0, every
 collective still runs. Items are mappings with the token ids under ``input_key``
 (list, numpy array or tensor) or the token ids themselves; `SpanItem` items
 (from `PlanDataset`, for plans with spans) are sliced to their span first.
+
+Both return a `PlanBatch`: a ``dict`` whose ``.record`` is the micro-batch's plan
+record, taken from the `PlannedItems` that `PlanDataset` hands them.
+`with_record` gives any other collate function the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from numpy.typing import NDArray
 
-from batchplan.errors import DatasetError
+from batchplan.errors import ConfigError, DatasetError
+from batchplan.runtime.batch import PlanBatch
 from batchplan.runtime.records import SpanItem
 
-__all__ = ["IGNORE_INDEX", "PackCollator", "PadCollator"]
+__all__ = ["IGNORE_INDEX", "PackCollator", "PadCollator", "with_record"]
 
 IGNORE_INDEX = -100
 
@@ -89,9 +94,17 @@ class PackCollator(_Collator):
             (SFT); otherwise labels are the token ids.
         pad_token_id: token id of the dummy for an empty micro-batch.
         ignore_index: label value that carries no loss.
+        use_cache: passed to the model as ``use_cache`` (None leaves the key out).
+            ``False`` by default because Hugging Face models find the samples of a
+            packed row from ``position_ids`` only without a KV cache; with one, the
+            samples attend to each other.
     """
 
-    def __call__(self, items: Sequence[Any]) -> dict[str, Any]:
+    def __init__(self, *, use_cache: bool | None = False, **options: Any) -> None:
+        super().__init__(**options)
+        self.use_cache = use_cache
+
+    def __call__(self, items: Sequence[Any]) -> PlanBatch:
         if len(items) == 0:
             ids = [np.array([self.pad_token_id], dtype=np.int64)]
             labels = [np.array([self.ignore_index], dtype=np.int64)]
@@ -103,7 +116,7 @@ class PackCollator(_Collator):
         positions = np.arange(cu_seq_lens[-1], dtype=np.int64) - np.repeat(cu_seq_lens[:-1], lengths)
         cu = torch.from_numpy(cu_seq_lens.astype(np.int32))
         max_length = int(lengths.max())
-        return {
+        batch = {
             "input_ids": torch.from_numpy(np.concatenate(ids)).unsqueeze(0),
             "labels": torch.from_numpy(np.concatenate(labels)).unsqueeze(0),
             "position_ids": torch.from_numpy(positions).unsqueeze(0),
@@ -114,6 +127,9 @@ class PackCollator(_Collator):
             "cu_seq_lens": cu,
             "max_length": max_length,
         }
+        if self.use_cache is not None:
+            batch["use_cache"] = self.use_cache
+        return PlanBatch(batch, getattr(items, "record", None))
 
 
 class PadCollator(_Collator):
@@ -124,17 +140,18 @@ class PadCollator(_Collator):
     empty micro-batch becomes one row of one pad token with mask 1 (a fully masked
     row would make attention NaN) and label -100.
 
-    Args: as `PackCollator`.
+    Args: as `PackCollator`, without ``use_cache`` (a padding mask needs none).
     """
 
-    def __call__(self, items: Sequence[Any]) -> dict[str, Any]:
+    def __call__(self, items: Sequence[Any]) -> PlanBatch:
+        record = getattr(items, "record", None)
         if len(items) == 0:
             dummy = torch.full((1, 1), self.pad_token_id, dtype=torch.int64)
-            return {
+            return PlanBatch({
                 "input_ids": dummy,
                 "labels": torch.full((1, 1), self.ignore_index, dtype=torch.int64),
                 "attention_mask": torch.ones((1, 1), dtype=torch.int64),
-            }
+            }, record)  # fmt: skip
         ids, labels = self._sequences(items)
         longest = max(a.shape[0] for a in ids)
         input_ids = np.full((len(ids), longest), self.pad_token_id, dtype=np.int64)
@@ -144,11 +161,31 @@ class PadCollator(_Collator):
             input_ids[row, : tokens.shape[0]] = tokens
             padded_labels[row, : tokens.shape[0]] = row_labels
             mask[row, : tokens.shape[0]] = 1
-        return {
+        return PlanBatch({
             "input_ids": torch.from_numpy(input_ids),
             "labels": torch.from_numpy(padded_labels),
             "attention_mask": torch.from_numpy(mask),
-        }
+        }, record)  # fmt: skip
+
+
+class with_record:  # noqa: N801 - used like a function: with_record(collate_fn)
+    """Wraps any collate function so its batches carry the plan record (a `PlanBatch`).
+
+    ``collate_fn`` receives the items as a plain ``list`` and must return a mapping
+    (a dict, or a ``BatchEncoding``) of model inputs.
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Mapping[str, Any]]) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, items: Sequence[Any]) -> PlanBatch:
+        batch = self.collate_fn(list(items))
+        if not isinstance(batch, Mapping):
+            raise ConfigError(
+                f"with_record needs a collate function that returns a mapping of model inputs; "
+                f"{self.collate_fn!r} returned {type(batch).__name__}"
+            )
+        return PlanBatch(batch, getattr(items, "record", None))
 
 
 def _as_ids(values: Any, key: str) -> NDArray[np.int64]:

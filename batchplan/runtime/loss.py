@@ -21,18 +21,24 @@ __all__ = ["count_loss_tokens", "token_loss_sum"]
 
 
 def token_loss_sum(
-    logits: torch.Tensor, labels: torch.Tensor | Mapping[str, Any], *, ignore_index: int = IGNORE_INDEX
+    logits: torch.Tensor | Any, labels: torch.Tensor | Mapping[str, Any], *, ignore_index: int = IGNORE_INDEX
 ) -> torch.Tensor:
     """Sum of next-token cross-entropy over the labelled tokens (Hugging Face shift).
 
     Args:
-        logits: (batch, T, vocab); position ``t`` predicts ``labels[:, t + 1]``.
+        logits: (batch, T, vocab) logits, or a model output that has them as
+            ``.logits`` (a Hugging Face ``ModelOutput``); position ``t`` predicts
+            ``labels[:, t + 1]``.
         labels: (batch, T) labels, or the collator's batch (its ``"labels"``).
         ignore_index: label value that carries no loss.
 
     Returns:
         A scalar: 0 (still connected to the graph) when no token has a label.
+
+    Raises:
+        TypeError: ``logits`` is neither a tensor nor has a ``.logits`` tensor.
     """
+    logits = _logits_of(logits)
     if isinstance(labels, Mapping):
         labels = labels["labels"]
     shifted = logits[..., :-1, :]
@@ -49,3 +55,15 @@ def count_loss_tokens(labels: torch.Tensor | Mapping[str, Any], *, ignore_index:
     if isinstance(labels, Mapping):
         labels = labels["labels"]
     return int((labels[..., 1:] != ignore_index).sum())
+
+
+def _logits_of(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise TypeError(
+        f"token_loss_sum needs logits (a tensor) or a model output with .logits, got {type(output).__name__}; "
+        "for a model that returns a tuple pass its logits element"
+    )

@@ -1,16 +1,20 @@
 """What the runtime hands to training: one `MicroBatch` record per planned row.
 
-A record is a ``NamedTuple`` (about 0.3 us to build), so `PlanSampler.schedule`
-adds almost nothing per micro-batch. `SpanIndex` is the dataset row a plan with
-token spans yields (an ``int`` that also carries its span); `SpanItem` is the
-dataset item `PlanDataset` returns for it, which the collators slice.
+A record is a ``NamedTuple`` (about 0.3 us to build). It travels with its batch:
+`PlanSampler` yields `PlannedRows` (the dataset rows of a micro-batch, a ``list``
+that carries its record), `PlanDataset` fetches them as `PlannedItems` (the items,
+same record) and the collators put the record on the batch they build. Both are
+plain ``list`` subclasses, so they cross ``DataLoader`` worker processes by pickle.
+`SpanIndex` is the dataset row a plan with token spans yields (an ``int`` that
+also carries its span); `SpanItem` is the dataset item `PlanDataset` returns for
+it, which the collators slice.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-__all__ = ["MicroBatch", "SpanIndex", "SpanItem"]
+__all__ = ["MicroBatch", "PlannedItems", "PlannedRows", "SpanIndex", "SpanItem"]
 
 
 class MicroBatch(NamedTuple):
@@ -105,3 +109,25 @@ class SpanItem(NamedTuple):
     item: Any
     start: int
     length: int
+
+
+class PlannedRows(list):
+    """The dataset rows of one micro-batch (what the loader fetches), with its `record`."""
+
+    def __init__(self, rows: list[int], record: MicroBatch) -> None:
+        super().__init__(rows)
+        self.record = record
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PlannedRows, (list(self), self.record))
+
+
+class PlannedItems(list):
+    """The dataset items of one micro-batch (what the collator receives), with its `record`."""
+
+    def __init__(self, items: list[Any], record: MicroBatch) -> None:
+        super().__init__(items)
+        self.record = record
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (PlannedItems, (list(self), self.record))

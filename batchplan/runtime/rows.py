@@ -16,12 +16,12 @@ from numpy.typing import NDArray
 
 from batchplan.errors import PlanFormatError
 from batchplan.plan_file import padded_tokens_column
-from batchplan.runtime.records import MicroBatch, SpanIndex
+from batchplan.runtime.records import MicroBatch, PlannedRows, SpanIndex
 
 __all__ = ["CHUNK_ROWS", "RUNTIME_COLUMNS", "RankRows"]
 
 CHUNK_ROWS = 512
-# Columns the runtime reads beyond the format's required ones (batchplan >= 0.1 writes them).
+# Columns the runtime reads beyond the format's required ones.
 RUNTIME_COLUMNS = ("num_micro", "step_tokens", "tokens_before_step")
 _SCALARS = (
     "step", "micro", "num_micro", "tokens", "loss_tokens", "step_loss_tokens",
@@ -55,12 +55,6 @@ class RankRows:
         """A scalar column (``step``, ``tokens``, ...) as a read-only numpy view."""
         return self._columns[name]
 
-    def index_lists(self, start: int = 0) -> Iterator[list[int]]:
-        """Dataset rows of each micro-batch from row ``start`` (`SpanIndex` items with spans)."""
-        for first in range(start, self.num_rows, CHUNK_ROWS):
-            stop = min(first + CHUNK_ROWS, self.num_rows)
-            yield from self._chunk_indices(first, stop)
-
     def records(self, start: int = 0) -> Iterator[MicroBatch]:
         """One `MicroBatch` per row from row ``start``."""
         epoch = self.epoch
@@ -74,6 +68,16 @@ class RankRows:
                     first + j, starts[j], lengths[j],
                 )  # fmt: skip
 
+    def planned_rows(self, start: int = 0) -> Iterator[PlannedRows]:
+        """The dataset rows of each micro-batch from row ``start``, each with its record."""
+        if not self.has_spans:
+            for record in self.records(start):
+                yield PlannedRows(record.indices, record)
+            return
+        for record in self.records(start):
+            rows = [SpanIndex(r, s, n) for r, s, n in zip(record.indices, record.starts, record.lengths)]
+            yield PlannedRows(rows, record)
+
     def _chunk_lists(self, first: int, stop: int):
         samples = _split(self._samples, self._offsets, first, stop)
         if not self.has_spans:
@@ -82,14 +86,6 @@ class RankRows:
         starts = _split(self._starts, self._span_offsets, first, stop)
         lengths = _split(self._lengths, self._span_offsets, first, stop)
         return samples, starts, lengths
-
-    def _chunk_indices(self, first: int, stop: int) -> Iterator[list[int]]:
-        samples, starts, lengths = self._chunk_lists(first, stop)
-        if not self.has_spans:
-            yield from samples
-            return
-        for rows, row_starts, row_lengths in zip(samples, starts, lengths):
-            yield [SpanIndex(r, s, n) for r, s, n in zip(rows, row_starts, row_lengths)]
 
 
 def _scalar_column(batch: pa.RecordBatch, name: str) -> NDArray[np.int64]:

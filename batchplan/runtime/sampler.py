@@ -2,15 +2,16 @@
 
 Opening memory-maps the plan and decodes its metadata (no rows are read); the
 first iteration of an epoch reads this rank's record batch of that epoch only, as
-zero-copy numpy views. Each micro-batch then costs about a microsecond (measured
-by ``bench/sampler_overhead.py``).
+zero-copy numpy views. Each micro-batch then costs about two microseconds
+(measured by ``bench/sampler_overhead.py``).
 
-Two iterators walk the same rows in the same order: ``iter(sampler)`` yields the
-dataset rows of each micro-batch (what ``DataLoader(batch_sampler=...)`` fetches)
-and `PlanSampler.schedule` yields the matching `MicroBatch` records (step, loss
-normaliser, ...). ``state_dict`` counts the micro-batches the training loop has
-taken from ``schedule()``; without ``schedule()`` it counts what the loader drew,
-which runs ahead of training by the prefetched batches when ``num_workers > 0``.
+Iteration yields `PlannedRows`: the dataset rows of a micro-batch, carrying its
+`MicroBatch` record, which `PlanDataset` and the collators put on the batch
+(``batch.record``). Epochs follow each other by themselves: iterating again after
+an epoch is done walks the next one, and past the last one it raises, so a loop
+that never calls ``set_epoch`` cannot train an epoch twice. ``state_dict`` says
+where the loader is (epoch, micro-batches drawn); ``state_dict(after=record)``
+says where training is, whatever the loader has prefetched.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from collections.abc import Iterator, Sized
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from numpy.typing import ArrayLike
 from torch.utils.data import Sampler
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
 from batchplan.plan_file import PlanFile
 from batchplan.runtime.distributed import check_world_size, resolve_placement
-from batchplan.runtime.records import MicroBatch
+from batchplan.runtime.records import MicroBatch, PlannedRows
 from batchplan.runtime.rows import RUNTIME_COLUMNS, RankRows
 from batchplan.runtime.state import check_state, make_state
 
@@ -35,10 +37,11 @@ __all__ = ["PlanSampler"]
 
 
 class PlanSampler(Sampler[list[int]]):
-    """Replays this rank's micro-batches of a plan, epoch by epoch.
+    """Replays this rank's micro-batches of a plan, epoch after epoch.
 
-    Pass it as ``DataLoader(dataset, batch_sampler=sampler, collate_fn=...)`` and
-    iterate ``zip(sampler.schedule(), loader)`` to get each batch with its record.
+    Pass it as ``DataLoader(PlanDataset(dataset), batch_sampler=sampler,
+    collate_fn=PackCollator())``; each batch then carries its plan record as
+    ``batch.record``.
 
     Args:
         path: the plan file (``batchplan build ... -o plan.arrow``).
@@ -67,7 +70,7 @@ class PlanSampler(Sampler[list[int]]):
             "rank": self._placement.rank,
         }
         self._rows: RankRows | None = None
-        self._move_to(0, 0, resume=False)
+        self._move_to(0, 0)
 
     # -- what the plan and this rank are ------------------------------------------
 
@@ -90,8 +93,8 @@ class PlanSampler(Sampler[list[int]]):
 
     @property
     def epoch(self) -> int:
-        """The epoch that the next iteration walks."""
-        return self._epoch
+        """The epoch that the next iteration walks (the last one once every epoch is done)."""
+        return self._next_start()[0]
 
     @property
     def num_epochs(self) -> int:
@@ -105,6 +108,11 @@ class PlanSampler(Sampler[list[int]]):
     @property
     def steps_per_epoch(self) -> list[int]:
         return [int(n) for n in self._plan.metadata["steps_per_epoch"]]
+
+    @property
+    def first_step(self) -> int:
+        """Global step of the plan's first row (0, or where a resharded plan starts)."""
+        return int(self._plan.metadata.get("first_step", 0))
 
     @property
     def mode(self) -> str:
@@ -122,12 +130,19 @@ class PlanSampler(Sampler[list[int]]):
 
     @property
     def position(self) -> int:
-        """Micro-batches of the current epoch consumed so far (what ``state_dict`` saves)."""
-        return self._drawn if self._consumed is None else self._consumed
+        """Micro-batches of `epoch` drawn so far."""
+        return self._position
+
+    @property
+    def finished(self) -> bool:
+        """True once every micro-batch of every epoch has been drawn."""
+        last = self.num_epochs - 1
+        return self._epoch == last and self._position == self._rows_per_epoch[last]
 
     def __len__(self) -> int:
-        """Micro-batches the next iteration yields: the epoch's, less those done before a resume."""
-        return self._rows_per_epoch[self._epoch] - self._start
+        """Micro-batches the next iteration yields: its epoch's, less those already drawn."""
+        epoch, start = self._next_start()
+        return self._rows_per_epoch[epoch] - start
 
     def check_dataset(
         self,
@@ -161,10 +176,16 @@ class PlanSampler(Sampler[list[int]]):
     # -- epochs and iteration -----------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Walk ``epoch`` next, from its start, unless a loaded state resumes inside it.
+        """Walk ``epoch`` next: from where a loaded state left it, else from its start.
+
+        Not needed: iterating again after an epoch walks the next one. Calling it with
+        the epoch the sampler is at changes nothing, so loops that call it every epoch
+        (Trainer, Accelerate) keep a resumed position.
 
         Raises:
-            PlanMismatchError: ``epoch`` is outside the plan's epochs.
+            PlanMismatchError: ``epoch`` is outside the plan, or differs from the
+                epoch of a state just loaded (the caller's epoch counter was not
+                restored with the sampler: following it would replay or skip data).
         """
         if isinstance(epoch, bool) or not isinstance(epoch, int):
             raise ConfigError(f"epoch must be an integer, got {epoch!r}")
@@ -173,74 +194,147 @@ class PlanSampler(Sampler[list[int]]):
                 f"{self.path}: epoch {epoch} is beyond the plan, which has epochs 0..{self.num_epochs - 1}; "
                 f"rebuild it with --epochs {epoch + 1} or more to train longer"
             )
-        if self._resume_pending and epoch == self._epoch:
+        if self._resume_pending:
+            self._set_resumed_epoch(epoch)
+        elif epoch != self._epoch or self._position != 0:
+            self._move_to(epoch, 0)
+        self._hold = True
+
+    def _set_resumed_epoch(self, epoch: int) -> None:
+        done = self._position == self._rows_per_epoch[self._epoch]
+        if epoch == self._epoch:
             return
-        self._move_to(epoch, 0, resume=False)
+        if epoch == self._epoch + 1 and done:  # saved right at the end of an epoch
+            self._move_to(epoch, 0, resume=True)
+            return
+        raise PlanMismatchError(
+            f"{self.path}: set_epoch({epoch}) right after loading a state at epoch {self._epoch}, "
+            f"micro-batch {self._position}: walking epoch {epoch} would "
+            f"{'replay' if epoch < self._epoch else 'skip'} data. Restore the training loop's epoch "
+            f"counter with the sampler (it is sampler.epoch = {self.epoch}), or do not call set_epoch"
+        )
 
-    def __iter__(self) -> Iterator[list[int]]:
-        """Dataset rows of each of this rank's remaining micro-batches of the epoch.
+    def __iter__(self) -> Iterator[PlannedRows]:
+        """This rank's remaining micro-batches of the epoch, as `PlannedRows`.
 
-        Rows are `SpanIndex` ints when the plan has token spans (wrap the dataset
-        in `PlanDataset` so the collators receive them).
+        The epoch and start are picked at the first ``next`` (so a state loaded after
+        the iterator was made, as a stateful loader does, is honoured). Rows are
+        `SpanIndex` ints when the plan has token spans (wrap the dataset in
+        `PlanDataset` so the collators receive them).
+
+        Raises:
+            PlanMismatchError: every epoch of the plan is already done.
         """
-        for position, indices in enumerate(self._begin().index_lists(self._start), self._start + 1):
-            self._drawn = position
-            yield indices
+        epoch, start = self._next_start(strict=True)
+        self._move_to(epoch, start)
+        for planned in self._epoch_rows().planned_rows(start):
+            self._position = planned.record.position + 1
+            yield planned
 
     def schedule(self) -> Iterator[MicroBatch]:
-        """The `MicroBatch` records matching ``iter(self)``, one per micro-batch, same order.
+        """The records of the micro-batches the next iteration yields, without drawing them."""
+        epoch, start = self._next_start()
+        if epoch != self._epoch:
+            return iter(RankRows(self._read_rank(epoch), epoch, self.path).records(start))
+        return self._epoch_rows().records(start)
 
-        From this call on, ``state_dict`` counts the records taken from it. Like
-        ``iter(self)``, it picks its start at its first ``next``, so a state loaded in
-        between (a stateful loader restoring itself when iterated) is honoured.
-        """
-        self._consumed = self._start
-        return self._take()
-
-    def _take(self) -> Iterator[MicroBatch]:
-        rows = self._begin()
-        self._consumed = self._start
-        for record in rows.records(self._start):
-            self._consumed = record.position + 1
-            yield record
-
-    def _begin(self) -> RankRows:
-        self._resume_pending = False
-        return self._epoch_rows()
+    def _next_start(self, strict: bool = False) -> tuple[int, int]:
+        """``(epoch, position)`` where the next iteration starts: an epoch whose every
+        micro-batch was drawn gives way to the next one, unless set_epoch chose it."""
+        if self._hold or self._position < self._rows_per_epoch[self._epoch]:
+            return self._epoch, self._position
+        if self._epoch + 1 < self.num_epochs:
+            return self._epoch + 1, 0
+        if strict:
+            raise PlanMismatchError(
+                f"{self.path}: all {self.num_epochs} epoch(s) of the plan are done on rank {self.rank}; "
+                f"rebuild it with --epochs {self.num_epochs + 1} or more to train longer, or stop the loop "
+                "when sampler.finished is True"
+            )
+        return self._epoch, self._position
 
     def _epoch_rows(self) -> RankRows:
         if self._rows is None or self._rows.epoch != self._epoch:
-            batch = self._plan.read_rank(self._epoch, self.rank)
-            expected = self._rows_per_epoch[self._epoch]
-            if batch.num_rows != expected:
-                raise PlanFormatError(
-                    f"{self.path}: epoch {self._epoch} rank {self.rank} has {batch.num_rows} rows but the "
-                    f"metadata says {expected}; the file is corrupt, rebuild it"
-                )
-            self._rows = RankRows(batch, self._epoch, self.path)
+            self._rows = RankRows(self._read_rank(self._epoch), self._epoch, self.path)
         return self._rows
 
-    def _move_to(self, epoch: int, position: int, *, resume: bool) -> None:
+    def _read_rank(self, epoch: int):
+        batch = self._plan.read_rank(epoch, self.rank)
+        expected = self._rows_per_epoch[epoch]
+        if batch.num_rows != expected:
+            raise PlanFormatError(
+                f"{self.path}: epoch {epoch} rank {self.rank} has {batch.num_rows} rows but the "
+                f"metadata says {expected}; the file is corrupt, rebuild it"
+            )
+        return batch
+
+    def _move_to(self, epoch: int, position: int, *, resume: bool = False) -> None:
         self._epoch = epoch
-        self._start = position
-        self._drawn = position
-        self._consumed: int | None = None
+        self._position = position
         self._resume_pending = resume
+        self._hold = False
 
     # -- checkpointing ----------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """Where this rank is: plan identity, rank, world size, epoch, micro-batches consumed.
+    def state_dict(self, after: MicroBatch | None = None) -> dict[str, Any]:
+        """Where this rank is: plan identity, rank, world size, epoch, micro-batches done.
 
-        Take it after the optimizer step (``mb.is_last``) so a resume starts on a
-        step boundary. Small (about 300 bytes) and plain (``torch.save``/JSON-able).
+        Without ``after``, the position is what the loader has drawn: exact with
+        ``num_workers=0``, and what torchdata's ``StatefulDataLoader`` needs (it
+        snapshots the sampler as each batch is drawn and returns the snapshot of the
+        batch it yielded). A loader that prefetches (``num_workers > 0``, Accelerate's
+        look-ahead) draws ahead of training: pass the record of the last micro-batch
+        trained, ``state_dict(after=batch.record)``, and the state resumes right after
+        it. Take it after an optimizer step so a resume starts on a step boundary.
+        Small (about 300 bytes) and plain (``torch.save``/JSON-able).
+
+        Raises:
+            ConfigError: ``after`` is not a record this sampler has yielded.
         """
-        return make_state(self._identity, self._epoch, self.position)
+        if after is None:
+            return make_state(self._identity, self._epoch, self._position)
+        if not isinstance(after, MicroBatch):
+            raise ConfigError(f"after must be a MicroBatch record (batch.record), got {type(after).__name__}")
+        drawn = (self._epoch, self._position)
+        if not (0 <= after.position < self._rows_per_epoch[after.epoch] if 0 <= after.epoch < self.num_epochs
+                else False) or (after.epoch, after.position) >= drawn:  # fmt: skip
+            raise ConfigError(
+                f"record of epoch {after.epoch}, micro-batch {after.position} was not drawn by this sampler "
+                f"(it is at epoch {self._epoch}, micro-batch {self._position}); pass the record of a batch "
+                "this sampler's loader yielded"
+            )
+        return make_state(self._identity, after.epoch, after.position + 1)
+
+    def state_at_step(self, step: int) -> dict[str, Any]:
+        """The state of this rank right before global optimizer step ``step``.
+
+        What a framework that counts optimizer steps (Trainer's ``global_step``,
+        Lightning's ``global_step``) resumes from: ``step`` steps done. Reads one
+        column of this rank's rows of one epoch.
+
+        Raises:
+            ConfigError: ``step`` is outside ``first_step..first_step + num_steps``.
+        """
+        steps = self.steps_per_epoch
+        done = step - self.first_step
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= done <= sum(steps):
+            raise ConfigError(
+                f"step {step!r} is outside the plan, whose steps are {self.first_step}..{self.first_step + sum(steps)}"
+            )
+        epoch = 0
+        while epoch < len(steps) - 1 and done >= steps[epoch]:
+            done -= steps[epoch]
+            epoch += 1
+        rows = self._epoch_rows() if epoch == self._epoch else RankRows(self._read_rank(epoch), epoch, self.path)
+        position = int(np.searchsorted(rows.column("step"), step, side="left"))
+        return make_state(self._identity, epoch, position)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume where ``state`` was taken; the next iteration continues from there.
 
-        A following ``set_epoch`` with the saved epoch keeps the position.
+        A state taken at the end of an epoch continues with the next epoch. A
+        following ``set_epoch`` with the saved epoch keeps the position; another
+        epoch is an error (see `set_epoch`).
 
         A plan made by ``batchplan reshard`` also accepts a state of the plan it was
         resharded from (any rank, any world size of that plan) saved exactly at the
@@ -263,17 +357,17 @@ class PlanSampler(Sampler[list[int]]):
             "path": str(self.path),
             "rank": self.rank,
             "world_size": self.world_size,
-            "cursor": (self._epoch, self._start, self._drawn, self._consumed, self._resume_pending),
+            "cursor": (self._epoch, self._position, self._resume_pending, self._hold),
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["path"], state["rank"], state["world_size"])
-        self._epoch, self._start, self._drawn, self._consumed, self._resume_pending = state["cursor"]
+        self._epoch, self._position, self._resume_pending, self._hold = state["cursor"]
 
     def __repr__(self) -> str:
         return (
             f"PlanSampler({str(self.path)!r}, rank={self.rank}, world_size={self.world_size}, "
-            f"epoch={self._epoch}, position={self.position})"
+            f"epoch={self._epoch}, position={self._position})"
         )
 
 

@@ -1,0 +1,70 @@
+"""Run a function on several real processes, deterministically.
+
+Each rank runs ``fn(rank, *args)`` in a spawned process and leaves with
+``os._exit``: torch's gloo sometimes aborts a process while the interpreter tears
+down (SIGABRT after the work is done), so exit codes are not the verdict. A rank
+that raises writes its traceback to ``error{rank}.txt`` in ``out_dir``; `launch`
+re-raises it, and reports a rank that neither finished nor raised. Workers save
+their own results; tests judge those.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+_DONE = "done{rank}"
+
+
+def launch(fn, args: tuple, world_size: int = 2, timeout_s: float = 240.0, out_dir: str | None = None,
+           env: dict[str, str] | None = None) -> None:  # fmt: skip
+    """Spawn ``fn(rank, *args)`` on ``world_size`` processes and wait for all of them.
+
+    Args:
+        out_dir: where ranks mark themselves done (default: the last of ``args``).
+        env: environment variables for every rank (``RANK``/``LOCAL_RANK`` are set per rank
+            when ``env`` has ``WORLD_SIZE``: what torchrun gives Trainer and Accelerate).
+
+    Raises:
+        AssertionError: a rank raised (its traceback is in the message) or exited without
+            finishing; TimeoutError: a rank hung.
+    """
+    out = Path(out_dir if out_dir is not None else args[-1])
+    out.mkdir(parents=True, exist_ok=True)
+    context = mp.get_context("spawn")
+    processes = [context.Process(target=_run, args=(fn, rank, args, str(out), env or {})) for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(timeout=max(deadline - time.monotonic(), 0.1))
+    if any(p.is_alive() for p in processes):
+        for process in processes:
+            process.kill()
+        raise TimeoutError(f"processes did not finish in {timeout_s:.0f} s (a rank hung?)")
+    errors = [out / f"error{rank}.txt" for rank in range(world_size)]
+    for rank, error in enumerate(errors):
+        if error.exists():
+            raise AssertionError(f"rank {rank} raised:\n{error.read_text()}")
+    for rank, process in enumerate(processes):
+        if not (out / _DONE.format(rank=rank)).exists():
+            raise AssertionError(f"rank {rank} exited with code {process.exitcode} before finishing")
+
+
+def _run(fn, rank: int, args: tuple, out_dir: str, env: dict[str, str]) -> None:
+    code = 0
+    try:
+        os.environ.update(env)
+        if "WORLD_SIZE" in env:
+            os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)
+        fn(rank, *args)
+        Path(out_dir, _DONE.format(rank=rank)).touch()
+    except BaseException:  # noqa: BLE001 - reported to the parent through the file
+        Path(out_dir, f"error{rank}.txt").write_text(traceback.format_exc())
+        code = 1
+    finally:
+        os._exit(code)
