@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from batchplan.config import PlanConfig, num_threads
 from batchplan.errors import ConfigError
-from batchplan.lengths import find_parquet_files, read_lengths
+from batchplan.lengths import DatasetFiles, count_samples, find_dataset_files, read_lengths
 from batchplan.memory import check_build_memory, estimate_build_memory
 
 __all__ = ["Progress", "build_plan_file", "validate_plan_file"]
@@ -48,13 +48,13 @@ def build_plan_file(
     from batchplan.plan_file import write_plan
 
     output = Path(output)
-    files = find_parquet_files(dataset)
-    _check_output(output, files)
+    files = find_dataset_files(dataset)
+    _check_output(output, files.paths)
     threads = num_threads()
-    num_samples = _count_rows(files)
+    num_samples = count_samples(files)
     if num_samples is not None:  # before reading: a lower bound from the sample count
         check_build_memory(estimate_build_memory(num_samples, config, num_threads=threads))
-    advance = _stage(progress, "reading lengths", len(files))
+    advance = _stage(progress, "reading lengths", len(files.paths))
     columns = {"length_column": length_column, "tokens_column": tokens_column, "loss_tokens_column": loss_tokens_column}
     with ThreadPoolExecutor(max_workers=1) as reader:
         # Reading and hashing the lengths and estimating the build's memory from them
@@ -66,7 +66,7 @@ def build_plan_file(
 
         start_numba()
         lengths, fingerprint, estimate = reading.result()
-    advance(len(files))
+    advance(len(files.paths))
     check_build_memory(estimate)  # before planning: micro-batches and spans estimated from the lengths
     advance = _stage(progress, "planning epochs", config.epochs)
     plan = build_plan(lengths.lengths, config, loss_tokens=lengths.loss_tokens, on_epoch=lambda _: advance(1))
@@ -102,14 +102,14 @@ def validate_plan_file(plan_path: PathLike, dataset: PathLike | Sequence[PathLik
     return violations, f"{plan.num_epochs} epoch(s), {plan.world_size} rank(s), {lengths.num_samples:,} samples"
 
 
-def _read_and_estimate(files: list[Path], columns: dict[str, Any], config: PlanConfig, threads: int):
+def _read_and_estimate(files: DatasetFiles, columns: dict[str, Any], config: PlanConfig, threads: int):
     """The lengths, their fingerprint, and the build's memory estimate from them."""
     lengths = read_lengths(files, **columns)
     estimate = estimate_build_memory(lengths.num_samples, config, num_threads=threads, lengths=lengths.lengths)
     return lengths, lengths.fingerprint(), estimate
 
 
-def _check_output(output: Path, inputs: list[Path]) -> None:
+def _check_output(output: Path, inputs: Sequence[Path]) -> None:
     if not output.parent.is_dir():
         raise ConfigError(f"output directory {output.parent} does not exist; create it or choose another -o")
     if output.is_dir():
@@ -118,18 +118,6 @@ def _check_output(output: Path, inputs: list[Path]) -> None:
     for path in inputs:
         if path.resolve() == resolved:
             raise ConfigError(f"output {output} is also an input file; choose another -o")
-
-
-def _count_rows(files: list[Path]) -> int | None:
-    """Samples of the dataset from the Parquet footers alone; None if one is unreadable
-    (`read_lengths` then reports it)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        return sum(pq.read_metadata(path).num_rows for path in files)
-    except (pa.ArrowException, OSError):
-        return None
 
 
 def _stage(progress: Progress | None, description: str, total: int | None) -> Callable[[int], None]:

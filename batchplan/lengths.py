@@ -1,10 +1,13 @@
-"""Read per-sample token lengths from Parquet, column-only and batch by batch.
+"""Read per-sample token lengths from Parquet or a ``datasets`` folder, column-only and batch by batch.
 
-Sample ``i`` is global row ``i`` over the files in sorted path order. A length comes
-from an integer column (``length_column``) or, when that column is absent, from a
-list column of token ids (``tokens_column``), whose list offsets give the lengths;
-no other column is read. Memory: 4 bytes per sample for lengths (+4 with a
-loss-token column), plus one Parquet batch in flight.
+A dataset is Parquet files and directories of them (sample ``i`` is global row ``i``
+over the files in sorted path order), or one folder written by Hugging Face
+``Dataset.save_to_disk`` (sample ``i`` is row ``i`` of the dataset: its Arrow files in
+``state.json`` order; `batchplan.lengths_arrow`). A length comes from an integer column
+(``length_column``) or, when that column is absent, from a list column of token ids
+(``tokens_column``), whose list offsets give the lengths; no other column is read.
+Memory: 4 bytes per sample for lengths (+4 with a loss-token column), plus one batch
+in flight. Neither ``datasets`` nor pandas is imported.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +24,19 @@ import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
 from batchplan.errors import DatasetError
+from batchplan.lengths_arrow import StreamFile, is_datasets_folder, list_arrow_files
 
-__all__ = ["SampleLengths", "find_parquet_files", "fingerprint_lengths", "read_lengths"]
+__all__ = [
+    "DatasetFiles",
+    "SampleLengths",
+    "count_samples",
+    "find_dataset_files",
+    "find_parquet_files",
+    "fingerprint_lengths",
+    "read_lengths",
+]
+
+PathLike = str | os.PathLike
 
 _BATCH_ROWS = 1 << 20
 _INT32_MAX = np.iinfo(np.int32).max
@@ -36,7 +50,8 @@ class SampleLengths:
         lengths: tokens per sample (int32); a null length reads as 0.
         loss_tokens: tokens carrying a label per sample (int32), or None for the
             default ``length - 1``.
-        files: the Parquet files read, in sample order, with their row counts.
+        files: the files read (Parquet, or a datasets folder's Arrow files), in
+            sample order, with their row counts.
         column: the column the lengths came from.
     """
 
@@ -65,7 +80,42 @@ def fingerprint_lengths(lengths: NDArray, loss_tokens: NDArray | None = None) ->
     return digest.hexdigest()
 
 
-def find_parquet_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list[Path]:
+@dataclasses.dataclass(frozen=True)
+class DatasetFiles:
+    """The files of one dataset, in sample order.
+
+    Attributes:
+        paths: Parquet files, or the Arrow stream files of ``folder``.
+        folder: the Hugging Face datasets folder the files belong to, or None for Parquet.
+    """
+
+    paths: tuple[Path, ...]
+    folder: Path | None = None
+
+
+def find_dataset_files(paths: PathLike | Sequence[PathLike]) -> DatasetFiles:
+    """Expand the dataset paths of a command: Parquet files and directories, or one datasets folder.
+
+    Raises:
+        DatasetError: a missing path, a DatasetDict folder, a datasets folder given with
+            other paths, a damaged ``state.json``, a directory with no dataset files.
+    """
+    paths = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(raw) for raw in paths]
+    folders = [path for path in paths if is_datasets_folder(path)]
+    if not folders:
+        return DatasetFiles(tuple(find_parquet_files(paths)))
+    if len(paths) > 1:
+        others = [str(path) for path in paths]
+        others.remove(str(folders[0]))
+        raise DatasetError(
+            f"{folders[0]}: a Hugging Face datasets folder given with {len(others)} other path(s) "
+            f"{others}; expected it alone (it is a whole dataset): pass one datasets folder, or combine "
+            "them with datasets.concatenate_datasets(...).save_to_disk(PATH) and pass PATH"
+        )
+    return DatasetFiles(tuple(list_arrow_files(folders[0])), folder=folders[0])
+
+
+def find_parquet_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
     """Expand files and directories (all ``*.parquet`` below them) into sorted file paths."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -75,7 +125,10 @@ def find_parquet_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -
         if path.is_dir():
             inside = sorted(p for p in path.rglob("*.parquet") if p.is_file())
             if not inside:
-                raise DatasetError(f"{path}: directory holds no *.parquet files")
+                raise DatasetError(
+                    f"{path}: directory holds no *.parquet files and no state.json; expected Parquet "
+                    "files or a folder written by Hugging Face Dataset.save_to_disk"
+                )
             found.extend(inside)
         elif path.is_file():
             found.append(path)
@@ -90,8 +143,17 @@ def find_parquet_files(paths: str | os.PathLike | Sequence[str | os.PathLike]) -
     return files
 
 
+def count_samples(files: DatasetFiles) -> int | None:
+    """Samples of the dataset before reading it: Parquet footers, or the streams' batch
+    headers; None if a file is unreadable (`read_lengths` then reports it)."""
+    try:
+        return sum(source.count_rows(source.schema.names[:1]) for source in _open_sources(files))
+    except DatasetError:
+        return None
+
+
 def read_lengths(
-    paths: str | os.PathLike | Sequence[str | os.PathLike],
+    paths: PathLike | Sequence[PathLike] | DatasetFiles,
     *,
     length_column: str = "length",
     tokens_column: str = "input_ids",
@@ -100,7 +162,8 @@ def read_lengths(
     """Read the token length of every sample.
 
     Args:
-        paths: a Parquet file, several files, or directories of them.
+        paths: a Parquet file, several files, directories of them, or one folder
+            written by ``datasets.Dataset.save_to_disk`` (`find_dataset_files`).
         length_column: integer column holding each sample's token count.
         tokens_column: list column of token ids, used when ``length_column`` is absent.
         loss_tokens_column: optional integer column: tokens carrying a label.
@@ -109,51 +172,73 @@ def read_lengths(
         DatasetError: unreadable file, missing or mistyped column, negative values,
             loss tokens above the length.
     """
-    files = find_parquet_files(paths)
-    column = _pick_length_column(files[0], length_column, tokens_column)
-    parquets = [_open_parquet(path) for path in files]
-    for path, parquet in zip(files, parquets):
-        _check_columns(path, parquet.schema_arrow, column, loss_tokens_column)
-    total = sum(parquet.metadata.num_rows for parquet in parquets)
+    files = paths if isinstance(paths, DatasetFiles) else find_dataset_files(paths)
+    sources = _open_sources(files)
+    column = _pick_length_column(sources[0], length_column, tokens_column)
+    for source in sources:
+        _check_columns(source.path, source.schema, column, loss_tokens_column)
+    columns = [column] if loss_tokens_column is None else [column, loss_tokens_column]
+    total = sum(source.count_rows(columns) for source in sources)
     if total == 0:
-        raise DatasetError(f"{', '.join(map(str, files))}: dataset has 0 rows; nothing to plan")
+        raise DatasetError(f"{files.folder or ', '.join(map(str, files.paths))}: dataset has 0 rows; nothing to plan")
     # Filled batch by batch: memory is the result plus one batch, never a list of parts.
     lengths = np.empty(total, dtype=np.int32)
     loss = None if loss_tokens_column is None else np.empty(total, dtype=np.int32)
     counts: list[tuple[str, int]] = []
     row = 0
-    for path, parquet in zip(files, parquets):
+    for source in sources:
         first = row
-        for batch in _iter_batches(path, parquet, column, loss_tokens_column):
+        for batch in source.iter_batches(columns):
             end = row + batch.num_rows
-            where = _Rows(path, file_row=row - first, sample=row)
-            lengths[row:end] = _lengths_of(where, batch.column(0), column)
+            where = _Rows(source.path, file_row=row - first, sample=row)
+            lengths[row:end] = _lengths_of(where, batch.column(column), column)
             if loss is not None:
-                loss[row:end] = _integers_of(where, batch.column(1), loss_tokens_column)
+                loss[row:end] = _integers_of(where, batch.column(loss_tokens_column), loss_tokens_column)
             row = end
-        counts.append((str(path), row - first))
+        counts.append((str(source.path), row - first))
     if loss is not None:
-        _check_loss_tokens(files, counts, lengths, loss, loss_tokens_column)
+        _check_loss_tokens(counts, lengths, loss, loss_tokens_column)
     return SampleLengths(lengths=lengths, loss_tokens=loss, files=tuple(counts), column=column)
 
 
-def _open_parquet(path: Path) -> pq.ParquetFile:
-    try:
-        return pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as error:
-        raise DatasetError(
-            f"{path}: not a readable Parquet file ({_one_line(error)}); give Parquet files or directories of them"
-        ) from error
+class _ParquetFile:
+    """One Parquet file, read like a `StreamFile`: schema, row count, batches of some columns."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self._file = pq.ParquetFile(path)
+        except (pa.ArrowException, OSError) as error:
+            raise DatasetError(
+                f"{path}: not a readable Parquet file ({_one_line(error)}); give Parquet files or "
+                "directories of them, or a folder written by Hugging Face Dataset.save_to_disk"
+            ) from error
+        self.schema: pa.Schema = self._file.schema_arrow
+
+    def count_rows(self, columns: list[str]) -> int:
+        return self._file.metadata.num_rows
+
+    def iter_batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
+        try:
+            yield from self._file.iter_batches(batch_size=_BATCH_ROWS, columns=columns)
+        except (pa.ArrowException, OSError) as error:
+            raise DatasetError(f"{self.path}: cannot read column(s) {columns} ({_one_line(error)})") from error
 
 
-def _pick_length_column(path: Path, length_column: str, tokens_column: str) -> str:
-    names = _open_parquet(path).schema_arrow.names
+def _open_sources(files: DatasetFiles) -> list[_ParquetFile | StreamFile]:
+    if files.folder is None:
+        return [_ParquetFile(path) for path in files.paths]
+    return [StreamFile(path, files.folder) for path in files.paths]
+
+
+def _pick_length_column(source: _ParquetFile | StreamFile, length_column: str, tokens_column: str) -> str:
+    names = source.schema.names
     if length_column in names:
         return length_column
     if tokens_column in names:
         return tokens_column
     raise DatasetError(
-        f"{path}: no length column {length_column!r} and no token column {tokens_column!r}; "
+        f"{source.path}: no length column {length_column!r} and no token column {tokens_column!r}; "
         f"columns are {names}; pass --length-column or --tokens-column"
     )
 
@@ -167,17 +252,9 @@ def _check_columns(path: Path, schema: pa.Schema, column: str, loss_column: str 
             )
 
 
-def _iter_batches(path: Path, parquet: pq.ParquetFile, column: str, loss_column: str | None):
-    columns = [column] if loss_column is None else [column, loss_column]
-    try:
-        yield from parquet.iter_batches(batch_size=_BATCH_ROWS, columns=columns)
-    except (pa.ArrowException, OSError) as error:
-        raise DatasetError(f"{path}: cannot read column(s) {columns} ({_one_line(error)})") from error
-
-
 @dataclasses.dataclass(frozen=True)
 class _Rows:
-    """Where a Parquet batch starts: its file, its first row in the file and as a sample."""
+    """Where a batch starts: its file, its first row in the file and as a sample."""
 
     path: Path
     file_row: int
@@ -194,7 +271,7 @@ def _lengths_of(where: _Rows, array: pa.Array, column: str) -> np.ndarray:
 
         array = pc.list_value_length(array)
     elif pa.types.is_fixed_size_list(array.type):
-        array = pa.array(np.full(len(array), array.type.list_size), mask=array.is_null())
+        return np.where(_valid(array), np.int32(array.type.list_size), np.int32(0))
     return _integers_of(where, array, column)
 
 
@@ -205,9 +282,7 @@ def _integers_of(where: _Rows, array: pa.Array, column: str) -> np.ndarray:
             "or a list of token ids; cast the column to an integer type or pick another with "
             "--length-column / --tokens-column"
         )
-    if array.null_count:
-        array = array.fill_null(0)  # imports pyarrow.compute (~45 ms): only when there are nulls
-    values = array.to_numpy(zero_copy_only=False)
+    values = _numpy_of(array)
     if values.size and values.min() < 0:
         bad = np.flatnonzero(values < 0)
         raise DatasetError(
@@ -224,7 +299,28 @@ def _integers_of(where: _Rows, array: pa.Array, column: str) -> np.ndarray:
     return values.astype(np.int32, copy=False)
 
 
-def _check_loss_tokens(files, counts, lengths, loss, loss_column) -> None:
+def _numpy_of(array: pa.Array) -> np.ndarray:
+    """An integer array's values (a null reads as 0), viewed from its data buffer.
+
+    Not ``Array.to_numpy`` or ``fill_null``: pyarrow imports pandas for them when pandas
+    is installed (~0.7 s), and reading lengths needs none of it.
+    """
+    dtype = np.dtype(str(array.type))  # pyarrow's integer names are numpy's: int8 ... uint64
+    if len(array) == 0:
+        return np.empty(0, dtype=dtype)
+    values = np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
+    return np.where(_valid(array), values, 0) if array.null_count else values
+
+
+def _valid(array: pa.Array) -> np.ndarray:
+    """Which entries are not null (bool per entry), from the validity bitmap."""
+    if array.null_count == 0:
+        return np.ones(len(array), dtype=bool)
+    bits = np.unpackbits(np.frombuffer(array.buffers()[0], dtype=np.uint8), bitorder="little")
+    return bits[array.offset : array.offset + len(array)].astype(bool)
+
+
+def _check_loss_tokens(counts, lengths, loss, loss_column) -> None:
     bad = np.flatnonzero(loss > lengths)
     if bad.size == 0:
         return

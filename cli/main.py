@@ -27,6 +27,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+_DATASET_HELP = "Parquet file(s) or directories of them, or one folder written by datasets' save_to_disk."
+
 
 def _fail_cleanly(command):
     """Turn BatchPlanError into one line on stderr and exit code 1."""
@@ -52,7 +54,7 @@ def _fail_cleanly(command):
 @app.command()
 @_fail_cleanly
 def build(
-    dataset: Annotated[list[Path], typer.Argument(help="Parquet file(s) or directories of them.")],
+    dataset: Annotated[list[Path], typer.Argument(help=_DATASET_HELP)],
     output: Annotated[Path, typer.Option("--output", "-o", help="Plan file to write (.arrow).")],
     max_tokens: Annotated[int, typer.Option(help="Token cap per micro-batch (pad: count x longest).")],
     mode: Annotated[str, typer.Option(help="pack (concatenate samples) or pad (pad to the longest).")] = "pack",
@@ -162,7 +164,7 @@ def inspect(
 @app.command()
 @_fail_cleanly
 def compare(
-    dataset: Annotated[list[Path], typer.Argument(help="Parquet file(s) or directories of them.")],
+    dataset: Annotated[list[Path], typer.Argument(help=_DATASET_HELP)],
     max_tokens: Annotated[int, typer.Option(help="Memory budget of one micro-batch, in tokens, for every strategy.")],
     world_size: Annotated[int, typer.Option(help="Data-parallel ranks.")],
     micro_batches: Annotated[int, typer.Option(help="Micro-batches per rank per step.")] = 1,
