@@ -1,0 +1,170 @@
+"""What each process of the integration tests runs (2 real processes, gloo on CPU).
+
+Every path trains the same tiny random-init ``LlamaForCausalLM`` (float32, SGD) on a
+Hugging Face ``datasets.Dataset`` through a plan, and logs, per micro-batch, what it
+trained: ``(epoch, step, micro, samples, starts)``. The plain runtime loop is the
+reference: the tests compare each path's log and final parameters with it, and a
+resumed run (stopped inside epoch 2, restarted from the path's own checkpoint)
+with the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from batchplan.runtime import PackCollator, PadCollator, PlanDataset, PlanSampler, token_loss_sum
+
+LR = 0.1
+VOCAB_SIZE = 97
+
+
+def make_dataset(lengths):
+    import datasets
+
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(0, VOCAB_SIZE, int(n)).tolist() for n in lengths]
+    return datasets.Dataset.from_dict({"input_ids": ids})
+
+
+def make_model(attention: str = "sdpa"):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, attn_implementation=attention,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def make_tokenizer():
+    """A word-level tokenizer over the model's ids, built in memory (SFTTrainer needs one)."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB_SIZE)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="t0", eos_token="t1")
+
+
+def key(record) -> tuple:
+    return (record.epoch, record.step, record.micro, tuple(record.indices), tuple(record.starts or ()))
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    model = getattr(model, "module", model)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def init_group() -> None:
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+
+# -- the plain loop -------------------------------------------------------------------------
+
+
+def plain_loop(plan: str, lengths) -> dict:
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader
+
+    sampler = PlanSampler(plan)
+    collate = PackCollator() if sampler.mode == "pack" else PadCollator()
+    loader = DataLoader(PlanDataset(make_dataset(lengths)), batch_sampler=sampler, collate_fn=collate)
+    model = make_model()
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    seen, world_size = [], dist.get_world_size()
+    while not sampler.finished:
+        for batch in loader:
+            mb = batch.record
+            with contextlib.nullcontext() if mb.is_last else ddp.no_sync():
+                (token_loss_sum(ddp(**batch), batch) * mb.loss_scale(world_size)).backward()
+            seen.append(key(mb))
+            if mb.is_last:
+                optimizer.step()
+                optimizer.zero_grad()
+    return {"seen": seen, "params": params(model)}
+
+
+# -- Hugging Face Trainer and TRL -----------------------------------------------------------
+
+
+def trainer_class(base: str):
+    from batchplan.integrations.transformers import PlanTrainer, PlanTrainerMixin
+
+    if base == "trainer":
+        parent = PlanTrainer
+    else:
+        from trl import SFTTrainer
+
+        parent = type("PlanSFTTrainer", (PlanTrainerMixin, SFTTrainer), {})
+
+    class Logged(parent):
+        """Logs what each step trained; nothing else changes."""
+
+        seen: list
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.seen.extend(key(batch.record) for batch in inputs)
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    return Logged
+
+
+def trainer_args(base: str, out: str, *, max_steps: int = -1, save_steps: int | None = None, workers: int = 0):
+    options = dict(
+        output_dir=out, max_steps=max_steps, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0,
+        use_cpu=True, ddp_backend="gloo", report_to=[], disable_tqdm=True, logging_steps=1000,
+        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        dataloader_num_workers=workers, seed=0,
+    )  # fmt: skip
+    if base == "trainer":
+        import transformers
+
+        return transformers.TrainingArguments(**options)
+    from trl import SFTConfig
+
+    return SFTConfig(**options, max_length=None, dataset_kwargs={"skip_prepare_dataset": True})
+
+
+def run_trainer(base: str, plan: str, lengths, out: str, *, max_steps=-1, save_steps=None, resume=None,
+                workers: int = 0) -> dict:  # fmt: skip
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    cls = trainer_class(base)
+    trainer = cls(
+        model=model, args=trainer_args(base, out, max_steps=max_steps, save_steps=save_steps, workers=workers),
+        train_dataset=make_dataset(lengths), optimizers=(optimizer, None), plan=plan,
+        **({} if base == "trainer" else {"processing_class": make_tokenizer()}),
+    )  # fmt: skip
+    trainer.seen = []
+    trainer.train(resume_from_checkpoint=resume)
+    return {"seen": trainer.seen, "params": params(trainer.model), "global_step": trainer.state.global_step}
+
+
+def trainer_checks(rank: int, base: str, plans: dict[str, str], lengths, out_dir: str) -> None:
+    init_group()
+    results = {}
+    for name, plan in plans.items():
+        where = os.path.join(out_dir, f"{base}-{name}")
+        results[name] = {"plain": plain_loop(plan, lengths), "full": run_trainer(base, plan, lengths, where)}
+        stop = _step_inside_last_epoch(plan)
+        first = run_trainer(base, plan, lengths, where + "-resume", max_steps=stop, save_steps=stop)
+        rest = run_trainer(base, plan, lengths, where + "-resume", resume=f"{where}-resume/checkpoint-{stop}",
+                           workers=2 if name == "pack" else 0)  # fmt: skip
+        results[name].update(first=first, rest=rest, stop=stop)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+
+
+def _step_inside_last_epoch(plan: str) -> int:
+    steps = PlanSampler(plan, rank=0, world_size=dist.get_world_size()).steps_per_epoch
+    return sum(steps[:-1]) + max(steps[-1] // 2, 1)
