@@ -168,3 +168,71 @@ def trainer_checks(rank: int, base: str, plans: dict[str, str], lengths, out_dir
 def _step_inside_last_epoch(plan: str) -> int:
     steps = PlanSampler(plan, rank=0, world_size=dist.get_world_size()).steps_per_epoch
     return sum(steps[:-1]) + max(steps[-1] // 2, 1)
+
+
+# -- Accelerate custom loop -----------------------------------------------------------------
+
+
+def accelerate_loop(plan: str, lengths, out: str, *, stop_after: int | None = None, resume: bool = False,
+                    workers: int = 0) -> dict:  # fmt: skip
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    from batchplan.integrations.accelerate import prepare_plan_loader
+
+    accelerator = Accelerator(cpu=True)
+    sampler = PlanSampler(plan)
+    loader = DataLoader(PlanDataset(make_dataset(lengths)), batch_sampler=sampler, collate_fn=PackCollator(),
+                        num_workers=workers, multiprocessing_context="fork" if workers else None)  # fmt: skip
+    model = make_model()
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
+    loader = prepare_plan_loader(accelerator, loader)
+    accelerator.register_for_checkpointing(loader)
+    if resume:
+        accelerator.load_state(out)
+    seen, steps = [], 0
+    while not sampler.finished:
+        for batch in loader:
+            mb = batch.record
+            with contextlib.nullcontext() if mb.is_last else accelerator.no_sync(model):
+                loss = token_loss_sum(model(**batch), batch) * mb.loss_scale(accelerator.num_processes)
+                accelerator.backward(loss)
+            seen.append(key(mb))
+            if mb.is_last:
+                optimizer.step()
+                optimizer.zero_grad()
+                steps += 1
+                if steps == stop_after:
+                    accelerator.save_state(out)
+                    return {"seen": seen}
+    return {"seen": seen, "params": params(model)}
+
+
+def refuse_prepare(plan: str, lengths) -> str:
+    """What accelerator.prepare(plan loader) does: it reads batch_size to re-shard, and is refused."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(PlanDataset(make_dataset(lengths)), batch_sampler=PlanSampler(plan),
+                        collate_fn=PackCollator())  # fmt: skip
+    try:
+        Accelerator(cpu=True).prepare(loader)
+    except Exception as error:  # noqa: BLE001 - the message is the result
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def accelerate_checks(rank: int, plans: dict[str, str], lengths, out_dir: str) -> None:
+    init_group()
+    results = {"refused": refuse_prepare(plans["pack"], lengths)}
+    for name, plan in plans.items():
+        where = os.path.join(out_dir, f"accelerate-{name}")
+        stop = _step_inside_last_epoch(plan)
+        results[name] = {
+            "plain": plain_loop(plan, lengths),
+            "full": accelerate_loop(plan, lengths, where, workers=2 if name == "pack" else 0),
+            "first": accelerate_loop(plan, lengths, where, stop_after=stop, workers=2 if name == "pack" else 0),
+            "rest": accelerate_loop(plan, lengths, where, resume=True),
+        }
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()

@@ -139,6 +139,23 @@ class PlanSampler(Sampler[list[int]]):
         last = self.num_epochs - 1
         return self._epoch == last and self._position == self._rows_per_epoch[last]
 
+    @property
+    def batch_size(self) -> int:
+        """A plan has no batch size: reading it is how wrappers re-batch or re-shard a batch
+        sampler (Accelerate's ``BatchSamplerShard``, Lightning's sampler injection), which
+        would move micro-batches between ranks; so it raises.
+
+        Raises:
+            PlanMismatchError: always, naming the integration to use instead.
+        """
+        raise PlanMismatchError(
+            f"{self.path}: something is re-sharding the PlanSampler's micro-batches (it read batch_size): each "
+            "rank's micro-batches are fixed by the plan. With Accelerate use "
+            "batchplan.integrations.accelerate.prepare_plan_loader(accelerator, loader) instead of "
+            "accelerator.prepare(loader); with Lightning pass use_distributed_sampler=False (or use "
+            "batchplan.integrations.lightning.PlanDataModule); with Trainer use PlanTrainer"
+        )
+
     def __len__(self) -> int:
         """Micro-batches the next iteration yields: its epoch's, less those already drawn."""
         epoch, start = self._next_start()
