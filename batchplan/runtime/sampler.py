@@ -2,8 +2,8 @@
 
 Opening memory-maps the plan and decodes its metadata (no rows are read); the
 first iteration of an epoch reads this rank's record batch of that epoch only, as
-zero-copy numpy views. Each micro-batch then costs about two microseconds
-(measured by ``bench/sampler_overhead.py``).
+zero-copy numpy views. Each micro-batch then costs a few microseconds (one
+record and one list; ``bench/sampler_overhead.py`` measures it).
 
 Iteration yields `PlannedRows`: the dataset rows of a micro-batch, carrying its
 `MicroBatch` record, which `PlanDataset` and the collators put on the batch
