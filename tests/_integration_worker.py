@@ -91,7 +91,7 @@ def plain_loop(plan: str, lengths) -> dict:
             if mb.is_last:
                 optimizer.step()
                 optimizer.zero_grad()
-    return {"seen": seen, "params": params(model)}
+    return {"seen": seen, "params": params(model), "initial": params(make_model())}
 
 
 # -- Hugging Face Trainer and TRL -----------------------------------------------------------
@@ -132,7 +132,8 @@ def trainer_args(base: str, out: str, *, max_steps: int = -1, save_steps: int | 
         return transformers.TrainingArguments(**options)
     from trl import SFTConfig
 
-    return SFTConfig(**options, max_length=None, dataset_kwargs={"skip_prepare_dataset": True})
+    # SFTConfig defaults to bf16 mixed precision; the comparison with the plain loop is in float32.
+    return SFTConfig(**options, bf16=False, max_length=None, dataset_kwargs={"skip_prepare_dataset": True})
 
 
 def run_trainer(base: str, plan: str, lengths, out: str, *, max_steps=-1, save_steps=None, resume=None,

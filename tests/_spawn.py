@@ -10,6 +10,7 @@ their own results; tests judge those.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
 import traceback
@@ -58,6 +59,9 @@ def launch(fn, args: tuple, world_size: int = 2, timeout_s: float = 240.0, out_d
 def _run(fn, rank: int, args: tuple, out_dir: str, env: dict[str, str]) -> None:
     code = 0
     try:
+        # Ranks are spawned, and loader workers would inherit spawn (each re-importing torch,
+        # transformers, Lightning: ~15 s); torchrun's ranks fork their workers, as here.
+        multiprocessing.set_start_method("fork", force=True)
         os.environ.update(env)
         if "WORLD_SIZE" in env:
             os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(rank)

@@ -2,7 +2,7 @@
 
 - `batchplan.integrations.transformers`: `PlanTrainer` / `PlanTrainerMixin` (Hugging Face
   ``Trainer``, TRL's ``SFTTrainer``).
-- `batchplan.integrations.lightning`: `PlanDataModule` (Lightning).
+- `batchplan.integrations.lightning`: `PlanDataModule`, `plan_loss`, `plan_backward` (Lightning).
 - `batchplan.integrations.accelerate`: `prepare_plan_loader` (Accelerate custom loops).
 
 Each module imports its library when it is imported, and says how to install it when
