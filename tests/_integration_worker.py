@@ -237,3 +237,55 @@ def accelerate_checks(rank: int, plans: dict[str, str], lengths, out_dir: str) -
         }
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
+
+
+# -- torchdata StatefulDataLoader ---------------------------------------------------------------
+
+
+def stateful_loop(plan: str, lengths, *, workers: int, stop_after: int | None = None,
+                  checkpoint: dict | None = None) -> dict:  # fmt: skip
+    """The plain loop over a StatefulDataLoader, checkpointing the loader's own state_dict."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    sampler = PlanSampler(plan)
+    loader = StatefulDataLoader(PlanDataset(make_dataset(lengths)), batch_sampler=sampler,
+                                collate_fn=PackCollator(), num_workers=workers)  # fmt: skip
+    model = make_model()
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        loader.load_state_dict(checkpoint["loader"])
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    seen, steps, world_size = [], 0, dist.get_world_size()
+    while True:
+        for batch in loader:
+            mb = batch.record
+            with contextlib.nullcontext() if mb.is_last else ddp.no_sync():
+                (token_loss_sum(ddp(**batch), batch) * mb.loss_scale(world_size)).backward()
+            seen.append(key(mb))
+            if mb.is_last:
+                optimizer.step()
+                optimizer.zero_grad()
+                steps += 1
+                if steps == stop_after:
+                    state = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                             "loader": loader.state_dict()}  # fmt: skip
+                    return {"seen": seen, "checkpoint": state}
+        if sampler.finished:
+            break
+    return {"seen": seen, "params": params(model)}
+
+
+def stateful_checks(rank: int, plans: dict[str, str], lengths, out_dir: str) -> None:
+    init_group()
+    results = {}
+    for name, plan in plans.items():
+        stop = _step_inside_last_epoch(plan)
+        for workers in (0, 2):
+            first = stateful_loop(plan, lengths, workers=workers, stop_after=stop)
+            rest = stateful_loop(plan, lengths, workers=workers, checkpoint=first.pop("checkpoint"))
+            results[(name, workers)] = {"plain": plain_loop(plan, lengths) if workers == 0 else None,
+                                        "first": first, "rest": rest}  # fmt: skip
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
