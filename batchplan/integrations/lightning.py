@@ -310,20 +310,27 @@ def _check_length(trainer: Any, sampler: PlanSampler) -> None:
 
 
 def _check_accumulation(trainer: Any, sampler: PlanSampler) -> None:
-    counts: set[int] = set()
+    """Automatic optimisation steps every ``accumulate_grad_batches`` batches and at an epoch's
+    end: the plan must have that many micro-batches in every step but an epoch's last."""
+    micro = trainer.accumulate_grad_batches
+    sizes = []
     for epoch in range(sampler.num_epochs):
-        column = sampler.plan.read_rank(epoch, sampler.rank).column("num_micro")
-        counts.update(int(n) for n in column.to_numpy(zero_copy_only=False).tolist())
-    if len(counts) > 1:
+        rows = sampler.plan.read_rank(epoch, sampler.rank)
+        first = rows.column("micro").to_numpy() == 0  # one row per step
+        sizes.append(rows.column("num_micro").to_numpy()[first])
+    inner = {int(n) for epoch in sizes for n in epoch[:-1]}
+    last = max((int(epoch[-1]) for epoch in sizes if epoch.size), default=0)
+    if inner == {micro} and last <= micro or not inner and last <= micro:
+        return
+    if len(inner) > 1:
         raise ConfigError(
-            f"{sampler.path} has steps of {min(counts)} to {max(counts)} micro-batches (built with "
+            f"{sampler.path} has steps of {min(inner)} to {max(inner)} micro-batches (built with "
             "--tokens-per-step or a ramp-up); Lightning's automatic optimisation steps every "
             "accumulate_grad_batches batches: use manual optimisation with plan_backward, or build the plan "
             "with --micro-batches M"
         )
-    if counts and trainer.accumulate_grad_batches != next(iter(counts)):
-        micro = next(iter(counts))
-        raise ConfigError(
-            f"accumulate_grad_batches is {trainer.accumulate_grad_batches} but every step of {sampler.path} has "
-            f"{micro} micro-batches; pass accumulate_grad_batches={micro} to Trainer"
-        )
+    planned = max(inner | {last})
+    raise ConfigError(
+        f"accumulate_grad_batches is {micro} but the steps of {sampler.path} have {planned} micro-batches "
+        f"(an epoch's last step may have fewer); pass accumulate_grad_batches={planned} to Trainer"
+    )

@@ -1,0 +1,53 @@
+"""docs/integrations.md runs as pasted: every script and command of the page, in order, on 2 processes.
+
+Each ```python block opens with ``# <file>: <command>``; the test writes the file and
+runs the command (``.venv/bin/...`` is this environment's interpreter), and runs each
+line of each ```sh block, in a fresh directory with the repository's ``.venv`` linked in.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "integrations.md"
+HEADER = re.compile(r"# (?P<file>[\w.-]+\.py): (?P<command>.+)")
+
+for module in ("transformers", "trl", "accelerate", "lightning", "torchdata", "datasets"):
+    pytest.importorskip(module)
+
+
+def steps(text: str) -> list[tuple[str, str | None, str]]:
+    """``(command, file, content)`` for each runnable piece of the page, in order."""
+    out = []
+    for kind, body in re.findall(r"```(python|sh)\n(.*?)```", text, re.S):
+        if kind == "sh":
+            out += [(line, None, "") for line in body.splitlines() if line.strip()]
+            continue
+        header = HEADER.match(body.splitlines()[0])
+        assert header, f"a python block of {PAGE.name} does not open with '# <file>: <command>':\n{body[:200]}"
+        out.append((header["command"], header["file"], body))
+    return out
+
+
+@pytest.mark.slow
+def test_every_script_and_command_of_the_page_runs_as_written(tmp_path):
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    ran = []
+    for command, file, content in steps(PAGE.read_text()):
+        if file is not None:
+            (tmp_path / file).write_text(content)
+        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600)  # fmt: skip
+        assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stderr[-3000:]}"
+        ran.append(command)
+    assert sum("torchrun" in c for c in ran) == 5
+    assert (tmp_path / "out-trainer" / "checkpoint-10" / "batchplan_sampler_rank1.json").exists()
+    assert (tmp_path / "out-accelerate").is_dir() and (tmp_path / "loader1.pt").exists()
