@@ -24,6 +24,42 @@ LR = 0.1
 VOCAB_SIZE = 97
 
 
+def integration_plans(directory: Path, lengths) -> dict[str, str]:
+    """A pack plan with 2 micro-batches per step and one with steps of 300 tokens, 2 ranks, 2 epochs."""
+    from _ddp_plans import write_test_plan
+
+    directory.mkdir(parents=True, exist_ok=True)
+    return {
+        "pack": str(write_test_plan(directory / "pack.arrow", lengths, max_tokens=64, world_size=2, epochs=2,
+                                    micro_batches=2, oversize="split", seed=3)),
+        "tokens": str(write_test_plan(directory / "tokens.arrow", lengths, max_tokens=64, world_size=2, epochs=2,
+                                      tokens_per_step=300, oversize="split", seed=4)),
+    }  # fmt: skip
+
+
+def planned(path: str, rank: int) -> list[tuple]:
+    """What ``rank`` must train, micro-batch by micro-batch: `key` of each of its plan rows."""
+    from batchplan.plan_file import open_plan
+
+    plan = open_plan(path)
+    out = []
+    for epoch in range(plan.num_epochs):
+        for row in plan.read_rank(epoch, rank).to_pylist():
+            out.append((epoch, row["step"], row["micro"], tuple(row["samples"]), tuple(row.get("starts") or ())))
+    return out
+
+
+def assert_same_params(actual: dict, expected: dict) -> None:
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def assert_resumed(first: dict, rest: dict, full: dict, path: str, rank: int) -> None:
+    """A run stopped and resumed trained exactly the plan, to the uninterrupted run's parameters."""
+    assert first["seen"] + rest["seen"] == planned(path, rank), (path, rank)
+    assert_same_params(rest["params"], full["params"])
+
+
 def make_dataset(lengths):
     import datasets
 

@@ -16,7 +16,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from _integration_worker import (
-    LR, _step_inside_last_epoch, init_group, key, make_dataset, make_model, params, plain_loop,
+    LR,
+    _step_inside_last_epoch,
+    init_group,
+    key,
+    make_dataset,
+    make_model,
+    params,
+    plain_loop,
 )  # fmt: skip
 
 from batchplan.plan_file import open_plan

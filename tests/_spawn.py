@@ -56,6 +56,17 @@ def launch(fn, args: tuple, world_size: int = 2, timeout_s: float = 240.0, out_d
             raise AssertionError(f"rank {rank} exited with code {process.exitcode} before finishing")
 
 
+def run_ranks(fn, args: tuple, directory, world_size: int = 2, timeout_s: float = 600.0) -> list:
+    """`launch` ``fn(rank, *args, str(directory))`` as torchrun would (``MASTER_ADDR``/``PORT``,
+    ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``); return what each rank saved as ``rank{r}.pt``."""
+    import torch
+    from _ddp_plans import free_port
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size)}
+    launch(fn, (*args, str(directory)), world_size, timeout_s=timeout_s, env=env)
+    return [torch.load(Path(directory) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
 def _run(fn, rank: int, args: tuple, out_dir: str, env: dict[str, str]) -> None:
     code = 0
     try:

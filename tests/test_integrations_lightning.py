@@ -21,10 +21,10 @@ import sys
 
 import pytest
 import torch
-from _ddp_plans import free_port, sample_lengths, write_test_plan
+from _ddp_plans import sample_lengths, write_test_plan
+from _integration_worker import assert_resumed, assert_same_params, integration_plans, planned
 from _lightning_worker import lightning_checks
-from _spawn import launch
-from test_integrations_transformers import WORLD_SIZE, integration_plans, planned
+from _spawn import run_ranks
 
 from batchplan.errors import ConfigError, PlanMismatchError
 from batchplan.plan_file import open_plan
@@ -40,9 +40,7 @@ def lightning_runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("lightning")
     lengths = sample_lengths()
     plans = integration_plans(directory / "plans", lengths)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(WORLD_SIZE)}
-    launch(lightning_checks, (plans, lengths, str(directory)), WORLD_SIZE, timeout_s=600, env=env)
-    return [torch.load(directory / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)], plans
+    return run_ranks(lightning_checks, (plans, lengths), directory), plans
 
 
 @slow
@@ -54,8 +52,7 @@ def test_plan_data_module_trains_exactly_the_plan_like_the_plain_loop(lightning_
             assert runs["plain"]["seen"] == expected, (rank, name)
             assert runs["full"]["seen"] == expected, (rank, name)
             assert runs["full"]["global_step"] == open_plan(path).num_steps
-            for key, value in runs["plain"]["params"].items():
-                torch.testing.assert_close(runs["full"]["params"][key], value, rtol=0, atol=1e-6)
+            assert_same_params(runs["full"]["params"], runs["plain"]["params"])
 
 
 @slow
@@ -65,9 +62,7 @@ def test_plan_data_module_resumes_inside_epoch_two_from_a_lightning_checkpoint(l
         for name, path in plans.items():
             runs = result[name]
             assert runs["first"]["global_step"] == runs["stop"]
-            assert runs["first"]["seen"] + runs["rest"]["seen"] == planned(path, rank), (rank, name)
-            for key, value in runs["full"]["params"].items():
-                torch.testing.assert_close(runs["rest"]["params"][key], value, rtol=0, atol=1e-6)
+            assert_resumed(runs["first"], runs["rest"], runs["full"], path, rank)
 
 
 @slow
@@ -77,9 +72,7 @@ def test_plan_data_module_resumes_from_a_checkpoint_at_the_end_of_epoch_one(ligh
         for name, path in plans.items():
             runs = result[name]
             assert runs["first_at_end"]["global_step"] == runs["end"]
-            assert runs["first_at_end"]["seen"] + runs["rest_after_end"]["seen"] == planned(path, rank), (rank, name)
-            for key, value in runs["full"]["params"].items():
-                torch.testing.assert_close(runs["rest_after_end"]["params"][key], value, rtol=0, atol=1e-6)
+            assert_resumed(runs["first_at_end"], runs["rest_after_end"], runs["full"], path, rank)
 
 
 @slow
@@ -87,8 +80,7 @@ def test_reloading_the_loader_every_epoch_replays_nothing(lightning_runs):
     results, plans = lightning_runs
     for rank, result in enumerate(results):
         assert result["reload"]["seen"] == planned(plans["pack"], rank)
-        for key, value in result["pack"]["full"]["params"].items():
-            torch.testing.assert_close(result["reload"]["params"][key], value, rtol=0, atol=1e-6)
+        assert_same_params(result["reload"]["params"], result["pack"]["full"]["params"])
 
 
 @slow

@@ -9,14 +9,11 @@ of the uninterrupted plain loop.
 from __future__ import annotations
 
 import pytest
-import torch
-from _ddp_plans import free_port, sample_lengths
-from _integration_worker import stateful_checks
-from _spawn import launch
-from test_integrations_transformers import integration_plans, planned
+from _ddp_plans import sample_lengths
+from _integration_worker import assert_resumed, integration_plans, planned, stateful_checks
+from _spawn import run_ranks
 
 pytest.importorskip("torchdata")
-WORLD_SIZE = 2
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +21,7 @@ def runs(tmp_path_factory):
     directory = tmp_path_factory.mktemp("torchdata")
     lengths = sample_lengths()
     plans = integration_plans(directory / "plans", lengths)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(WORLD_SIZE)}
-    launch(stateful_checks, (plans, lengths, str(directory)), WORLD_SIZE, timeout_s=600, env=env)
-    return [torch.load(directory / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)], plans
+    return run_ranks(stateful_checks, (plans, lengths), directory), plans
 
 
 @pytest.mark.slow
@@ -38,6 +33,4 @@ def test_a_resume_from_the_loaders_own_state_trains_exactly_the_rest(runs):
             assert reference["seen"] == planned(path, rank)
             for workers in (0, 2):
                 run = result[(name, workers)]
-                assert run["first"]["seen"] + run["rest"]["seen"] == planned(path, rank), (rank, name, workers)
-                for key, value in reference["params"].items():
-                    torch.testing.assert_close(run["rest"]["params"][key], value, rtol=0, atol=1e-6)
+                assert_resumed(run["first"], run["rest"], reference, path, rank)

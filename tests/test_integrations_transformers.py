@@ -11,43 +11,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from _ddp_plans import free_port, sample_lengths, write_test_plan
-from _integration_worker import trainer_checks
-from _spawn import launch
+from _ddp_plans import sample_lengths
+from _integration_worker import assert_resumed, assert_same_params, integration_plans, planned, trainer_checks
+from _spawn import run_ranks
 
 from batchplan.plan_file import open_plan
 
 pytest.importorskip("transformers")
-WORLD_SIZE = 2
-
-
-def integration_plans(directory, lengths) -> dict[str, str]:
-    directory.mkdir(parents=True, exist_ok=True)
-    return {
-        "pack": str(write_test_plan(directory / "pack.arrow", lengths, max_tokens=64, world_size=2, epochs=2,
-                                    micro_batches=2, oversize="split", seed=3)),
-        "tokens": str(write_test_plan(directory / "tokens.arrow", lengths, max_tokens=64, world_size=2, epochs=2,
-                                      tokens_per_step=300, oversize="split", seed=4)),
-    }  # fmt: skip
-
-
-def planned(path: str, rank: int) -> list[tuple]:
-    plan = open_plan(path)
-    out = []
-    for epoch in range(plan.num_epochs):
-        for row in plan.read_rank(epoch, rank).to_pylist():
-            out.append((epoch, row["step"], row["micro"], tuple(row["samples"]), tuple(row.get("starts") or ())))
-    return out
 
 
 def run(tmp_path_factory, base: str):
     directory = tmp_path_factory.mktemp(base)
     lengths = sample_lengths()
     plans = integration_plans(directory / "plans", lengths)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(WORLD_SIZE)}
-    launch(trainer_checks, (base, plans, lengths, str(directory)), WORLD_SIZE, timeout_s=600, env=env)
-    return [torch.load(directory / f"rank{r}.pt", weights_only=False) for r in range(WORLD_SIZE)], plans
+    return run_ranks(trainer_checks, (base, plans, lengths), directory), plans
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +46,7 @@ def assert_exact(results, plans):
             moved = max((runs["plain"]["params"][k] - v).abs().max() for k, v in runs["plain"]["initial"].items())
             assert moved > 1e-3  # training changed the parameters: equal parameters mean something
             assert runs["full"]["seen"] == expected, (rank, name)
-            for key, value in runs["plain"]["params"].items():
-                torch.testing.assert_close(runs["full"]["params"][key], value, rtol=0, atol=1e-6)
+            assert_same_params(runs["full"]["params"], runs["plain"]["params"])
             assert runs["full"]["global_step"] == open_plan(path).num_steps
 
 
@@ -79,9 +55,7 @@ def assert_resumes(results, plans):
         for name, path in plans.items():
             runs = result[name]
             assert runs["first"]["global_step"] == runs["stop"]
-            assert runs["first"]["seen"] + runs["rest"]["seen"] == planned(path, rank), (rank, name)
-            for key, value in runs["full"]["params"].items():
-                torch.testing.assert_close(runs["rest"]["params"][key], value, rtol=0, atol=1e-6)
+            assert_resumed(runs["first"], runs["rest"], runs["full"], path, rank)
 
 
 @pytest.mark.slow

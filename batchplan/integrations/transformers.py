@@ -180,9 +180,8 @@ class PlanTrainerMixin:
 
     def _save_checkpoint(self, model, trial) -> None:
         super()._save_checkpoint(model, trial)
-        folder = os.path.join(
-            self._get_output_dir(trial=trial), f"{transformers.trainer_utils.PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        )
+        prefix = transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{prefix}-{self.state.global_step}")
         os.makedirs(folder, exist_ok=True)
         sampler = self.plan_sampler
         if self._plan_last_record is not None:
