@@ -510,6 +510,24 @@ def test_the_token_lr_schedule_continues_on_the_new_plan(make_parent, tmp_path):
     assert schedule(6) == pytest.approx((first["tokens_before_step"] + first["step_tokens"]) / total)
 
 
+def test_token_lr_on_the_new_plan_equals_an_unresharded_run_at_the_same_tokens(make_parent, tmp_path):
+    from batchplan.runtime import read_step_tokens, token_lr_factor
+
+    parent, _ = make_parent(max_tokens=256, world_size=2, epochs=2, micro_batches=2, oversize="split")
+    child = tmp_path / "child.arrow"
+    reshard_plan_file(parent, child, world_size=3, from_step=7)
+    before, tokens = read_step_tokens(parent)
+    total = int(before[-1] + tokens[-1])
+    new_before, new_tokens = read_step_tokens(child)
+    assert int(new_before[-1] + new_tokens[-1]) == total  # the decay ends where the whole run ends
+    options = {"warmup_tokens": total // 5, "decay": "cosine", "min_lr_ratio": 0.1}
+    schedule = token_lr_lambda(child, **options)
+    for k in range(new_before.shape[0]):
+        done = int(new_before[k] + new_tokens[k])
+        assert schedule(7 + k) == pytest.approx(token_lr_factor(done, total_tokens=total, **options))
+    assert int(new_before[0]) == int(before[7])  # the new plan starts at the old run's tokens
+
+
 # --------------------------------------------------------------------------- command line
 
 
