@@ -22,8 +22,9 @@ round-robin); a rank with nothing left in the last step idles. batchplan plans u
 their own steps and ranks. Metrics, per strategy:
 
 - ``padding_fraction``: padding / (count x longest) summed over micro-batches (0 in pack);
-- ``fill``: real tokens / (micro-batches x max_tokens);
-- ``token_imbalance``, ``cost_imbalance``: mean over steps of max/mean rank - 1;
+- ``fill``: real tokens / (micro-batches x max_tokens), over all steps but the epoch's last;
+- ``token_imbalance``, ``cost_imbalance``: mean over the same steps of max/mean rank - 1
+  (the definitions of `batchplan.statistics`, which ``inspect`` uses too);
 - ``epoch_cost``: sum over steps of the slowest rank's cost (`batchplan.cost`), and
   ``relative_time``: that over baseline 1's.
 
@@ -44,6 +45,7 @@ from batchplan.cost import attention_coefficient, micro_batch_costs
 from batchplan.entries import make_entries
 from batchplan.errors import ConfigError, DatasetError
 from batchplan.segments import segment_max
+from batchplan.statistics import last_steps_of, rank_imbalance
 
 __all__ = [
     "DEFAULT_HIDDEN_SIZE",
@@ -320,6 +322,9 @@ def measure_strategy(
     rank_tokens = np.bincount(slot, weights=tokens, minlength=num_steps * world_size).reshape(num_steps, world_size)
     rank_cost = np.bincount(slot, weights=cost, minlength=num_steps * world_size).reshape(num_steps, world_size)
     num_micro = int(counts.shape[0])
+    last = last_steps_of([num_steps])
+    regular = step != num_steps - 1
+    capacity = int(regular.sum()) * max_tokens
     return StrategyResult(
         name=name,
         label=STRATEGIES.get(name, name),
@@ -328,20 +333,11 @@ def measure_strategy(
         steps=num_steps,
         samples_per_micro_batch=float(counts.sum() / max(1, int((counts > 0).sum()))),
         padding_fraction=float(1.0 - tokens.sum() / computed.sum()) if computed.sum() else 0.0,
-        fill=float(tokens.sum() / (num_micro * max_tokens)) if num_micro else 0.0,
-        token_imbalance=rank_imbalance(rank_tokens),
-        cost_imbalance=rank_imbalance(rank_cost),
+        fill=float(tokens[regular].sum() / capacity) if capacity else 0.0,
+        token_imbalance=rank_imbalance(rank_tokens, last).mean,
+        cost_imbalance=rank_imbalance(rank_cost, last).mean,
         epoch_cost=float(rank_cost.max(axis=1).sum()) if num_steps else 0.0,
     )
-
-
-def rank_imbalance(per_rank: NDArray) -> float:
-    """Mean over steps (rows) of max/mean - 1; steps where every rank is idle are skipped."""
-    mean = per_rank.mean(axis=1)
-    busy = mean > 0
-    if not busy.any():
-        return 0.0
-    return float((per_rank[busy].max(axis=1) / mean[busy] - 1.0).mean())
 
 
 def _measure_batchplan(lengths, config: PlanConfig, mode: str, coefficient: float) -> StrategyResult:

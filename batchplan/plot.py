@@ -23,6 +23,7 @@ from numpy.typing import NDArray
 
 from batchplan.errors import BatchPlanError, PlanMismatchError
 from batchplan.plan_file import PlanFile, padded_tokens_column
+from batchplan.statistics import step_imbalance
 from batchplan.summary import per_step_and_rank, samples_per_row, summarize_plan
 
 if TYPE_CHECKING:
@@ -125,9 +126,9 @@ def plot_plan(plan: PlanFile, lengths: NDArray[np.integer] | None = None, length
     figure = figure_class(figsize=(16, 9), layout="constrained")
     axes = figure.subplots(2, 3).reshape(-1)
     _lengths_panel(axes[0], data, lengths, lengths_label)
-    _fill_panel(axes[1], data)
-    _tokens_per_step_panel(axes[2], data)
-    _imbalance_panel(axes[3], data)
+    _fill_panel(axes[1], data, summary)
+    _tokens_per_step_panel(axes[2], data, summary)
+    _imbalance_panel(axes[3], data, summary)
     _micro_per_step_panel(axes[4], data)
     _summary_panel(axes[5], summary)
     figure.suptitle(_settings_line(plan), fontsize=13)
@@ -196,17 +197,16 @@ def _lengths_panel(ax: Axes, data, lengths, label: str) -> None:
     ax.set_title(label, fontsize=10)
 
 
-def _fill_panel(ax: Axes, data) -> None:
+def _fill_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     cap = data["max_tokens"]
     real = 100.0 * data["tokens"] / cap
     bins = np.linspace(0, 100, 51)
     ax.hist(real, bins=bins, color="tab:green", alpha=0.7, label="real tokens")
-    title = f"micro-batch fill: mean {real.mean():.1f} % of max_tokens"
+    title = f"micro-batch fill: {summary['fill']:.3%} of max_tokens (steps but each epoch's last)"
     if data["mode"] == "pad":
         padded = 100.0 * data["padded"] / cap
         ax.hist(padded, bins=bins, histtype="step", color="black", label="with padding (count x longest)")
-        padding = 1.0 - data["tokens"].sum() / max(1, data["padded"].sum())
-        title += f", padding {100 * padding:.2f} %"
+        title += f", padding {summary['padding_fraction']:.3%}"
     ax.set_yscale("log")
     ax.set_xlabel(f"% of max_tokens ({cap:,})")
     ax.set_ylabel("micro-batches")
@@ -214,23 +214,26 @@ def _fill_panel(ax: Axes, data) -> None:
     ax.legend(loc="upper left", fontsize=8)
 
 
-def _tokens_per_step_panel(ax: Axes, data) -> None:
+def _tokens_per_step_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     step_tokens = data["rank_tokens"].sum(axis=1)
     _series(ax, step_tokens, "tab:blue", "tokens")
     _epoch_lines(ax, data["epoch_starts"])
     ax.set_xlabel("step")
     ax.set_ylabel("tokens per step (all ranks)")
-    ax.set_title(f"tokens per step: mean {step_tokens.mean():,.0f}", fontsize=10)
+    ax.set_title(f"tokens per step: mean {summary['tokens_per_step']['mean']:,.0f}", fontsize=10)
     ax.set_ylim(bottom=0)
 
 
-def _imbalance_panel(ax: Axes, data) -> None:
-    imbalance = 100.0 * _step_imbalance(data["rank_tokens"])
-    _series(ax, imbalance, "tab:blue", f"tokens (mean {imbalance.mean():.2f} %)")
+def _imbalance_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
+    # Legends quote the summary (one definition: batchplan.statistics), not the series drawn.
+    imbalance = 100.0 * np.nan_to_num(step_imbalance(data["rank_tokens"]))
+    _series(ax, imbalance, "tab:blue", f"tokens (mean {summary['token_imbalance']:.3%}, p99 "
+                                       f"{summary['token_imbalance_p99']:.3%}; steps but each epoch's last)")
     title = "rank imbalance per step (max / mean - 1)"
     if "rank_cost" in data:
-        cost = 100.0 * _step_imbalance(data["rank_cost"])
-        _series(ax, cost, "tab:orange", f"cost (mean {cost.mean():.2f} %)")
+        cost = 100.0 * np.nan_to_num(step_imbalance(data["rank_cost"]))
+        _series(ax, cost, "tab:orange", f"cost (mean {summary['cost_imbalance']:.3%}, p99 "
+                                        f"{summary['cost_imbalance_p99']:.3%})")
         title += ": tokens and cost"
     else:
         title += ": tokens (no cost column)"
@@ -267,6 +270,10 @@ def _summary_panel(ax: Axes, summary: dict[str, Any]) -> None:
     ]
     if summary.get("cost_imbalance") is not None:
         lines.append(f"cost imbalance     {summary['cost_imbalance']:.3%} (p99 {summary['cost_imbalance_p99']:.3%})")
+    last = f"epochs' last step  tokens {summary['token_imbalance_last_step']:.3%}"
+    if summary.get("cost_imbalance_last_step") is not None:
+        last += f", cost {summary['cost_imbalance_last_step']:.3%}"
+    lines.append(last)
     lines.append(f"dropped samples    {summary['dropped_samples']:,}")
     ax.axis("off")
     ax.text(0.02, 0.95, "\n".join(lines), family="monospace", fontsize=10, va="top", transform=ax.transAxes)
@@ -290,14 +297,6 @@ def _series(ax: Axes, values: NDArray, color: str, label: str) -> None:
 def _epoch_lines(ax: Axes, starts: NDArray) -> None:
     for start in starts:
         ax.axvline(start, color="grey", linestyle=":", linewidth=0.8)
-
-
-def _step_imbalance(per_rank: NDArray) -> NDArray[np.float64]:
-    mean = per_rank.mean(axis=1)
-    out = np.zeros(per_rank.shape[0])
-    busy = mean > 0
-    out[busy] = per_rank[busy].max(axis=1) / mean[busy] - 1.0
-    return out
 
 
 def _settings_line(plan: PlanFile) -> str:

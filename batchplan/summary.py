@@ -1,15 +1,17 @@
 """Summary statistics of a plan, for `batchplan inspect` and for library users.
 
-All numbers come from the plan file alone (no dataset needed). Definitions:
-- ``fill``: real tokens / (micro-batches x max_tokens), over all steps but each
-  epoch's last (which may hold split or empty micro-batches): packing efficiency.
+All numbers come from the plan file alone (no dataset needed); each statistic is
+defined once, in `batchplan.statistics`:
+- ``fill``: real tokens / (micro-batches x max_tokens) over the regular steps (all
+  but each epoch's last): packing efficiency.
 - ``padding_fraction``: padding / (count x longest) over all micro-batches (pad mode;
   0 in pack mode).
-- ``cost_imbalance``: the same over the plan's predicted compute (``cost`` column,
-  plans built with a hidden size; None otherwise).
-- ``token_imbalance``: mean over steps of (max rank tokens / mean rank tokens - 1), over
-  the same steps as ``fill`` (an epoch's last step is completed by splitting and empty
-  micro-batches, and is imbalanced by design).
+- ``token_imbalance`` / ``token_imbalance_p99``: mean and p99 over the regular steps
+  of (max rank tokens / mean rank tokens - 1); ``token_imbalance_last_step``: the
+  same for each epoch's last step (completed by splitting and empty micro-batches,
+  imbalanced by design), averaged over epochs.
+- ``cost_imbalance`` (``_p99``, ``_last_step``): the same over the plan's predicted
+  compute (``cost`` column, plans built with a hidden size; None otherwise).
 
 - ``rampup`` (plans built with ``--rampup``): tokens of the first step and of the ramp's
   last step, the first step past the ramp (``end_step``, None if the plan ends inside it),
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from batchplan.plan_file import PlanFile, padded_tokens_column
+from batchplan.statistics import last_steps_of, rank_imbalance
 
 __all__ = ["per_step_and_rank", "samples_per_row", "summarize_plan"]
 
@@ -45,17 +48,16 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
     counts = samples_per_row(table)
     num_steps = plan.num_steps
 
-    steps_per_epoch = np.asarray(meta["steps_per_epoch"], dtype=np.int64)
-    last_steps = (np.cumsum(steps_per_epoch) - 1)[steps_per_epoch > 0]  # empty epochs have none
+    last_steps = last_steps_of(meta["steps_per_epoch"])
     not_last = ~np.isin(step, last_steps)
     capacity = int(not_last.sum()) * plan.metadata["max_tokens"]
     # shape (num_steps, world_size): tokens of each rank in each step
     rank_tokens = per_step_and_rank(step, rank, tokens, num_steps, world_size)
-    imbalance = _imbalance(np.delete(rank_tokens, last_steps, axis=0))
+    imbalance = rank_imbalance(rank_tokens, last_steps)
     cost_imbalance = None
     if "cost" in table.column_names:
         rank_cost = per_step_and_rank(step, rank, table.column("cost").to_numpy(), num_steps, world_size)
-        cost_imbalance = _imbalance(np.delete(rank_cost, last_steps, axis=0))
+        cost_imbalance = rank_imbalance(rank_cost, last_steps)
     step_tokens = rank_tokens.sum(axis=1)
     # shape (num_steps,): tokens of the run before each step this plan holds
     tokens_before = int(meta.get("tokens_before_first_step", 0)) + np.cumsum(step_tokens) - step_tokens
@@ -74,10 +76,12 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
         "loss_tokens": int(table.column("loss_tokens").to_numpy().sum()),
         "fill": float(tokens[not_last].sum() / capacity) if capacity else 0.0,
         "padding_fraction": float(1.0 - tokens.sum() / padded.sum()) if padded.sum() else 0.0,
-        "token_imbalance": float(imbalance.mean()) if imbalance.size else 0.0,
-        "token_imbalance_p99": float(np.percentile(imbalance, 99)) if imbalance.size else 0.0,
-        "cost_imbalance": _mean(cost_imbalance),
-        "cost_imbalance_p99": _p99(cost_imbalance),
+        "token_imbalance": imbalance.mean,
+        "token_imbalance_p99": imbalance.p99,
+        "token_imbalance_last_step": imbalance.last_step,
+        "cost_imbalance": None if cost_imbalance is None else cost_imbalance.mean,
+        "cost_imbalance_p99": None if cost_imbalance is None else cost_imbalance.p99,
+        "cost_imbalance_last_step": None if cost_imbalance is None else cost_imbalance.last_step,
         "hidden_size": meta.get("hidden_size"),
         "attention_coefficient": meta.get("attention_coefficient"),
         "balance": meta["config"].get("balance", "tokens"),
@@ -136,18 +140,6 @@ def _parent(parent: dict[str, Any] | None) -> dict[str, Any] | None:
     return {key: parent.get(key) for key in ("content_hash", "world_size", "from_step", "epoch")}
 
 
-def _mean(values: np.ndarray | None) -> float | None:
-    if values is None:
-        return None
-    return float(values.mean()) if values.size else 0.0
-
-
-def _p99(values: np.ndarray | None) -> float | None:
-    if values is None:
-        return None
-    return float(np.percentile(values, 99)) if values.size else 0.0
-
-
 def per_step_and_rank(step, rank, values, num_steps: int, world_size: int) -> np.ndarray:
     """Sums of the rows' ``values`` per (step, rank): float64, shape (num_steps, world_size).
     ``step`` counts from the plan's first step. Binned by ``rank x num_steps + step``: rows
@@ -161,12 +153,6 @@ def samples_per_row(table) -> np.ndarray:
     """Entries in each row's ``samples`` list, chunk by chunk (no combined copy of the lists)."""
     counts = [np.diff(chunk.offsets.to_numpy()) for chunk in table.column("samples").chunks]
     return np.concatenate(counts) if counts else np.zeros(0, dtype=np.int32)
-
-
-def _imbalance(rank_tokens: np.ndarray) -> np.ndarray:
-    mean = rank_tokens.mean(axis=1)
-    busy = mean > 0
-    return rank_tokens[busy].max(axis=1) / mean[busy] - 1.0
 
 
 def _spread(values: np.ndarray) -> dict[str, float]:

@@ -27,10 +27,12 @@ def print_summary(summary: dict[str, Any], *, title: str) -> None:
         ("micro-batches per rank per step", f"{micro['min']}..{micro['max']}"),
         ("tokens", f"{summary['tokens']:,} ({summary['loss_tokens']:,} with a label)"),
         ("tokens per step", f"{per_step['mean']:,.0f} (min {per_step['min']:,}, max {per_step['max']:,})"),
-        ("fill", f"{summary['fill']:.3%}"),
+        ("fill", f"{summary['fill']:.3%} (steps but each epoch's last)"),
         ("padding", f"{summary['padding_fraction']:.3%}"),
-        ("token imbalance", f"{summary['token_imbalance']:.3%} mean, {summary['token_imbalance_p99']:.3%} p99"),
+        ("token imbalance", f"{summary['token_imbalance']:.3%} mean, {summary['token_imbalance_p99']:.3%} p99 "
+                            "(steps but each epoch's last)"),  # fmt: skip
         ("cost imbalance", _cost_imbalance(summary)),
+        ("epochs' last step", _last_step(summary)),
         ("dropped samples", _dropped(summary)),
         *_rampup(summary),
         *_seqlen_warmup(summary),
@@ -41,6 +43,14 @@ def print_summary(summary: dict[str, Any], *, title: str) -> None:
     console = Console()
     console.print(title, highlight=False, soft_wrap=True)
     console.print(table)
+
+
+def _last_step(summary: dict[str, Any]) -> str:
+    """The end-of-epoch step on its own line: completed by splitting, imbalanced by design."""
+    text = f"token imbalance {summary['token_imbalance_last_step']:.3%}"
+    if summary.get("cost_imbalance_last_step") is not None:
+        text += f", cost {summary['cost_imbalance_last_step']:.3%}"
+    return text + " (mean over epochs; completed by split and empty micro-batches)"
 
 
 def _cost_imbalance(summary: dict[str, Any]) -> str:

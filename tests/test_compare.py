@@ -89,15 +89,16 @@ def loop_metrics(batches, places, mode, max_tokens, world_size, coefficient):
         real += sum(batch)
         computed += len(batch) * max(batch) if (mode == "pad" and batch) else sum(batch)
 
-    def imbalance(per_step):
-        values = [max(r) / (sum(r) / world_size) - 1 for r in per_step if sum(r) > 0]
-        return sum(values) / len(values)
+    def imbalance(per_step):  # over every step but the epoch's last
+        values = [max(r) / (sum(r) / world_size) - 1 for r in per_step[:-1] if sum(r) > 0]
+        return sum(values) / len(values) if values else 0.0
 
+    regular = [batch for batch, (step, _) in zip(batches, places) if step != num_steps - 1]
     return {
         "micro_batches": len(batches),
         "steps": num_steps,
         "padding_fraction": 1 - real / computed,
-        "fill": real / (len(batches) * max_tokens),
+        "fill": sum(map(sum, regular)) / (len(regular) * max_tokens) if regular else 0.0,
         "token_imbalance": imbalance(tokens),
         "cost_imbalance": imbalance(cost),
         "epoch_cost": sum(max(r) for r in cost),

@@ -1,0 +1,65 @@
+"""One definition of each statistic a plan is judged by.
+
+`batchplan.summary` (build summary, ``inspect`` table and ``--json``), the plot's
+legends (``--plot``) and ``compare`` all take their numbers from here:
+
+- **step imbalance**: in one step, the busiest rank's tokens (or cost) over the
+  ranks' mean, minus 1. A step where every rank is idle has none.
+- **regular steps**: every step but each epoch's last. The last step is completed
+  by the end-of-epoch policy (split and empty micro-batches, so every rank runs the
+  same number of forwards) and is imbalanced by design: it is reported on its own,
+  as ``last_step`` (the mean over the epochs' last steps).
+- **imbalance** ``mean`` and ``p99``: over the regular steps that have work.
+- **fill**: real tokens / (micro-batches x max_tokens), over the regular steps.
+- **padding**: padded-away tokens / computed tokens (count x longest in pad mode),
+  over all micro-batches.
+
+Arrays in, floats out; no files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["Imbalance", "last_steps_of", "rank_imbalance", "step_imbalance"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Imbalance:
+    """Rank imbalance of a plan: ``mean`` and ``p99`` over regular steps, ``last_step`` on its own."""
+
+    mean: float
+    p99: float
+    last_step: float
+
+
+def step_imbalance(per_rank: NDArray) -> NDArray[np.float64]:
+    """(num_steps,) max / mean - 1 of each step (row) of ``per_rank``; NaN where every rank is idle."""
+    mean = per_rank.mean(axis=1)
+    out = np.full(per_rank.shape[0], np.nan)
+    busy = mean > 0
+    out[busy] = per_rank[busy].max(axis=1) / mean[busy] - 1.0
+    return out
+
+
+def last_steps_of(steps_per_epoch: NDArray | list[int]) -> NDArray[np.int64]:
+    """Indices (from the plan's first step) of each non-empty epoch's last step."""
+    steps = np.asarray(steps_per_epoch, dtype=np.int64)
+    return (np.cumsum(steps) - 1)[steps > 0]
+
+
+def rank_imbalance(per_rank: NDArray, last_steps: NDArray[np.int64]) -> Imbalance:
+    """`Imbalance` of ``per_rank`` (shape (num_steps, world_size)) whose epochs end at ``last_steps``."""
+    per_step = step_imbalance(per_rank)
+    regular = np.ones(per_step.shape[0], dtype=bool)
+    regular[last_steps] = False
+    values = per_step[regular & ~np.isnan(per_step)]
+    ends = per_step[~regular & ~np.isnan(per_step)]
+    return Imbalance(
+        mean=float(values.mean()) if values.size else 0.0,
+        p99=float(np.percentile(values, 99)) if values.size else 0.0,
+        last_step=float(ends.mean()) if ends.size else 0.0,
+    )

@@ -1,0 +1,134 @@
+"""One definition per statistic: the table, --json and the plot show the same numbers.
+
+`batchplan.statistics` is checked against a slow loop (hypothesis); then, on 24 plans
+(pack and pad, drop-last, ramp-up, sequence-length warmup, compute costs, resharded),
+every statistic of ``inspect --json`` appears, formatted the same way, in the
+``inspect`` table, in the plot's summary panel and in the plot's legends and titles.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from batchplan.config import PlanConfig
+from batchplan.plan_file import open_plan, write_plan
+from batchplan.planner import build_plan
+from batchplan.reshard import reshard_plan_file
+from batchplan.statistics import last_steps_of, rank_imbalance
+from batchplan_cli.main import app
+
+runner = CliRunner()
+
+
+# -- the definitions against a loop ---------------------------------------------------------
+
+
+def loop_imbalance(per_rank, last_steps):
+    regular, ends = [], []
+    for index, row in enumerate(per_rank.tolist()):
+        mean = sum(row) / len(row)
+        if mean <= 0:
+            continue
+        (ends if index in set(last_steps.tolist()) else regular).append(max(row) / mean - 1)
+    mean = sum(regular) / len(regular) if regular else 0.0
+    p99 = float(np.percentile(regular, 99)) if regular else 0.0
+    return mean, p99, (sum(ends) / len(ends) if ends else 0.0)
+
+
+@given(
+    st.lists(st.integers(0, 6), min_size=1, max_size=4),
+    st.integers(1, 5),
+    st.integers(0, 2**32 - 1),
+)
+def test_rank_imbalance_equals_a_loop(steps_per_epoch, world_size, seed):
+    num_steps = sum(steps_per_epoch)
+    rng = np.random.default_rng(seed)
+    per_rank = rng.integers(0, 4, (num_steps, world_size)).astype(np.float64)  # idle steps and ranks too
+    last = last_steps_of(steps_per_epoch)
+    found = rank_imbalance(per_rank, last)
+    assert (found.mean, found.p99, found.last_step) == pytest.approx(loop_imbalance(per_rank, last))
+
+
+# -- table = JSON = plot ------------------------------------------------------------------
+
+
+def plan_matrix(directory) -> list:
+    rng = np.random.default_rng(5)
+    lengths = np.minimum(rng.lognormal(5.0, 0.9, 700), 900).astype(np.int32) + 1
+    paths = []
+    options = itertools.product(
+        ("pack", "pad"),
+        (False, True),  # drop_last
+        ("plain", "rampup", "warmup"),
+        (None, 256),  # hidden size: compute costs
+    )
+    for mode, drop_last, schedule, hidden_size in options:
+        config = PlanConfig(
+            max_tokens=1024, mode=mode, world_size=4, epochs=2, micro_batches=2, drop_last=drop_last,
+            hidden_size=hidden_size, seed=len(paths),
+            **({"rampup_start": 4096, "rampup_tokens": 60_000} if schedule == "rampup" else {}),
+            **({"seqlen_warmup_min": 128, "seqlen_warmup_tokens": 40_000} if schedule == "warmup" else {}),
+        )  # fmt: skip
+        path = directory / f"plan{len(paths)}.arrow"
+        write_plan(build_plan(lengths, config), path)
+        paths.append(path)
+    resharded = directory / "resharded.arrow"
+    reshard_plan_file(paths[1], resharded, world_size=3, from_step=int(open_plan(paths[1]).num_steps // 2))
+    return [*paths, resharded]
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    return plan_matrix(tmp_path_factory.mktemp("statistics"))
+
+
+def shown(summary: dict) -> dict[str, str]:
+    """Each statistic as every output formats it."""
+    out = {name: f"{summary[name]:.3%}" for name in ("fill", "padding_fraction", "token_imbalance",
+                                                    "token_imbalance_p99", "token_imbalance_last_step")}  # fmt: skip
+    if summary["cost_imbalance"] is not None:
+        for name in ("cost_imbalance", "cost_imbalance_p99", "cost_imbalance_last_step"):
+            out[name] = f"{summary[name]:.3%}"
+    return out
+
+
+def test_the_matrix_has_twenty_plans_and_every_kind(plans):
+    assert len(plans) >= 20
+    summaries = [json.loads(runner.invoke(app, ["inspect", str(p), "--json"]).stdout) for p in plans]
+    assert {s["mode"] for s in summaries} == {"pack", "pad"}
+    assert any(s["rampup"] for s in summaries) and any(s["seqlen_warmup"] for s in summaries)
+    assert any(s["resharded_from"] for s in summaries) and any(s["dropped_samples"] for s in summaries)
+    assert any(s["token_imbalance_last_step"] > s["token_imbalance"] for s in summaries)
+
+
+def test_table_json_and_plot_show_the_same_numbers(plans):
+    pytest.importorskip("matplotlib")
+    from batchplan.plot import plot_plan
+    from batchplan.summary import summarize_plan
+
+    for path in plans:
+        result = runner.invoke(app, ["inspect", str(path), "--json"])
+        assert result.exit_code == 0, result.output
+        summary = json.loads(result.stdout)
+        assert summary == json.loads(json.dumps(summarize_plan(open_plan(path))))
+        table = runner.invoke(app, ["inspect", str(path)], env={"COLUMNS": "200"}).stdout
+        figure = plot_plan(open_plan(path))
+        texts = [text.get_text() for ax in figure.axes for text in ax.texts]
+        texts += [ax.get_title() for ax in figure.axes]
+        texts += [t.get_text() for ax in figure.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        plot_text = "\n".join(texts)
+        for name, value in shown(summary).items():
+            assert value in table, (path.name, name, value)
+            assert value in plot_text, (path.name, name, value)
+        legend = [t for t in texts if t.startswith("tokens (mean")][0]
+        assert f"mean {shown(summary)['token_imbalance']}" in legend
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
