@@ -23,7 +23,7 @@ from numpy.typing import NDArray
 
 from batchplan.errors import BatchPlanError, PlanMismatchError
 from batchplan.plan_file import PlanFile, padded_tokens_column
-from batchplan.statistics import step_imbalance
+from batchplan.statistics import last_steps_of, step_imbalance
 from batchplan.summary import per_step_and_rank, samples_per_row, summarize_plan
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def plot_plan(plan: PlanFile, lengths: NDArray[np.integer] | None = None, length
     _fill_panel(axes[1], data, summary)
     _tokens_per_step_panel(axes[2], data, summary)
     _imbalance_panel(axes[3], data, summary)
-    _micro_per_step_panel(axes[4], data)
+    _micro_per_step_panel(axes[4], data, summary)
     _summary_panel(axes[5], summary)
     figure.suptitle(_settings_line(plan), fontsize=13)
     return figure
@@ -153,6 +153,7 @@ def _plan_arrays(plan: PlanFile) -> dict[str, Any]:
         "rank_tokens": per_step_and_rank(step, rank, tokens, num_steps, world_size),
         "micro_per_step": np.bincount(step, minlength=num_steps) // world_size,
         "epoch_starts": np.cumsum(plan.metadata["steps_per_epoch"])[:-1],
+        "last_steps": last_steps_of(plan.metadata["steps_per_epoch"]),
     }
     if "cost" in table.column_names:
         data["rank_cost"] = per_step_and_rank(step, rank, table.column("cost").to_numpy(), num_steps, world_size)
@@ -226,36 +227,71 @@ def _tokens_per_step_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
 
 def _imbalance_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     # Legends quote the summary (one definition: batchplan.statistics), not the series drawn.
-    imbalance = 100.0 * np.nan_to_num(step_imbalance(data["rank_tokens"]))
-    _series(ax, imbalance, "tab:blue", f"tokens (mean {summary['token_imbalance']:.3%}, p99 "
-                                       f"{summary['token_imbalance_p99']:.3%}; steps but each epoch's last)")
+    # Each epoch's last step is completed by split and empty micro-batches: it is marked, not
+    # drawn into the series, so its spike does not flatten every other step.
+    regular = np.ones(data["rank_tokens"].shape[0], dtype=bool)
+    regular[data["last_steps"]] = False
+    tokens = 100.0 * np.nan_to_num(step_imbalance(data["rank_tokens"]))
     title = "rank imbalance per step (max / mean - 1)"
+    top = float(tokens[regular].max()) if regular.any() else 0.0
     if "rank_cost" in data:
         cost = 100.0 * np.nan_to_num(step_imbalance(data["rank_cost"]))
-        _series(ax, cost, "tab:orange", f"cost (mean {summary['cost_imbalance']:.3%}, p99 "
-                                        f"{summary['cost_imbalance_p99']:.3%})")
+        _series(ax, np.where(regular, cost, np.nan), "tab:orange",
+                f"cost (mean {summary['cost_imbalance']:.3%}, p99 {summary['cost_imbalance_p99']:.3%})")  # fmt: skip
+        top = max(top, float(cost[regular].max()) if regular.any() else 0.0)
         title += ": tokens and cost"
     else:
         title += ": tokens (no cost column)"
+    _series(ax, np.where(regular, tokens, np.nan), "tab:blue",
+            f"tokens (mean {summary['token_imbalance']:.3%}, p99 {summary['token_imbalance_p99']:.3%})",
+            zorder=3)  # fmt: skip
+    last = f"each epoch's last step: tokens {summary['token_imbalance_last_step']:.3%}"
+    if summary.get("cost_imbalance_last_step") is not None:
+        last += f", cost {summary['cost_imbalance_last_step']:.3%}"
+    for step in data["last_steps"]:
+        ax.axvline(step, color="tab:red", linestyle="--", linewidth=0.8)
+    ax.plot([], [], color="tab:red", linestyle="--", linewidth=0.8, label=last)
     _epoch_lines(ax, data["epoch_starts"])
     ax.set_xlabel("step")
     ax.set_ylabel("imbalance (%)")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(bottom=0, top=max(top * 1.25, 0.01))
     ax.set_title(title, fontsize=10)
     ax.legend(loc="upper right", fontsize=8)
 
 
-def _micro_per_step_panel(ax: Axes, data) -> None:
+def _micro_per_step_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     per_step = data["micro_per_step"]
+    low, high = (int(per_step.min()), int(per_step.max())) if per_step.size else (0, 0)
+    if low == high:  # one count for every step: the panel shows the tokens seen instead
+        seen = np.cumsum(data["rank_tokens"].sum(axis=1))
+        _series(ax, seen.astype(np.float64), "tab:purple", "tokens seen")
+        _schedule_ends(ax, summary)
+        _epoch_lines(ax, data["epoch_starts"])
+        ax.set_xlabel("step")
+        ax.set_ylabel("tokens seen (all ranks)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"tokens seen; micro-batches per step: always {low} per rank, "
+                     f"{per_step.sum() * data['world_size']:,} in all", fontsize=10)  # fmt: skip
+        return
     _series(ax, per_step.astype(np.float64), "tab:purple", "micro-batches")
+    _schedule_ends(ax, summary)
     _epoch_lines(ax, data["epoch_starts"])
     ax.set_xlabel("step")
     ax.set_ylabel("micro-batches per rank")
-    low, high = (int(per_step.min()), int(per_step.max())) if per_step.size else (0, 0)
     ax.set_ylim(bottom=0, top=max(1, high) * 1.15 + 0.5)
-    spread = f"{low}" if low == high else f"{low}..{high}"
-    ax.set_title(f"micro-batches per step: {spread} per rank, {per_step.sum() * data['world_size']:,} in all",
+    ax.set_title(f"micro-batches per step: {low}..{high} per rank, {per_step.sum() * data['world_size']:,} in all",
                  fontsize=10)  # fmt: skip
+
+
+def _schedule_ends(ax: Axes, summary: dict[str, Any]) -> None:
+    """Vertical lines where the batch-size ramp-up and the sequence-length warmup end."""
+    first = summary.get("first_step", 0)
+    for key, color, label in (("rampup", "tab:green", "ramp-up ends"), ("seqlen_warmup", "tab:brown", "warmup ends")):
+        end = (summary.get(key) or {}).get("end_step")
+        if end is not None:
+            ax.axvline(end - first, color=color, linestyle="-.", linewidth=1.0, label=f"{label} (step {end:,})")
+    if any((summary.get(key) or {}).get("end_step") is not None for key in ("rampup", "seqlen_warmup")):
+        ax.legend(loc="lower right", fontsize=8)
 
 
 def _summary_panel(ax: Axes, summary: dict[str, Any]) -> None:
@@ -280,18 +316,24 @@ def _summary_panel(ax: Axes, summary: dict[str, Any]) -> None:
     ax.set_title("summary", fontsize=10)
 
 
-def _series(ax: Axes, values: NDArray, color: str, label: str) -> None:
-    """A per-step series; long ones as the mean per bin of steps with a min-max band."""
+def _series(ax: Axes, values: NDArray, color: str, label: str, zorder: float = 2) -> None:
+    """A per-step series (NaN: a step left out); long ones as the mean per bin of steps with a
+    min-max band."""
     if values.shape[0] <= _MAX_POINTS:
-        ax.plot(np.arange(values.shape[0]), values, color=color, linewidth=0.8, label=label)
+        ax.plot(np.arange(values.shape[0]), values, color=color, linewidth=0.8, label=label, zorder=zorder)
         return
     edges = np.linspace(0, values.shape[0], _BINS + 1).astype(np.int64)
-    mean = np.add.reduceat(values, edges[:-1]) / np.diff(edges)
+    known = np.nan_to_num(values, nan=0.0)
+    counted = np.add.reduceat(~np.isnan(values), edges[:-1])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = np.add.reduceat(known, edges[:-1]) / counted
+    low = np.fmin.reduceat(values, edges[:-1])
+    high = np.fmax.reduceat(values, edges[:-1])
     centre = (edges[:-1] + edges[1:]) / 2
-    ax.fill_between(centre, np.minimum.reduceat(values, edges[:-1]), np.maximum.reduceat(values, edges[:-1]),
-                    color=color, alpha=0.25, linewidth=0)  # fmt: skip
+    ax.fill_between(centre, low, high, color=color, alpha=0.25, linewidth=0, zorder=zorder)
     step_bin = values.shape[0] / _BINS
-    ax.plot(centre, mean, color=color, linewidth=0.8, label=f"{label}; mean per {step_bin:,.0f} steps, band min-max")
+    ax.plot(centre, mean, color=color, linewidth=0.8, label=f"{label}; mean per {step_bin:,.0f} steps, band min-max",
+            zorder=zorder)  # fmt: skip
 
 
 def _epoch_lines(ax: Axes, starts: NDArray) -> None:
@@ -338,7 +380,7 @@ def plot_comparison(comparison: Comparison) -> Figure:
     axes[1].set_title("fill and padding of micro-batches")
     _bars(axes[2], positions, [[100 * r.token_imbalance for r in rows], [100 * r.cost_imbalance for r in rows]],
           ["tokens", "cost"], "%")  # fmt: skip
-    axes[2].set_title("rank imbalance (mean over steps of max / mean - 1)")
+    axes[2].set_title("rank imbalance (mean over steps but the last of max / mean - 1)")
     _bars(axes[3], positions, [[r.micro_batches for r in rows], [r.steps for r in rows]],
           ["micro-batches", "steps"], "per epoch")  # fmt: skip
     axes[3].set_title("micro-batches and steps per epoch")

@@ -153,7 +153,7 @@ def _comparison_notes(c: dict[str, Any], hidden_size_given: bool) -> str:
         "4 batchplan --mode pad (count x longest <= max_tokens); 5 --mode pack (sum <= max_tokens).",
         f"Steps: {c['world_size']} rank(s) x {c['micro_batches']} micro-batch(es); 1-3 deal micro-batches to "
         "ranks round-robin (DistributedSampler), 4-5 as planned.",
-        "Imbalance: mean over steps of max / mean over ranks - 1.",
+        "Fill and imbalance (mean over steps of max / mean over ranks - 1): every step but the epoch's last.",
         "Epoch time: sum over steps of the slowest rank's cost (computed tokens + L^2 / (12 h) per sequence, "
         f"h = {hidden}), relative to 1.",
         f"Oversize: {c['oversize_samples']:,} sample(s) above max_tokens, --oversize {c['oversize']}{dropped}.",

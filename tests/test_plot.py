@@ -49,7 +49,8 @@ def test_plan_figure_has_six_titled_panels(squad_plan):
     assert found[1].startswith("micro-batch fill: ")
     assert found[2].startswith("tokens per step: mean")
     assert found[3] == "rank imbalance per step (max / mean - 1): tokens (no cost column)"
-    assert found[4].startswith("micro-batches per step: ")
+    # Every step has 2 micro-batches per rank: the panel says so and draws the tokens seen.
+    assert found[4].startswith("tokens seen; micro-batches per step: always 2 per rank")
     assert found[5] == "summary"
     for ax in figure.axes[:5]:
         assert ax.get_xlabel() and ax.get_ylabel()
@@ -165,3 +166,22 @@ def test_a_resharded_plan_plots(tmp_path):
     reshard_plan_file(parent, child, world_size=3, from_step=50)
     plan = open_plan(child)
     assert len(plot_plan(plan, *plan_lengths(plan, None)).axes) == 6
+
+
+def test_varying_micro_batches_per_step_and_schedule_ends_are_drawn(tmp_path):
+    from batchplan.plan_file import write_plan
+    from batchplan.planner import build_plan
+
+    lengths = np.random.default_rng(3).integers(20, 900, 3000).astype(np.int32)
+    config = PlanConfig(max_tokens=1024, world_size=2, tokens_per_step=8192, rampup_start=2048,
+                        rampup_tokens=200_000, seqlen_warmup_min=128, seqlen_warmup_tokens=100_000)  # fmt: skip
+    path = tmp_path / "ramp.arrow"
+    write_plan(build_plan(lengths, config), path)
+    figure = plot_plan(open_plan(path))
+    panel = figure.axes[4]
+    assert panel.get_title().startswith("micro-batches per step: ")
+    labels = [t.get_text() for t in panel.get_legend().get_texts()]
+    assert any(label.startswith("ramp-up ends") for label in labels)
+    assert any(label.startswith("warmup ends") for label in labels)
+    imbalance = [t.get_text() for t in figure.axes[3].get_legend().get_texts()]
+    assert any(label.startswith("each epoch's last step") for label in imbalance)
