@@ -246,6 +246,7 @@ def schedule_epoch(
     tokens_before: int | None = None,
     ordered: int = 0,
     threads: int = 1,
+    costs: NDArray[np.float64] | None = None,
 ) -> EpochPlan:
     """Steps 2-5 of the module docstring for formed micro-batches: shuffle them, complete
     or drop the last chunk, form balanced steps, assign ranks. ``batches`` may be
@@ -256,6 +257,9 @@ def schedule_epoch(
         ordered: the first ``ordered`` micro-batches keep their order and go first
             (a sequence-length warmup's stages), unbalanced; the rest are shuffled.
         threads: threads for the kernels that split (the plan is the same for any number).
+        costs: the predicted compute of each of ``batches`` when it is known already
+            (a resharded plan's micro-batches, whose entries stand for whole micro-batches);
+            empty micro-batches added here cost 0. Default: from the entries' lengths.
     """
     if config.has_rampup and tokens_before is None:
         raise ConfigError(
@@ -276,7 +280,7 @@ def schedule_epoch(
     else:
         num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
         schedule, dropped = _complete_last_chunk(batches, room, batches.count, config.world_size)
-    compute = None if config.cost_coefficient is None else compute_costs(batches, config)
+    compute = None if config.cost_coefficient is None else _costs_of(batches, config, costs)
     kept = min(num_full, -(-ordered // config.world_size) * config.world_size)  # whole chunks
     # Each scheduled micro-batch's values, gathered once and written where balancing puts them.
     at = _Scheduled.take(schedule, batches, compute, config, kept, num_full, epoch, threads)
@@ -289,6 +293,14 @@ def schedule_epoch(
     else:
         step_offsets = _step_offsets(at.tokens, config, sizing)
     return _assemble(entries, config, epoch, batches, at, step_offsets, dropped, threads)
+
+
+def _costs_of(batches: MicroBatches, config: PlanConfig, known: NDArray[np.float64] | None) -> NDArray[np.float64]:
+    if known is None:
+        return compute_costs(batches, config)
+    if batches.count < known.shape[0] or batches.count - known.shape[0] > config.world_size:
+        raise ConfigError(f"{known.shape[0]:,} known costs for {batches.count:,} micro-batches")
+    return np.concatenate([known.astype(np.float64), np.zeros(batches.count - known.shape[0])])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,9 +11,9 @@ from global step ``S`` gets a new plan:
 2. Each epoch's micro-batches are scheduled again for ``W2`` ranks by
    `batchplan.planner.schedule_epoch`: seeded shuffle, an incomplete last chunk
    completed with empty micro-batches (units are never split) or dropped under
-   ``drop_last``, balanced steps, rank assignment. Each unit's cost for balancing
-   is computed from its tokens as if it were one sequence (exact for ``balance=tokens``;
-   an approximation under ``balance=compute``, whose ``cost`` column stays exact).
+   ``drop_last``, balanced steps, rank assignment. Each unit is balanced by its
+   micro-batch's exact ``cost`` (the parent's column), so ``balance=compute`` keeps
+   ranks as balanced as a fresh build for the new world size.
 3. Steps are numbered on from ``S`` and ``tokens_before_step`` runs on from the
    parent's count at ``S``. Epochs before ``S``'s stay in the file with no rows, so
    a rank still reads record batch ``epoch * W2 + rank``.
@@ -367,7 +367,7 @@ def _schedule(part: _Rows, entry_ids, dropped_ids, config: PlanConfig, epoch: in
     length = part.tokens.astype(np.int32)
     units = Entries(sample=starts, start=None, length=length, loss_tokens=part.loss_tokens.astype(np.int32), dropped={})
     batches = MicroBatches(members=starts.astype(index_dtype(count)), lengths=length, starts=starts, ends=starts + 1)
-    scheduled = schedule_epoch(units, batches, config, epoch)
+    scheduled = schedule_epoch(units, batches, config, epoch, costs=part.cost)
     return _expand(scheduled, part, entry_ids, dropped_ids)
 
 

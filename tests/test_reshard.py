@@ -15,6 +15,7 @@ processes resume from their states; 4 -> 2 likewise.
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -580,3 +581,37 @@ def test_ddp_processes_resume_on_another_world_size(tmp_path, old_world, new_wor
     dropped = [dropped_pieces(plan, epoch, lengths) for epoch in range(plan.num_epochs)]
     assert_exact_cover(lengths, PlanConfig(**options, world_size=old_world),
                        [ran[epoch] + dropped[epoch] for epoch in range(plan.num_epochs)])  # fmt: skip
+
+
+# --------------------------------------------------------------------------- balance on real data
+
+DATA_FILES = sorted((Path(__file__).resolve().parent.parent / "data").glob("*.parquet"))
+# The parent's end-of-epoch split pieces (small micro-batches) become ordinary units of the
+# new plan, and with one micro-batch per rank a step holding one is imbalanced; at 48 ranks
+# the segments file has too few such pieces to fill steps of their own.
+KNOWN_OVER = {("sharegpt_segments_cl100k", 64, 48), ("squad11_bert384", 64, 48)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data", DATA_FILES, ids=lambda p: p.stem)
+def test_a_resharded_plan_is_balanced_like_a_fresh_build(data, tmp_path):
+    from batchplan.build import build_plan_file
+    from batchplan.summary import summarize_plan
+
+    max_tokens = 512 if "wikipedia" in data.name else 8192
+    base = {"max_tokens": max_tokens, "epochs": 2, "oversize": "split", "hidden_size": 4096}
+    over = []
+    for world, new_world in ((8, 6), (8, 12), (64, 48)):
+        parent = tmp_path / f"{world}.arrow"
+        if not parent.exists():
+            build_plan_file(data, parent, PlanConfig(world_size=world, **base))
+        fresh = tmp_path / f"{new_world}.arrow"
+        if not fresh.exists():
+            build_plan_file(data, fresh, PlanConfig(world_size=new_world, **base))
+        child = tmp_path / f"{world}-{new_world}.arrow"
+        reshard_plan_file(parent, child, world_size=new_world, from_step=open_plan(parent).num_steps // 4)
+        found = summarize_plan(open_plan(child))["cost_imbalance"]
+        bound = max(1.5 * summarize_plan(open_plan(fresh))["cost_imbalance"], 0.005)
+        if (found <= bound) == ((data.stem, world, new_world) in KNOWN_OVER):
+            over.append((world, new_world, found, bound))
+    assert not over, f"cost imbalance against max(1.5 x fresh, 0.5 %) (or a known gap now closed): {over}"
