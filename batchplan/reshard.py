@@ -7,7 +7,9 @@ from global step ``S`` gets a new plan:
    every later epoch) are read back from the file with their samples, spans and
    counts. A micro-batch does not depend on the world size (packs and padded batches
    are formed before ranks are assigned), so each is kept whole, as one unit; empty
-   fillers are discarded.
+   fillers are discarded. In pack mode the micro-batches of each epoch's last step,
+   which the parent split so that every rank had one, are merged again (first fit
+   decreasing within ``max_tokens``; counts and costs are sums of the pieces').
 2. Each epoch's micro-batches are scheduled again for ``W2`` ranks by
    `batchplan.planner.schedule_epoch`: seeded shuffle, an incomplete last chunk
    completed with empty micro-batches (units are never split) or dropped under
@@ -154,6 +156,8 @@ def reshard_plan(
     rows = [_read_epoch(plan, k) for k in range(epoch, plan.num_epochs)]
     consumed = _consumed(plan, rows[0], from_step, epoch)
     rows[0] = rows[0].take(np.flatnonzero(rows[0].step >= from_step))
+    if config.mode == "pack":
+        rows = [_merge_epoch_end(part, config.max_tokens) for part in rows]
     drops = [_parent_drops(plan, k) for k in range(epoch, plan.num_epochs)]
     entries, entry_ids, drop_ids = _index_entries(plan, rows, drops)
     epochs = [_empty_epoch(k, config, np.zeros(0, np.int64)) for k in range(epoch)]
@@ -256,6 +260,56 @@ class _Rows:
             tokens=self.tokens[rows], loss_tokens=self.loss_tokens[rows], padded_tokens=self.padded_tokens[rows],
             cost=None if self.cost is None else self.cost[rows],
         )  # fmt: skip
+
+
+def _merge_epoch_end(part: _Rows, max_tokens: int) -> _Rows:
+    """Pack mode: the parent's last step of the epoch, whose micro-batches the parent split to
+    give every rank one, merged again (first fit decreasing by tokens, within ``max_tokens``):
+    left as they are, its small pieces would sit in ordinary steps of the new plan beside full
+    micro-batches and leave ranks idle. Counts and costs of a packed micro-batch are sums of
+    its pieces', so they stay exact."""
+    if part.num_rows == 0:
+        return part
+    last = np.flatnonzero(part.step == part.step.max())
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for row in last[np.argsort(-part.tokens[last], kind="stable")].tolist():
+        fits = next((b for b, free in enumerate(room) if free >= part.tokens[row]), None)
+        if fits is None:
+            bins.append([row])
+            room.append(max_tokens - int(part.tokens[row]))
+        else:
+            bins[fits].append(row)
+            room[fits] -= int(part.tokens[row])
+    if len(bins) == last.shape[0]:
+        return part
+    merged = part.take(np.concatenate([np.asarray(group, dtype=np.int64) for group in bins]))
+    group_of = np.repeat(np.arange(len(bins)), [len(group) for group in bins])
+    counts = np.bincount(group_of, weights=np.diff(merged.offsets), minlength=len(bins)).astype(np.int64)
+
+    def summed(values):
+        return np.bincount(group_of, weights=values, minlength=len(bins)).astype(values.dtype)
+
+    ends = _Rows(
+        step=merged.step[np.cumsum([len(group) for group in bins]) - 1], offsets=np.concatenate([[0], np.cumsum(counts)]),
+        sample=merged.sample, start=merged.start, length=merged.length, tokens=summed(merged.tokens),
+        loss_tokens=summed(merged.loss_tokens), padded_tokens=summed(merged.padded_tokens),
+        cost=None if merged.cost is None else summed(merged.cost),
+    )  # fmt: skip
+    return _concat_rows(part.take(np.flatnonzero(part.step != part.step.max())), ends)
+
+
+def _concat_rows(first: _Rows, second: _Rows) -> _Rows:
+    def both(a, b):
+        return None if a is None else np.concatenate([a, b])
+
+    return _Rows(
+        step=both(first.step, second.step), offsets=np.concatenate([first.offsets, first.offsets[-1] + second.offsets[1:]]),
+        sample=both(first.sample, second.sample), start=both(first.start, second.start),
+        length=both(first.length, second.length), tokens=both(first.tokens, second.tokens),
+        loss_tokens=both(first.loss_tokens, second.loss_tokens),
+        padded_tokens=both(first.padded_tokens, second.padded_tokens), cost=both(first.cost, second.cost),
+    )  # fmt: skip
 
 
 def _pick(values: NDArray | None, positions: NDArray[np.int64]) -> NDArray | None:
