@@ -5,7 +5,8 @@ Batch ``epoch * world_size + rank`` holds that rank's micro-batches of that epoc
 rows). Schema metadata key ``batchplan`` holds JSON: format version, config, input
 fingerprint, what was dropped and why, versions, and a checksum of the content
 that `PlanFile.verify` recomputes. Files are written to a temporary name and renamed, so
-an interrupted write never leaves a partial plan. See docs/plan-format.md.
+an interrupted or failed write (a full disk) never leaves a partial plan and leaves the
+previous file as it was; opening a file cut short says so. See docs/plan-format.md.
 
 This module never imports numba: the runtime reads plans through it.
 """
@@ -13,6 +14,7 @@ This module never imports numba: the runtime reads plans through it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import json
 import os
@@ -129,15 +131,32 @@ def write_plan(
     schema = plan_schema(
         plan.num_samples, plan.entries.has_spans, metadata, has_cost=_has_cost(plan), has_padded=_has_padded(plan)
     )
-    with _atomic_path(path) as temporary, ThreadPoolExecutor(max_workers=1) as hasher:
-        hashing = hasher.submit(_content_hash, metadata, batches) if deferred else None
-        with pa.OSFile(str(temporary), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-            for batch in batches:
-                writer.write_batch(batch.replace_schema_metadata(schema.metadata))
-        if hashing is not None:
-            metadata["content_hash"] = hashing.result()
-            _replace_placeholder(temporary, metadata["content_hash"])
+    existed = path.exists()
+    try:
+        with _atomic_path(path) as temporary, ThreadPoolExecutor(max_workers=1) as hasher:
+            hashing = hasher.submit(_content_hash, metadata, batches) if deferred else None
+            with pa.OSFile(str(temporary), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+                for batch in batches:
+                    writer.write_batch(batch.replace_schema_metadata(schema.metadata))
+            if hashing is not None:
+                metadata["content_hash"] = hashing.result()
+                _replace_placeholder(temporary, metadata["content_hash"])
+    except OSError as error:  # a full disk, a quota, permissions: the temporary is already removed
+        raise _write_failed(path, error, existed) from error
     return metadata
+
+
+def _write_failed(path: Path, error: OSError, existed: bool) -> OSError:
+    """``error``, raised while writing ``path``, as one line: the path, what is left, the fix.
+    Still an `OSError` with the same ``errno``; its text is the line alone."""
+    reason = os.strerror(error.errno) if error.errno else str(error)
+    left = f"the previous {path.name} is untouched" if existed else "nothing was written"
+    fix = "choose another -o"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        fix = f"free space on the disk holding {path.absolute().parent} or {fix}"
+    failed = OSError(f"{path}: cannot write the plan ({reason}); {left}; {fix}")
+    failed.errno = error.errno
+    return failed
 
 
 def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None, lineage=None) -> dict[str, Any]:
@@ -391,7 +410,7 @@ class PlanFile:
         except FileNotFoundError as error:
             raise PlanFormatError(f"{self.path}: no such plan file") from error
         except (pa.ArrowException, OSError) as error:
-            raise PlanFormatError(f"{self.path}: not a batchplan plan (not an Arrow IPC file: {error})") from error
+            raise _unopenable(self.path, error) from error
         try:
             self.metadata = self._decode_metadata()
             self._check_schema()
@@ -516,6 +535,34 @@ class PlanFile:
                 f"{self.path}: {self._reader.num_record_batches} record batches, expected "
                 f"{expected} (epochs {self.num_epochs} x world_size {self.world_size})"
             )
+
+
+_ARROW_MAGIC = b"ARROW1"
+# "ARROW1" padded to 8 bytes, then (at the end) the footer's length (4 bytes) and "ARROW1".
+_SMALLEST_ARROW_FILE = 8 + 4 + len(_ARROW_MAGIC)
+
+
+def _unopenable(path: Path, error: Exception) -> PlanFormatError:
+    """Why pyarrow could not open ``path``: cut short (it begins as an Arrow IPC file does
+    but lacks the footer that ends one), damaged, or not Arrow IPC at all."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as file:
+            head = file.read(len(_ARROW_MAGIC))
+            file.seek(max(size - len(_ARROW_MAGIC), 0))
+            tail = file.read()
+    except OSError:  # unreadable (a directory, no permission): pyarrow's reason is the one
+        return PlanFormatError(f"{path}: not a batchplan plan (not an Arrow IPC file: {error})")
+    if size == 0:
+        return PlanFormatError(f"{path}: the file is empty: the plan is truncated or incomplete; rebuild it")
+    if not _ARROW_MAGIC.startswith(head):
+        return PlanFormatError(f"{path}: not a batchplan plan (not an Arrow IPC file: {error})")
+    if size < _SMALLEST_ARROW_FILE or tail != _ARROW_MAGIC:
+        return PlanFormatError(
+            f"{path}: expected an Arrow IPC file ending with its footer, found {size:,} bytes without one: "
+            "the plan is truncated or incomplete; rebuild it (or copy it again, if a copy was cut short)"
+        )
+    return PlanFormatError(f"{path}: the Arrow IPC footer is unreadable ({error}); the file is corrupt, rebuild it")
 
 
 def padded_tokens_column(rows: pa.RecordBatch | pa.Table) -> pa.Array | pa.ChunkedArray:

@@ -18,6 +18,7 @@ import typer
 
 from batchplan.config import DEFAULT_BALANCE_WINDOW
 from batchplan.errors import BatchPlanError
+from batchplan_cli.choices import Balance, Mode, Oversize
 
 app = typer.Typer(
     name="batchplan",
@@ -25,6 +26,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Click's plain help: options and their values on one line, help text in a column
+    # beside them; rich's boxed tables cut long option names at 80 columns.
+    rich_markup_mode=None,
 )
 
 _DATASET_HELP = "Parquet file(s) or directories of them, or one folder written by datasets' save_to_disk."
@@ -57,15 +61,19 @@ def build(
     dataset: Annotated[list[Path], typer.Argument(help=_DATASET_HELP)],
     output: Annotated[Path, typer.Option("--output", "-o", help="Plan file to write (.arrow).")],
     max_tokens: Annotated[int, typer.Option(help="Token cap per micro-batch (pad: count x longest).")],
-    mode: Annotated[str, typer.Option(help="pack (concatenate samples) or pad (pad to the longest).")] = "pack",
+    mode: Annotated[
+        Mode, typer.Option(help="pack (concatenate samples) or pad (pad to the longest).")
+    ] = Mode.pack,
     world_size: Annotated[int, typer.Option(help="Data-parallel ranks.")] = 1,
     epochs: Annotated[int, typer.Option(help="Epochs to plan.")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of every shuffle.")] = 0,
     micro_batches: Annotated[Optional[int], typer.Option(help="Micro-batches per rank per step (default: 1).")] = None,
     tokens_per_step: Annotated[Optional[int], typer.Option(help="Global token target per step.")] = None,
-    oversize: Annotated[str, typer.Option(help="Samples above max_tokens: error, drop, truncate or split.")] = "error",
-    drop_empty: Annotated[bool, typer.Option(help="Drop samples of length 0 or null.")] = False,
-    drop_last: Annotated[bool, typer.Option(help="Drop each epoch's incomplete final step.")] = False,
+    oversize: Annotated[
+        Oversize, typer.Option(help="Samples above max_tokens: stop with an error, drop, truncate or split them.")
+    ] = Oversize.error,
+    drop_empty: Annotated[bool, typer.Option("--drop-empty", help="Drop samples of length 0 or null.")] = False,
+    drop_last: Annotated[bool, typer.Option("--drop-last", help="Drop each epoch's incomplete final step.")] = False,
     shuffle_window: Annotated[Optional[int], typer.Option(help="Pad mode: samples sorted within windows of this size.")] = None,
     batch_multiple: Annotated[int, typer.Option(help="Pad mode: samples per micro-batch a multiple of this.")] = 1,
     hidden_size: Annotated[Optional[int], typer.Option(help="Model width: adds the attention term to the cost.")] = None,
@@ -73,7 +81,8 @@ def build(
         Optional[float], typer.Option(help="The attention term's coefficient, instead of --hidden-size.")
     ] = None,
     balance: Annotated[
-        Optional[str], typer.Option(help="Balance ranks by tokens or compute (default: compute with --hidden-size).")
+        Optional[Balance],
+        typer.Option(help="Balance ranks by tokens or compute (default: compute with --hidden-size)."),
     ] = None,
     balance_window: Annotated[
         int, typer.Option(help="Steps formed from similar-cost micro-batches within this many steps; 1 = random.")
@@ -100,10 +109,11 @@ def build(
     rampup_start, rampup_tokens = parse_pair("--rampup", "START:TOKENS", rampup)
     warmup_min, warmup_tokens = parse_pair("--seqlen-warmup", "MIN:TOKENS", seqlen_warmup)
     config = PlanConfig(
-        max_tokens=max_tokens, mode=mode, world_size=world_size, epochs=epochs, seed=seed,
-        micro_batches=micro_batches, tokens_per_step=tokens_per_step, oversize=oversize,
+        max_tokens=max_tokens, mode=mode.value, world_size=world_size, epochs=epochs, seed=seed,
+        micro_batches=micro_batches, tokens_per_step=tokens_per_step, oversize=oversize.value,
         drop_empty=drop_empty, drop_last=drop_last, batch_multiple=batch_multiple,
-        hidden_size=hidden_size, attention_coefficient=attention_coefficient, balance=balance,
+        hidden_size=hidden_size, attention_coefficient=attention_coefficient,
+        balance=None if balance is None else balance.value,
         balance_window=balance_window, rampup_start=rampup_start, rampup_tokens=rampup_tokens,
         seqlen_warmup_min=warmup_min, seqlen_warmup_tokens=warmup_tokens,
         shuffle_window=DEFAULT_SHUFFLE_WINDOW if shuffle_window is None else shuffle_window,
@@ -124,7 +134,7 @@ def build(
     print_summary(summarize_plan(open_plan(output)), title=f"wrote {output}")
 
 
-@app.command()
+@app.command(short_help="Summarise a plan; --plot draws it.")
 @_fail_cleanly
 def inspect(
     plan: Annotated[Path, typer.Argument(help="Plan file.")],
@@ -161,7 +171,7 @@ def inspect(
         typer.echo(f"wrote {plot}", err=json_output)
 
 
-@app.command()
+@app.command(short_help="Compare with PyTorch, Hugging Face and fairseq batching.")
 @_fail_cleanly
 def compare(
     dataset: Annotated[list[Path], typer.Argument(help=_DATASET_HELP)],
@@ -169,8 +179,10 @@ def compare(
     world_size: Annotated[int, typer.Option(help="Data-parallel ranks.")],
     micro_batches: Annotated[int, typer.Option(help="Micro-batches per rank per step.")] = 1,
     hidden_size: Annotated[Optional[int], typer.Option(help="Model width for the attention cost (default: 4096).")] = None,
-    oversize: Annotated[str, typer.Option(help="Samples above max_tokens: truncate, split, drop, error.")] = "truncate",
-    drop_empty: Annotated[bool, typer.Option(help="Drop samples of length 0 or null.")] = False,
+    oversize: Annotated[
+        Oversize, typer.Option(help="Samples above max_tokens: stop with an error, drop, truncate or split them.")
+    ] = Oversize.truncate,
+    drop_empty: Annotated[bool, typer.Option("--drop-empty", help="Drop samples of length 0 or null.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of every shuffle.")] = 0,
     length_column: Annotated[str, typer.Option(help="Integer column of token counts.")] = "length",
     tokens_column: Annotated[str, typer.Option(help="List column of token ids (when no length column).")] = "input_ids",
@@ -189,7 +201,7 @@ def compare(
     result = compare_strategies(
         lengths, max_tokens=max_tokens, world_size=world_size, micro_batches=micro_batches,
         hidden_size=DEFAULT_HIDDEN_SIZE if hidden_size is None else hidden_size,
-        oversize=oversize, drop_empty=drop_empty, seed=seed,
+        oversize=oversize.value, drop_empty=drop_empty, seed=seed,
     )  # fmt: skip
     if json_output:
         import json
@@ -227,7 +239,7 @@ def validate(
     typer.echo(f"{plan}: OK, every guarantee holds ({checked}, {against})")
 
 
-@app.command()
+@app.command(short_help="Re-plan the remaining steps for another world size.")
 @_fail_cleanly
 def reshard(
     plan: Annotated[Path, typer.Argument(help="The plan the run trained on (the parent).")],

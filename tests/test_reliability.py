@@ -240,7 +240,7 @@ ROWS = {
        for name, damage, message in (
            ("missing plan", lambda root: root / "in" / "nope.arrow", "nope.arrow: no such plan file"),
            ("not Arrow", text_file, "plan.arrow: not a batchplan plan (not an Arrow IPC file"),
-           ("truncated", truncated_plan, "plan.arrow: not a batchplan plan (not an Arrow IPC file"),
+           ("truncated", truncated_plan, "plan.arrow: expected an Arrow IPC file ending with its footer"),
            ("flipped byte in the metadata", flipped_metadata_key,
             "batchplan metadata key 'world_size' is missing or not a int; the plan is corrupt, rebuild it"),
            ("newer format version", newer_plan,

@@ -52,10 +52,13 @@ def resolve_placement(rank: int | None = None, world_size: int | None = None) ->
 def check_world_size(placement: Placement, plan_world_size: int, path: object) -> None:
     """Raise `PlanMismatchError` unless the run's world size is the plan's."""
     if placement.world_size != plan_world_size:
+        world_size = placement.world_size
         raise PlanMismatchError(
             f"{path}: the plan was built for world_size {plan_world_size} but this run has "
-            f"world_size {placement.world_size} (from {placement.source}); rebuild the plan with "
-            f"--world-size {placement.world_size} or launch {plan_world_size} ranks"
+            f"world_size {world_size} (from {placement.source}); launch {plan_world_size} ranks, or "
+            f"rebuild the plan with --world-size {world_size}, or, to resume a checkpoint on {world_size} "
+            f"ranks, re-plan the steps left with `batchplan reshard {path} --world-size {world_size} "
+            "--from-step STEP -o NEW.arrow` (STEP: optimizer steps done at the checkpoint)"
         )
 
 
