@@ -71,16 +71,22 @@ def _rampup(summary: dict[str, Any]) -> list[tuple[str, str]]:
     ramp = summary.get("rampup")
     if not ramp:
         return []
-    target = (f"{ramp['target']:,}" if ramp.get("target") is not None
-              else f"{ramp.get('micro_batches')} micro-batches per rank")  # fmt: skip
-    end = "beyond the plan" if ramp["end_step"] is None else f"at step {ramp['end_step']:,}"
+    target = (f"{ramp['target']:,} tokens" if ramp.get("target") is not None
+              else f"{ramp.get('micro_batches')} micro-batch(es) per rank")  # fmt: skip
+    end = "lasts beyond the plan" if ramp["end_step"] is None else f"ends at step {ramp['end_step']:,}"
     last = "-" if ramp["last_ramp_step_tokens"] is None else f"{ramp['last_ramp_step_tokens']:,}"
     after = "" if ramp["tokens_per_step_after"] is None else f", then {ramp['tokens_per_step_after']:,.0f} mean"
-    return [
-        ("ramp-up", f"{ramp['start_tokens']:,} -> {target} tokens per step over {ramp['ramp_tokens']:,} tokens"),
-        ("ramp-up steps", f"{ramp['first_step_tokens']:,} .. {last} tokens in {ramp['steps_in_ramp']:,} steps, "
-                          f"ends {end}{after}"),
+    rows = [
+        ("ramp-up", f"steps grow from {ramp['start_tokens']:,} tokens to {target} over the run's first "
+                    f"{ramp['ramp_tokens']:,} tokens"),
+        ("ramp-up steps", f"{ramp['steps_in_ramp']:,} steps of {ramp['first_step_tokens']:,} .. {last} tokens; "
+                          f"the ramp {end}{after}"),
     ]  # fmt: skip
+    if ramp["first_step_tokens"] < ramp["start_tokens"]:
+        rows.append(("first step", f"{ramp['first_step_tokens']:,} tokens, below {ramp['start_tokens']:,}: a step "
+                                   "holds whole chunks (one micro-batch per rank), as many as bring its tokens "
+                                   "nearest its target, so it may fall short by up to half a chunk"))  # fmt: skip
+    return rows
 
 
 def _seqlen_warmup(summary: dict[str, Any]) -> list[tuple[str, str]]:
