@@ -1,6 +1,6 @@
 """Regenerate the output of every ``$ batchplan ...`` command the docs show.
 
-    .venv/bin/python -m bench.docs            # rewrite stale blocks in place
+    .venv/bin/python -m bench.docs            # rewrite stale blocks, redraw docs/example-plan.png
     .venv/bin/python -m bench.docs --check    # exit 1, naming each stale block
 
 A block is a fenced ``text`` block of README.md or docs/*.md whose first line is
@@ -9,7 +9,9 @@ from the repository root with ``COLUMNS=120`` (the tables' width), and the block
 becomes its exact output. Plans and comparisons are deterministic for the same
 versions, so a fresh run must match the docs to the character
 (``tests/test_docs_fresh.py`` runs ``--check`` in CI). Blocks that show only a
-command (no output) are left alone.
+command (no output) are left alone. Without ``--check`` it also redraws
+docs/example-plan.png: the README's demo plan (its ``batchplan build`` command, written
+to a temporary file) drawn by ``inspect --plot --dataset``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +62,21 @@ def stale_blocks(path: Path) -> tuple[str, list[str]]:
     return BLOCK.sub(regenerate, text), changed
 
 
+def redraw_example_plan() -> Path:
+    """docs/example-plan.png from the README's demo command (its build, to a temporary plan)."""
+    readme = (ROOT / "README.md").read_text()
+    line = readme.split("<!-- demo-command -->", 1)[1].split("```sh\n", 1)[1].splitlines()[0]
+    build = next(part.strip() for part in line.split("&&") if "batchplan build" in part)
+    argv = shlex.split(build)
+    dataset = argv[2]
+    with tempfile.TemporaryDirectory() as directory:
+        plan = str(Path(directory) / "plan.arrow")
+        argv[argv.index("-o") + 1] = plan
+        run(shlex.join(["batchplan", *argv[1:]]))
+        run(shlex.join(["batchplan", "inspect", plan, "--plot", "docs/example-plan.png", "--dataset", dataset]))
+    return ROOT / "docs" / "example-plan.png"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="report stale blocks, change nothing")
@@ -74,6 +92,8 @@ def main() -> int:
     if args.check and stale:
         print(f"{stale} stale block(s); regenerate them with: .venv/bin/python -m bench.docs")
         return 1
+    if not args.check:
+        print(f"redrew {redraw_example_plan().relative_to(ROOT)}")
     return 0
 
 
