@@ -302,10 +302,12 @@ def _summary_panel(ax: Axes, summary: dict[str, Any]) -> None:
         f"tokens             {summary['tokens']:,}",
         f"fill               {summary['fill']:.3%}",
         f"padding            {summary['padding_fraction']:.3%}",
-        f"token imbalance    {summary['token_imbalance']:.3%} (p99 {summary['token_imbalance_p99']:.3%})",
+        f"token imbalance    {summary['token_imbalance']:.3%} (p99 {summary['token_imbalance_p99']:.3%}, "
+        f"max {summary['token_imbalance_max']:.3%})",
     ]
     if summary.get("cost_imbalance") is not None:
-        lines.append(f"cost imbalance     {summary['cost_imbalance']:.3%} (p99 {summary['cost_imbalance_p99']:.3%})")
+        lines.append(f"cost imbalance     {summary['cost_imbalance']:.3%} (p99 {summary['cost_imbalance_p99']:.3%}, "
+                     f"max {summary['cost_imbalance_max']:.3%})")
     last = f"epochs' last step  tokens {summary['token_imbalance_last_step']:.3%}"
     if summary.get("cost_imbalance_last_step") is not None:
         last += f", cost {summary['cost_imbalance_last_step']:.3%}"

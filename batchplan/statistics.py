@@ -9,7 +9,9 @@ legends (``--plot``) and ``compare`` all take their numbers from here:
   by the end-of-epoch policy (split and empty micro-batches, so every rank runs the
   same number of forwards) and is imbalanced by design: it is reported on its own,
   as ``last_step`` (the mean over the epochs' last steps).
-- **imbalance** ``mean`` and ``p99``: over the regular steps that have work.
+- **imbalance** ``mean``, ``p99`` and ``max``: over the regular steps that have work
+  (a mean above the p99 means under 1 % of the steps hold most of the imbalance;
+  ``max`` shows how much).
 - **fill**: real tokens / (micro-batches x max_tokens), over the regular steps.
 - **padding**: padded-away tokens / computed tokens (count x longest in pad mode),
   over all micro-batches.
@@ -29,10 +31,11 @@ __all__ = ["Imbalance", "last_steps_of", "rank_imbalance", "step_imbalance"]
 
 @dataclasses.dataclass(frozen=True)
 class Imbalance:
-    """Rank imbalance of a plan: ``mean`` and ``p99`` over regular steps, ``last_step`` on its own."""
+    """Rank imbalance of a plan: ``mean``, ``p99``, ``max`` over regular steps, ``last_step`` on its own."""
 
     mean: float
     p99: float
+    max: float
     last_step: float
 
 
@@ -61,5 +64,6 @@ def rank_imbalance(per_rank: NDArray, last_steps: NDArray[np.int64]) -> Imbalanc
     return Imbalance(
         mean=float(values.mean()) if values.size else 0.0,
         p99=float(np.percentile(values, 99)) if values.size else 0.0,
+        max=float(values.max()) if values.size else 0.0,
         last_step=float(ends.mean()) if ends.size else 0.0,
     )

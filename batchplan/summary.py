@@ -6,11 +6,11 @@ defined once, in `batchplan.statistics`:
   but each epoch's last): packing efficiency.
 - ``padding_fraction``: padding / (count x longest) over all micro-batches (pad mode;
   0 in pack mode).
-- ``token_imbalance`` / ``token_imbalance_p99``: mean and p99 over the regular steps
+- ``token_imbalance`` / ``_p99`` / ``_max``: mean, p99 and max over the regular steps
   of (max rank tokens / mean rank tokens - 1); ``token_imbalance_last_step``: the
   same for each epoch's last step (completed by splitting and empty micro-batches,
   imbalanced by design), averaged over epochs.
-- ``cost_imbalance`` (``_p99``, ``_last_step``): the same over the plan's predicted
+- ``cost_imbalance`` (``_p99``, ``_max``, ``_last_step``): the same over the plan's predicted
   compute (``cost`` column, plans built with a hidden size; None otherwise).
 
 - ``rampup`` (plans built with ``--rampup``): tokens of the first step and of the ramp's
@@ -78,9 +78,11 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
         "padding_fraction": float(1.0 - tokens.sum() / padded.sum()) if padded.sum() else 0.0,
         "token_imbalance": imbalance.mean,
         "token_imbalance_p99": imbalance.p99,
+        "token_imbalance_max": imbalance.max,
         "token_imbalance_last_step": imbalance.last_step,
         "cost_imbalance": None if cost_imbalance is None else cost_imbalance.mean,
         "cost_imbalance_p99": None if cost_imbalance is None else cost_imbalance.p99,
+        "cost_imbalance_max": None if cost_imbalance is None else cost_imbalance.max,
         "cost_imbalance_last_step": None if cost_imbalance is None else cost_imbalance.last_step,
         "hidden_size": meta.get("hidden_size"),
         "attention_coefficient": meta.get("attention_coefficient"),

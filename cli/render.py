@@ -29,8 +29,8 @@ def print_summary(summary: dict[str, Any], *, title: str) -> None:
         ("tokens per step", f"{per_step['mean']:,.0f} (min {per_step['min']:,}, max {per_step['max']:,})"),
         ("fill", f"{summary['fill']:.3%} (steps but each epoch's last)"),
         ("padding", f"{summary['padding_fraction']:.3%}"),
-        ("token imbalance", f"{summary['token_imbalance']:.3%} mean, {summary['token_imbalance_p99']:.3%} p99 "
-                            "(steps but each epoch's last)"),  # fmt: skip
+        ("token imbalance", f"{summary['token_imbalance']:.3%} mean, {summary['token_imbalance_p99']:.3%} p99, "
+                            f"{summary['token_imbalance_max']:.3%} max (steps but each epoch's last)"),  # fmt: skip
         ("cost imbalance", _cost_imbalance(summary)),
         ("epochs' last step", _last_step(summary)),
         ("dropped samples", _dropped(summary)),
@@ -62,7 +62,8 @@ def _cost_imbalance(summary: dict[str, Any]) -> str:
         else f"attention coefficient {summary['attention_coefficient']:.3g}"
     )
     return (
-        f"{summary['cost_imbalance']:.3%} mean, {summary['cost_imbalance_p99']:.3%} p99 "
+        f"{summary['cost_imbalance']:.3%} mean, {summary['cost_imbalance_p99']:.3%} p99, "
+        f"{summary['cost_imbalance_max']:.3%} max "
         f"({model}, balanced by {summary['balance']})"
     )
 
