@@ -25,8 +25,8 @@ samples, pack 512, 1 and 2 epochs); batchplan 0.1.0, numpy 2.4, numba 0.68, pyar
 Linux x86-64, 2 cores. More epochs and threads are extrapolated. The fit is non-negative
 least squares on relative errors, reweighted (Lawson) to minimise the worst error, an
 under-estimate (a build let through that runs out of memory) counting three times an
-over-estimate; a term per micro-batch per epoch planned at once fitted to 0 and was
-dropped. With micro-batches estimated from the lengths as below, every estimate was within
+over-estimate; it has no term per micro-batch per epoch planned at once (its fitted
+weight is 0). With micro-batches estimated from the lengths as below, every estimate was within
 -7 % / +21 % of the measured peak (1e7 samples, 1 epoch, pack 8,192: 0.46-0.47 GiB measured,
 0.52 GiB estimated; 1e8 samples: 2.45 GiB measured, 2.97 GiB estimated; pad, which holds
 more per sample than the shared constants say, 3.15 and 3.06 GiB). It is an estimate:

@@ -38,8 +38,8 @@ __all__ = [
     "FORMAT_VERSION", "METADATA_KEY", "PlanFile", "open_plan", "padded_tokens_column", "plan_metadata", "write_plan",
 ]  # fmt: skip
 
-# 2: pack plans leave out padded_tokens (version 1 wrote it in both modes). Readers take
-# every version up to this one.
+# 2: pack plans have no padded_tokens column (in version 1 both modes have it). Readers
+# take every version up to this one.
 FORMAT_VERSION = 2
 METADATA_KEY = b"batchplan"
 REQUIRED_COLUMNS = (
@@ -161,7 +161,7 @@ def _write_failed(path: Path, error: OSError, existed: bool) -> OSError:
 
 def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None, lineage=None) -> dict[str, Any]:
     """The JSON metadata of a plan (everything but the content hash); ``lineage`` keys last."""
-    import numba
+    from importlib.metadata import version
 
     from batchplan import __version__
 
@@ -194,7 +194,7 @@ def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None, lineage
         "versions": {
             "batchplan": __version__,
             "numpy": np.__version__,
-            "numba": numba.__version__,
+            "numba": version("numba"),  # from the installed metadata: numba itself is not loaded
             "pyarrow": pa.__version__,
         },
     }
@@ -475,8 +475,8 @@ class PlanFile:
 
     def _batch(self, index: int, what: str) -> pa.RecordBatch:
         """Record batch ``index``, fully validated. pyarrow reads a batch without checking its
-        list offsets against its buffers, and using a corrupt one can crash the process
-        (found by fuzzing); validating costs O(the batch's rows)."""
+        list offsets against its buffers, and using a corrupt one can crash the process;
+        validating costs O(the batch's rows)."""
         try:
             batch = self._reader.get_batch(index)
             batch.validate(full=True)

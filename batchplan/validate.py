@@ -89,7 +89,7 @@ def validate_plan(
             found += checker.run()
         except (PlanFormatError, pa.ArrowException, OSError, ValueError, IndexError, TypeError, KeyError) as error:
             # Structure too damaged to check (list offsets out of range, unreadable batch, a
-            # metadata key renamed by a flipped byte: found by fuzzing).
+            # metadata key renamed by a flipped byte).
             found.append(Violation("integrity", f"epoch {epoch}: rows or metadata are unreadable ({error!r})"))
             return found
         step_base += plan.metadata["steps_per_epoch"][epoch]

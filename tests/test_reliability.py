@@ -1,4 +1,4 @@
-"""Issue 7: bad input fails loudly and early; random input never crashes the planner or reader.
+"""Bad input fails loudly and early; random input never crashes the planner or reader.
 
 1. One table row per bad input of the issue (dataset, options, plan files), run through the
    CLI: exit code 1, one line on stderr naming what is wrong, where, and how to fix it, no
