@@ -45,7 +45,6 @@ Cost: one pass over the parent's rows, then O(micro-batches) per epoch: 0.4 s fo
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import os
 from pathlib import Path
@@ -54,6 +53,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from batchplan.bitmap import decode_bitmap, encode_bitmap
 from batchplan.config import PlanConfig
 from batchplan.entries import Entries, index_dtype
 from batchplan.errors import ConfigError
@@ -61,8 +61,7 @@ from batchplan.plan_file import PlanFile, open_plan, padded_tokens_column, write
 from batchplan.micro_batches import MicroBatches
 from batchplan.planner import EpochPlan, Plan, schedule_epoch
 
-__all__ = ["ReshardedPlan", "decode_bitmap", "default_step_sizing", "encode_bitmap", "reshard_plan",
-           "reshard_plan_file"]
+__all__ = ["ReshardedPlan", "default_step_sizing", "reshard_plan", "reshard_plan_file"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -497,25 +496,3 @@ def _inherited_consumed(plan: PlanFile, epoch: int) -> tuple[NDArray[np.bool_], 
     whole = decode_bitmap(consumed["samples"], plan.num_samples)
     return whole, np.asarray(consumed.get("spans", []), dtype=np.int64).reshape(-1, 3)
 
-
-def encode_bitmap(mask: NDArray[np.bool_]) -> str:
-    """Base64 of the bits of ``mask`` (bit ``i % 8`` of byte ``i // 8``), trailing zero bytes cut."""
-    packed = np.packbits(mask, bitorder="little")
-    used = np.flatnonzero(packed)
-    packed = packed[: used[-1] + 1] if used.size else packed[:0]
-    return base64.b64encode(packed.tobytes()).decode("ascii")
-
-
-def decode_bitmap(text: str, size: int) -> NDArray[np.bool_]:
-    """Inverse of `encode_bitmap`: a boolean mask of ``size`` items.
-
-    Raises:
-        ValueError: not base64, or bits set beyond ``size``.
-    """
-    packed = np.frombuffer(base64.b64decode(text.encode("ascii"), validate=True), dtype=np.uint8)
-    if packed.shape[0] > (size + 7) // 8 or np.unpackbits(packed, bitorder="little")[size:].any():
-        raise ValueError(f"bitmap holds more than {size:,} items")
-    # Pad the cut zero bytes back ourselves: unpackbits' own padding past its input is not zeroed.
-    full = np.zeros((size + 7) // 8, dtype=np.uint8)
-    full[: packed.shape[0]] = packed
-    return np.unpackbits(full, count=size, bitorder="little").astype(bool)

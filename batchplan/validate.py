@@ -23,7 +23,6 @@ Vectorised numpy: a plan of the 16 M-sample Wikipedia file checks in seconds.
 
 from __future__ import annotations
 
-import base64
 import binascii
 import dataclasses
 
@@ -31,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
+from batchplan.bitmap import decode_bitmap
 from batchplan.cost import micro_batch_costs
 from batchplan.errors import PlanFormatError
 from batchplan.lengths import fingerprint_lengths
@@ -124,7 +124,7 @@ def _read_lineage(plan: PlanFile) -> tuple[_Lineage, list[Violation]]:
             first_step=_non_negative(meta["first_step"]),
             tokens_before=_non_negative(meta["tokens_before_first_step"]),
             first_epoch=_non_negative(parent["epoch"]),
-            consumed_whole=_decode_bitmap(consumed["samples"], plan.num_samples),
+            consumed_whole=decode_bitmap(consumed["samples"], plan.num_samples),
             consumed_spans=np.asarray(consumed["spans"], dtype=np.int64).reshape(-1, 3),
         )
         if consumed["epoch"] != lineage.first_epoch or lineage.first_epoch >= plan.num_epochs:
@@ -143,16 +143,6 @@ def _non_negative(value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{value!r} is not an integer >= 0")
     return value
-
-
-def _decode_bitmap(text: str, size: int) -> NDArray[np.bool_]:
-    """Bit ``i % 8`` of byte ``i // 8`` of the base64 ``text`` is item ``i`` (trailing zero bytes cut)."""
-    packed = np.frombuffer(base64.b64decode(text, validate=True), dtype=np.uint8)
-    if packed.shape[0] > (size + 7) // 8 or np.unpackbits(packed, bitorder="little")[size:].any():
-        raise ValueError(f"the consumed-samples bitmap holds more than {size:,} samples")
-    full = np.zeros((size + 7) // 8, dtype=np.uint8)  # unpackbits does not zero its own padding
-    full[: packed.shape[0]] = packed
-    return np.unpackbits(full, count=size, bitorder="little").astype(bool)
 
 
 def _check_trained_on_parent(plan: PlanFile, epoch: int) -> list[Violation]:

@@ -34,6 +34,11 @@ app = typer.Typer(
 _DATASET_HELP = "Parquet file(s) or directories of them, or one folder written by datasets' save_to_disk."
 
 
+def _unwind_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so a half-written temporary plan file is removed."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def _fail_cleanly(command):
     """Turn BatchPlanError into one line on stderr and exit code 1."""
 
@@ -101,8 +106,7 @@ def build(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")] = False,
 ) -> None:
     """Read sample lengths and write a plan for every epoch."""
-    # SIGTERM unwinds like Ctrl-C, so the half-written temporary file is removed.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    _unwind_on_sigterm()
     from batchplan.build import build_plan_file
     from batchplan.config import DEFAULT_SHUFFLE_WINDOW, PlanConfig, parse_pair
 
@@ -253,7 +257,7 @@ def reshard(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary.")] = False,
 ) -> None:
     """Re-plan the steps from --from-step on for another world size (resume with fewer or more machines)."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    _unwind_on_sigterm()
     from batchplan.reshard import reshard_plan_file
 
     metadata = reshard_plan_file(

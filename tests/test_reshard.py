@@ -30,7 +30,8 @@ from typer.testing import CliRunner
 from batchplan import ConfigError, PlanConfig, PlanMismatchError
 from batchplan.plan_file import open_plan, write_plan
 from batchplan.planner import build_plan
-from batchplan.reshard import decode_bitmap, default_step_sizing, encode_bitmap, reshard_plan, reshard_plan_file
+from batchplan.bitmap import decode_bitmap, encode_bitmap
+from batchplan.reshard import default_step_sizing, reshard_plan, reshard_plan_file
 from batchplan.runtime import PlanSampler, token_lr_lambda
 from batchplan.validate import validate_plan
 from batchplan_cli.main import app
