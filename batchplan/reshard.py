@@ -8,8 +8,8 @@ from global step ``S`` gets a new plan:
    counts. A micro-batch does not depend on the world size (packs and padded batches
    are formed before ranks are assigned), so each is kept whole, as one unit; empty
    fillers are discarded. In pack mode the micro-batches of each epoch's last step,
-   which the parent split so that every rank had one, are merged again (first fit
-   decreasing within ``max_tokens``; counts and costs are sums of the pieces').
+   which the parent split so that every rank had one, are packed again (the
+   planner's best fit decreasing within ``max_tokens``; counts and costs are sums of the pieces').
 2. Each epoch's micro-batches are scheduled again for ``W2`` ranks by
    `batchplan.planner.schedule_epoch`: seeded shuffle, an incomplete last chunk
    completed with empty micro-batches (units are never split) or dropped under
@@ -57,6 +57,7 @@ from batchplan.bitmap import decode_bitmap, encode_bitmap
 from batchplan.config import PlanConfig
 from batchplan.entries import Entries, index_dtype
 from batchplan.errors import ConfigError
+from batchplan.kernels.pack import pack_segments
 from batchplan.plan_file import PlanFile, open_plan, padded_tokens_column, write_plan
 from batchplan.micro_batches import MicroBatches
 from batchplan.planner import EpochPlan, Plan, schedule_epoch
@@ -263,34 +264,25 @@ class _Rows:
 
 def _merge_epoch_end(part: _Rows, max_tokens: int) -> _Rows:
     """Pack mode: the parent's last step of the epoch, whose micro-batches the parent split to
-    give every rank one, merged again (first fit decreasing by tokens, within ``max_tokens``):
-    left as they are, its small pieces would sit in ordinary steps of the new plan beside full
-    micro-batches and leave ranks idle. Counts and costs of a packed micro-batch are sums of
-    its pieces', so they stay exact."""
+    give every rank one, packed again by the planner's best fit decreasing within
+    ``max_tokens``: left as they are, its small pieces would sit in ordinary steps of the new
+    plan beside full micro-batches and leave ranks idle. Counts and costs of a packed
+    micro-batch are sums of its pieces', so they stay exact."""
     if part.num_rows == 0:
         return part
     last = np.flatnonzero(part.step == part.step.max())
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for row in last[np.argsort(-part.tokens[last], kind="stable")].tolist():
-        fits = next((b for b, free in enumerate(room) if free >= part.tokens[row]), None)
-        if fits is None:
-            bins.append([row])
-            room.append(max_tokens - int(part.tokens[row]))
-        else:
-            bins[fits].append(row)
-            room[fits] -= int(part.tokens[row])
-    if len(bins) == last.shape[0]:
+    # (bins + 1,) offsets and (pieces,) members: pieces of the last step packed into bins
+    offsets, members = pack_segments(part.tokens[last], np.arange(last.shape[0], dtype=np.int64), max_tokens)
+    if offsets.shape[0] - 1 == last.shape[0]:
         return part
-    merged = part.take(np.concatenate([np.asarray(group, dtype=np.int64) for group in bins]))
-    group_of = np.repeat(np.arange(len(bins)), [len(group) for group in bins])
-    counts = np.bincount(group_of, weights=np.diff(merged.offsets), minlength=len(bins)).astype(np.int64)
+    merged = part.take(last[members])
+    group_of = np.repeat(np.arange(offsets.shape[0] - 1), np.diff(offsets))
 
     def summed(values):
-        return np.bincount(group_of, weights=values, minlength=len(bins)).astype(values.dtype)
+        return np.bincount(group_of, weights=values).astype(values.dtype)
 
     ends = _Rows(
-        step=merged.step[np.cumsum([len(group) for group in bins]) - 1], offsets=np.concatenate([[0], np.cumsum(counts)]),
+        step=merged.step[offsets[1:] - 1], offsets=np.concatenate([[0], np.cumsum(summed(np.diff(merged.offsets)))]),
         sample=merged.sample, start=merged.start, length=merged.length, tokens=summed(merged.tokens),
         loss_tokens=summed(merged.loss_tokens), padded_tokens=summed(merged.padded_tokens),
         cost=None if merged.cost is None else summed(merged.cost),
