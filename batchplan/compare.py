@@ -45,7 +45,7 @@ from batchplan.cost import attention_coefficient, micro_batch_costs
 from batchplan.entries import make_entries
 from batchplan.errors import ConfigError, DatasetError
 from batchplan.segments import segment_max
-from batchplan.statistics import last_steps_of, rank_imbalance
+from batchplan.statistics import last_steps_of, rank_imbalance, regular_steps
 
 __all__ = [
     "DEFAULT_HIDDEN_SIZE",
@@ -323,7 +323,7 @@ def measure_strategy(
     rank_cost = np.bincount(slot, weights=cost, minlength=num_steps * world_size).reshape(num_steps, world_size)
     num_micro = int(counts.shape[0])
     last = last_steps_of([num_steps])
-    regular = step != num_steps - 1
+    regular = regular_steps(num_steps, last)[step]  # per micro-batch
     capacity = int(regular.sum()) * max_tokens
     return StrategyResult(
         name=name,

@@ -23,7 +23,7 @@ from numpy.typing import NDArray
 
 from batchplan.errors import BatchPlanError, PlanMismatchError
 from batchplan.plan_file import PlanFile, padded_tokens_column
-from batchplan.statistics import last_steps_of, step_imbalance
+from batchplan.statistics import last_steps_of, regular_steps, step_imbalance
 from batchplan.summary import per_step_and_rank, samples_per_row, summarize_plan
 
 if TYPE_CHECKING:
@@ -229,8 +229,7 @@ def _imbalance_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     # Legends quote the summary (one definition: batchplan.statistics), not the series drawn.
     # Each epoch's last step is completed by split and empty micro-batches: it is marked, not
     # drawn into the series, so its spike does not flatten every other step.
-    regular = np.ones(data["rank_tokens"].shape[0], dtype=bool)
-    regular[data["last_steps"]] = False
+    regular = regular_steps(data["rank_tokens"].shape[0], data["last_steps"])
     tokens = 100.0 * np.nan_to_num(step_imbalance(data["rank_tokens"]))
     title = "rank imbalance per step (max / mean - 1)"
     top = float(tokens[regular].max()) if regular.any() else 0.0

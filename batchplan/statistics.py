@@ -26,7 +26,7 @@ import dataclasses
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["Imbalance", "last_steps_of", "rank_imbalance", "step_imbalance"]
+__all__ = ["Imbalance", "last_steps_of", "rank_imbalance", "regular_steps", "step_imbalance"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +54,17 @@ def last_steps_of(steps_per_epoch: NDArray | list[int]) -> NDArray[np.int64]:
     return (np.cumsum(steps) - 1)[steps > 0]
 
 
+def regular_steps(num_steps: int, last_steps: NDArray[np.int64]) -> NDArray[np.bool_]:
+    """(num_steps,) True for every step but the epochs' last ones."""
+    regular = np.ones(num_steps, dtype=bool)
+    regular[last_steps] = False
+    return regular
+
+
 def rank_imbalance(per_rank: NDArray, last_steps: NDArray[np.int64]) -> Imbalance:
     """`Imbalance` of ``per_rank`` (shape (num_steps, world_size)) whose epochs end at ``last_steps``."""
     per_step = step_imbalance(per_rank)
-    regular = np.ones(per_step.shape[0], dtype=bool)
-    regular[last_steps] = False
+    regular = regular_steps(per_step.shape[0], last_steps)
     values = per_step[regular & ~np.isnan(per_step)]
     ends = per_step[~regular & ~np.isnan(per_step)]
     return Imbalance(

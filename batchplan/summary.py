@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from batchplan.plan_file import PlanFile, padded_tokens_column
-from batchplan.statistics import last_steps_of, rank_imbalance
+from batchplan.statistics import last_steps_of, rank_imbalance, regular_steps
 
 __all__ = ["per_step_and_rank", "samples_per_row", "summarize_plan"]
 
@@ -49,7 +49,7 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
     num_steps = plan.num_steps
 
     last_steps = last_steps_of(meta["steps_per_epoch"])
-    not_last = ~np.isin(step, last_steps)
+    not_last = regular_steps(num_steps, last_steps)[step]  # per micro-batch
     capacity = int(not_last.sum()) * plan.metadata["max_tokens"]
     # shape (num_steps, world_size): tokens of each rank in each step
     rank_tokens = per_step_and_rank(step, rank, tokens, num_steps, world_size)

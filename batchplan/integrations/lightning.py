@@ -320,7 +320,7 @@ def _check_accumulation(trainer: Any, sampler: PlanSampler) -> None:
         sizes.append(rows.column("num_micro").to_numpy()[first])
     inner = {int(n) for epoch in sizes for n in epoch[:-1]}
     last = max((int(epoch[-1]) for epoch in sizes if epoch.size), default=0)
-    if inner == {micro} and last <= micro or not inner and last <= micro:
+    if inner <= {micro} and last <= micro:
         return
     if len(inner) > 1:
         raise ConfigError(

@@ -94,7 +94,6 @@ class PlanTrainerMixin:
                 "PlanTrainer replays whole plans: resume the resharded part with the plain loop (docs/resharding.md)"
             )
         self.plan_collator = plan_collator or self._default_plan_collator()
-        self._plan_last_record = None
         if self.train_dataset is not None:
             _check_dataset(self.plan_sampler, self.train_dataset)
         config = getattr(self.model, "config", None)
@@ -161,7 +160,6 @@ class PlanTrainerMixin:
             with sync:
                 loss = super().training_step(model, batch, num_items_in_batch=max(record.step_loss_tokens, 1))
             total = loss if total is None else total + loss
-            self._plan_last_record = record
         return total
 
     def floating_point_ops(self, inputs) -> int:
@@ -183,14 +181,11 @@ class PlanTrainerMixin:
         prefix = transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
         folder = os.path.join(self._get_output_dir(trial=trial), f"{prefix}-{self.state.global_step}")
         os.makedirs(folder, exist_ok=True)
+        # Checkpoints fall on step boundaries: global_step steps done, whatever the loader prefetched.
         sampler = self.plan_sampler
-        if self._plan_last_record is not None:
-            state = sampler.state_dict(after=self._plan_last_record)
-        else:
-            state = sampler.state_at_step(self.state.global_step)
         path = os.path.join(folder, SAMPLER_STATE_FILE.format(rank=sampler.rank))
         with open(path, "w") as file:
-            json.dump(state, file)
+            json.dump(sampler.state_at_step(self.state.global_step), file)
 
     def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs,
                              resume_from_checkpoint, trial):  # fmt: skip
@@ -203,10 +198,7 @@ class PlanTrainerMixin:
         state = _read_sampler_state(resume_from_checkpoint, sampler.rank)
         sampler.load_state_dict(state)  # checks plan, rank and world size
         expected = sampler.state_at_step(self.state.global_step)
-        if (state["epoch"], state["position"]) != (expected["epoch"], expected["position"]) and not (
-            state["position"] == sampler.plan.metadata["rows_per_rank"][state["epoch"]]
-            and (expected["epoch"], expected["position"]) == (state["epoch"] + 1, 0)
-        ):  # fmt: skip
+        if state != expected:
             raise PlanMismatchError(
                 f"{resume_from_checkpoint}: the sampler state is at epoch {state['epoch']}, micro-batch "
                 f"{state['position']} but global step {self.state.global_step} starts at epoch {expected['epoch']}, "

@@ -111,23 +111,20 @@ class SpanItem(NamedTuple):
     length: int
 
 
-class PlannedRows(list):
+class _Planned(list):
+    """A list that carries the `MicroBatch` record of the micro-batch it belongs to."""
+
+    def __init__(self, values: list[Any], record: MicroBatch) -> None:
+        super().__init__(values)
+        self.record = record
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (list(self), self.record))
+
+
+class PlannedRows(_Planned):
     """The dataset rows of one micro-batch (what the loader fetches), with its `record`."""
 
-    def __init__(self, rows: list[int], record: MicroBatch) -> None:
-        super().__init__(rows)
-        self.record = record
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (PlannedRows, (list(self), self.record))
-
-
-class PlannedItems(list):
+class PlannedItems(_Planned):
     """The dataset items of one micro-batch (what the collator receives), with its `record`."""
-
-    def __init__(self, items: list[Any], record: MicroBatch) -> None:
-        super().__init__(items)
-        self.record = record
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (PlannedItems, (list(self), self.record))

@@ -312,9 +312,8 @@ class PlanSampler(Sampler[list[int]]):
             return make_state(self._identity, self._epoch, self._position)
         if not isinstance(after, MicroBatch):
             raise ConfigError(f"after must be a MicroBatch record (batch.record), got {type(after).__name__}")
-        drawn = (self._epoch, self._position)
-        if not (0 <= after.position < self._rows_per_epoch[after.epoch] if 0 <= after.epoch < self.num_epochs
-                else False) or (after.epoch, after.position) >= drawn:  # fmt: skip
+        known = 0 <= after.epoch < self.num_epochs and 0 <= after.position < self._rows_per_epoch[after.epoch]
+        if not known or (after.epoch, after.position) >= (self._epoch, self._position):
             raise ConfigError(
                 f"record of epoch {after.epoch}, micro-batch {after.position} was not drawn by this sampler "
                 f"(it is at epoch {self._epoch}, micro-batch {self._position}); pass the record of a batch "

@@ -52,10 +52,8 @@ class PlanSteps:
         return getattr(self.loader, "dataset", None)
 
     def __len__(self) -> int:
-        """Steps of the epoch the next iteration walks (its remaining ones)."""
-        return self.sampler.steps_per_epoch[self.sampler.epoch] if self.sampler.position == 0 else len(
-            {record.step for record in self.sampler.schedule()}
-        )  # fmt: skip
+        """Steps the next iteration yields (those left of its epoch)."""
+        return len({record.step for record in self.sampler.schedule()})
 
     def set_epoch(self, epoch: int) -> None:
         self.sampler.set_epoch(epoch)
