@@ -18,7 +18,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from batchplan.runtime import PackCollator, PadCollator, PlanDataset, PlanSampler, token_loss_sum
+from batchplan.runtime import (
+    PackCollator,
+    PadCollator,
+    PlanDataset,
+    PlanSampler,
+    token_loss_sum,
+)
 
 LR = 0.1
 VOCAB_SIZE = 97
@@ -35,6 +41,17 @@ def integration_plans(directory: Path, lengths) -> dict[str, str]:
         "tokens": str(write_test_plan(directory / "tokens.arrow", lengths, max_tokens=64, world_size=2, epochs=2,
                                       tokens_per_step=300, oversize="split", seed=4)),
     }  # fmt: skip
+
+
+def run_integration(checks, directory: Path, *leading) -> tuple[list[dict], dict[str, str]]:
+    """``checks(rank, *leading, plans, lengths, out_dir)`` on 2 real ranks over `integration_plans`:
+    each rank's saved results, and the plans."""
+    from _ddp_plans import sample_lengths
+    from _spawn import run_ranks
+
+    lengths = sample_lengths()
+    plans = integration_plans(directory / "plans", lengths)
+    return run_ranks(checks, (*leading, plans, lengths), directory), plans
 
 
 def planned(path: str, rank: int) -> list[tuple]:
@@ -107,6 +124,17 @@ def init_group() -> None:
 # -- the plain loop -------------------------------------------------------------------------
 
 
+def train_micro_batch(ddp, batch, optimizer) -> bool:
+    """The plain loop's body for one micro-batch; True when it ended a step (optimizer stepped)."""
+    mb = batch.record
+    with contextlib.nullcontext() if mb.is_last else ddp.no_sync():
+        (token_loss_sum(ddp(**batch), batch) * mb.loss_scale(dist.get_world_size())).backward()
+    if mb.is_last:
+        optimizer.step()
+        optimizer.zero_grad()
+    return mb.is_last
+
+
 def plain_loop(plan: str, lengths) -> dict:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader
@@ -117,16 +145,11 @@ def plain_loop(plan: str, lengths) -> dict:
     model = make_model()
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    seen, world_size = [], dist.get_world_size()
+    seen = []
     while not sampler.finished:
         for batch in loader:
-            mb = batch.record
-            with contextlib.nullcontext() if mb.is_last else ddp.no_sync():
-                (token_loss_sum(ddp(**batch), batch) * mb.loss_scale(world_size)).backward()
-            seen.append(key(mb))
-            if mb.is_last:
-                optimizer.step()
-                optimizer.zero_grad()
+            seen.append(key(batch.record))
+            train_micro_batch(ddp, batch, optimizer)
     return {"seen": seen, "params": params(model), "initial": params(make_model())}
 
 
@@ -293,16 +316,11 @@ def stateful_loop(plan: str, lengths, *, workers: int, stop_after: int | None = 
         loader.load_state_dict(checkpoint["loader"])
     ddp = DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    seen, steps, world_size = [], 0, dist.get_world_size()
+    seen, steps = [], 0
     while True:
         for batch in loader:
-            mb = batch.record
-            with contextlib.nullcontext() if mb.is_last else ddp.no_sync():
-                (token_loss_sum(ddp(**batch), batch) * mb.loss_scale(world_size)).backward()
-            seen.append(key(mb))
-            if mb.is_last:
-                optimizer.step()
-                optimizer.zero_grad()
+            seen.append(key(batch.record))
+            if train_micro_batch(ddp, batch, optimizer):
                 steps += 1
                 if steps == stop_after:
                     state = {"model": {k: v.clone() for k, v in model.state_dict().items()},

@@ -10,9 +10,13 @@ fresh objects train exactly the rest, to the same parameters; and
 from __future__ import annotations
 
 import pytest
-from _ddp_plans import sample_lengths
-from _integration_worker import accelerate_checks, assert_resumed, assert_same_params, integration_plans, planned
-from _spawn import run_ranks
+from _integration_worker import (
+    accelerate_checks,
+    assert_resumed,
+    assert_same_params,
+    planned,
+    run_integration,
+)
 
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.slow
@@ -20,10 +24,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("accelerate")
-    lengths = sample_lengths()
-    plans = integration_plans(directory / "plans", lengths)
-    return run_ranks(accelerate_checks, (plans, lengths), directory), plans
+    return run_integration(accelerate_checks, tmp_path_factory.mktemp("accelerate"))
 
 
 def test_each_rank_trains_exactly_the_plan_with_the_plain_loops_parameters(runs):

@@ -22,9 +22,13 @@ import sys
 import pytest
 import torch
 from _ddp_plans import sample_lengths, write_test_plan
-from _integration_worker import assert_resumed, assert_same_params, integration_plans, planned
+from _integration_worker import (
+    assert_resumed,
+    assert_same_params,
+    planned,
+    run_integration,
+)
 from _lightning_worker import lightning_checks
-from _spawn import run_ranks
 
 from batchplan.errors import ConfigError, PlanMismatchError
 from batchplan.plan_file import open_plan
@@ -37,10 +41,7 @@ slow = pytest.mark.slow
 def lightning_runs(tmp_path_factory):
     pytest.importorskip("lightning")
     pytest.importorskip("transformers")
-    directory = tmp_path_factory.mktemp("lightning")
-    lengths = sample_lengths()
-    plans = integration_plans(directory / "plans", lengths)
-    return run_ranks(lightning_checks, (plans, lengths), directory), plans
+    return run_integration(lightning_checks, tmp_path_factory.mktemp("lightning"))
 
 
 @slow

@@ -9,19 +9,19 @@ of the uninterrupted plain loop.
 from __future__ import annotations
 
 import pytest
-from _ddp_plans import sample_lengths
-from _integration_worker import assert_resumed, integration_plans, planned, stateful_checks
-from _spawn import run_ranks
+from _integration_worker import (
+    assert_resumed,
+    planned,
+    run_integration,
+    stateful_checks,
+)
 
 pytest.importorskip("torchdata")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("torchdata")
-    lengths = sample_lengths()
-    plans = integration_plans(directory / "plans", lengths)
-    return run_ranks(stateful_checks, (plans, lengths), directory), plans
+    return run_integration(stateful_checks, tmp_path_factory.mktemp("torchdata"))
 
 
 @pytest.mark.slow

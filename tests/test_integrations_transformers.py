@@ -12,8 +12,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _ddp_plans import sample_lengths
-from _integration_worker import assert_resumed, assert_same_params, integration_plans, planned, trainer_checks
-from _spawn import run_ranks
+from _integration_worker import (
+    assert_resumed,
+    assert_same_params,
+    integration_plans,
+    planned,
+    run_integration,
+    trainer_checks,
+)
 
 from batchplan.plan_file import open_plan
 
@@ -21,10 +27,7 @@ pytest.importorskip("transformers")
 
 
 def run(tmp_path_factory, base: str):
-    directory = tmp_path_factory.mktemp(base)
-    lengths = sample_lengths()
-    plans = integration_plans(directory / "plans", lengths)
-    return run_ranks(trainer_checks, (base, plans, lengths), directory), plans
+    return run_integration(trainer_checks, tmp_path_factory.mktemp(base), base)
 
 
 @pytest.fixture(scope="module")
