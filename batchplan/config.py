@@ -49,7 +49,7 @@ class PlanConfig:
         shuffle_window: pad mode: samples sorted by length inside windows of this size.
         batch_multiple: pad mode: keep samples per micro-batch a multiple of this.
         balance: what steps and ranks are balanced on: ``"tokens"``, or ``"compute"``
-            (tokens + attention, `batchplan.cost`; needs ``hidden_size`` or
+            (tokens + attention, `batchplan.planning.cost`; needs ``hidden_size`` or
             ``attention_coefficient``). Default: compute when either is given, else tokens.
         balance_window: steps are formed from micro-batches of similar cost (tokens or
             compute) within windows of this many steps, then shuffled; 1 = random steps.
@@ -65,7 +65,7 @@ class PlanConfig:
         rampup_tokens: tokens of the run (across epochs) over which the ramp-up runs.
         seqlen_warmup_min: sequence-length warmup: during the first
             ``seqlen_warmup_tokens`` tokens of the run, samples are split into pieces of at
-            most a cap that grows from this to ``max_tokens`` (`batchplan.warmup`).
+            most a cap that grows from this to ``max_tokens`` (`batchplan.planning.warmup`).
         seqlen_warmup_tokens: tokens of the first epoch over which the cap grows.
     """
 
@@ -217,7 +217,7 @@ class PlanConfig:
         if self.attention_coefficient is not None:
             return float(self.attention_coefficient)
         if self.hidden_size is not None:
-            return 1.0 / (12.0 * self.hidden_size)  # batchplan.cost.attention_coefficient
+            return 1.0 / (12.0 * self.hidden_size)  # batchplan.planning.cost.attention_coefficient
         return None
 
     @property

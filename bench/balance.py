@@ -16,7 +16,7 @@ mode, ``oversize="split"``):
    number of threads; a pack's time is the median over the passes;
 3. fit ``time = a * tokens + b * sum(L^2)`` over the packs (least squares, no
    intercept): ``b / a`` is the toy's effective attention coefficient, in the unit of
-   `batchplan.cost` (``1 / (12 h)`` by the FLOP count), and ``h_fit = round(a / (12 b))``
+   `batchplan.planning.cost` (``1 / (12 h)`` by the FLOP count), and ``h_fit = round(a / (12 b))``
    the width at which the planner's cost model has that coefficient;
 4. build (3) compute balancing with ``hidden_size = h_fit`` and, for reference, (4)
    with ``hidden_size = d_model`` (the FLOP model of the toy); check that all four
@@ -49,10 +49,11 @@ import torch
 from numpy.typing import NDArray
 
 from batchplan import PlanConfig
-from batchplan.cost import attention_coefficient
-from batchplan.planner import Plan, build_plan
+from batchplan.planning.cost import attention_coefficient
+from batchplan.plan import Plan
+from batchplan.planning.epochs import build_plan
 from batchplan.runtime import PackCollator, token_loss_sum
-from batchplan.runtime.toy import TinyGPT
+from batchplan.toy import TinyGPT
 from bench.train_throughput import cpu_name
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -95,8 +95,8 @@ def _paused(pause: float, run, *args):
 
 
 def fill_of(plan: Path) -> float:
-    from batchplan.plan_file import open_plan
-    from batchplan.summary import summarize_plan
+    from batchplan.formats.plan_file import open_plan
+    from batchplan.reports.summary import summarize_plan
 
     return summarize_plan(open_plan(plan))["fill"]
 

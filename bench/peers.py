@@ -97,7 +97,7 @@ def _csr(bins: list) -> Bins:
 
 def setup_batchplan_plan(lengths: np.ndarray, capacity: int):
     from batchplan import PlanConfig
-    from batchplan.planner import build_plan
+    from batchplan.planning.epochs import build_plan
 
     config = PlanConfig(max_tokens=capacity, world_size=1, oversize="truncate")
 
@@ -110,8 +110,8 @@ def setup_batchplan_plan(lengths: np.ndarray, capacity: int):
 
 def setup_batchplan_pack(lengths: np.ndarray, capacity: int):
     from batchplan import PlanConfig
-    from batchplan.micro_batches import form_micro_batches
-    from batchplan.planner import epoch_rng
+    from batchplan.planning.micro_batches import form_micro_batches
+    from batchplan.planning.epochs import epoch_rng
 
     config = PlanConfig(max_tokens=capacity, world_size=1, oversize="truncate")
 

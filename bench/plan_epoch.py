@@ -4,7 +4,7 @@
     python -m bench.plan_epoch --file ../shared/data/wikipedia_bert512.parquet --max-tokens 512
     python -m bench.plan_epoch --samples 1e7 --mode pad
 
-Times `batchplan.planner.plan_epoch` (shuffle, micro-batches, steps, ranks, rows) after a
+Times `batchplan.planning.epochs.plan_epoch` (shuffle, micro-batches, steps, ranks, rows) after a
 warm-up on 5,000 samples (the numba kernels loaded), best of --repeats, and
 `numpy.random.default_rng(0).permutation(N)` in the same run. What `bench.build` measures
 end to end, without the fixed start-up, reading and writing.
@@ -24,9 +24,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from batchplan.config import PlanConfig, num_threads
-    from batchplan.lengths import read_lengths
-    from batchplan.entries import make_entries
-    from batchplan.planner import plan_epoch
+    from batchplan.formats.lengths import read_lengths
+    from batchplan.planning.entries import make_entries
+    from batchplan.planning.epochs import plan_epoch
 
     if args.file is None:
         lengths, name = lognormal_lengths(int(args.samples), args.max_tokens), f"lognormal {int(args.samples):.0e}"

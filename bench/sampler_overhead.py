@@ -45,7 +45,7 @@ def build_if_missing(data: Path, plan: Path) -> float | None:
     if plan.exists():
         return None
     from batchplan import PlanConfig  # only here: building loads numba, the runtime does not
-    from batchplan.build import build_plan_file
+    from batchplan.operations.build import build_plan_file
 
     started = time.perf_counter()
     build_plan_file(data, plan, PlanConfig(max_tokens=512, world_size=WORLD_SIZE))

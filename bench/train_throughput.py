@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 import torch
 
 from batchplan.runtime import PackCollator, PadCollator, PlanSampler, token_loss_sum
-from batchplan.runtime.toy import RandomTokens, TinyGPT
+from batchplan.toy import RandomTokens, TinyGPT
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB_SIZE = 1024
@@ -64,8 +64,8 @@ def baseline_batches(num_samples: int, batch_size: int) -> Iterator[list[int]]:
 def plan_batches(lengths: np.ndarray, mode: str, max_tokens: int, directory: Path) -> Iterator[list[int]]:
     """This process's micro-batches of a one-rank plan, through PlanSampler."""
     from batchplan import PlanConfig
-    from batchplan.plan_file import write_plan
-    from batchplan.planner import build_plan
+    from batchplan.formats.plan_file import write_plan
+    from batchplan.planning.epochs import build_plan
 
     path = directory / f"{mode}.arrow"
     write_plan(build_plan(lengths, PlanConfig(max_tokens=max_tokens, mode=mode)), path)

@@ -107,7 +107,7 @@ def build(
 ) -> None:
     """Read sample lengths and write a plan for every epoch."""
     _unwind_on_sigterm()
-    from batchplan.build import build_plan_file
+    from batchplan.operations.build import build_plan_file
     from batchplan.config import DEFAULT_SHUFFLE_WINDOW, PlanConfig, parse_pair
 
     rampup_start, rampup_tokens = parse_pair("--rampup", "START:TOKENS", rampup)
@@ -132,8 +132,8 @@ def build(
 
     with BuildProgress() as progress:
         build_plan_file(dataset, output, config, progress=progress, **columns)
-    from batchplan.plan_file import open_plan
-    from batchplan.summary import summarize_plan
+    from batchplan.formats.plan_file import open_plan
+    from batchplan.reports.summary import summarize_plan
 
     print_summary(summarize_plan(open_plan(output)), title=f"wrote {output}")
 
@@ -149,14 +149,14 @@ def inspect(
     ] = None,
 ) -> None:
     """Summarise a plan: steps, fill, padding, rank imbalance, drops; --plot draws it."""
-    from batchplan.plan_file import open_plan
-    from batchplan.summary import summarize_plan
+    from batchplan.formats.plan_file import open_plan
+    from batchplan.reports.summary import summarize_plan
 
     opened = open_plan(plan)
     opened.verify()  # inspect reads every row anyway: never summarise a damaged file
     figure = None
     if plot is not None:  # drawn first: a missing matplotlib or a wrong dataset fails before any output
-        from batchplan.plot import plan_lengths, plot_plan
+        from batchplan.reports.plot import plan_lengths, plot_plan
 
         figure = plot_plan(opened, *plan_lengths(opened, dataset))
     summary = summarize_plan(opened)
@@ -169,7 +169,7 @@ def inspect(
 
         print_summary(summary, title=str(plan))
     if figure is not None:
-        from batchplan.plot import save_figure
+        from batchplan.reports.plot import save_figure
 
         save_figure(figure, plot)
         typer.echo(f"wrote {plot}", err=json_output)
@@ -194,11 +194,11 @@ def compare(
     plot: Annotated[Optional[Path], typer.Option(help="Also draw the comparison into this image.")] = None,
 ) -> None:
     """Compare batchplan pad/pack with PyTorch, Hugging Face and fairseq batching on the same lengths."""
-    from batchplan.compare import DEFAULT_HIDDEN_SIZE, compare_strategies
-    from batchplan.lengths import read_lengths
+    from batchplan.reports.compare import DEFAULT_HIDDEN_SIZE, compare_strategies
+    from batchplan.formats.lengths import read_lengths
 
     if plot is not None:
-        from batchplan.plot import require_matplotlib
+        from batchplan.reports.plot import require_matplotlib
 
         require_matplotlib()
     lengths = read_lengths(dataset, length_column=length_column, tokens_column=tokens_column).lengths
@@ -216,7 +216,7 @@ def compare(
 
         print_comparison(result.to_dict(), hidden_size_given=hidden_size is not None)
     if plot is not None:
-        from batchplan.plot import plot_comparison, save_figure
+        from batchplan.reports.plot import plot_comparison, save_figure
 
         save_figure(plot_comparison(result), plot)
         typer.echo(f"wrote {plot}", err=json_output)
@@ -231,7 +231,7 @@ def validate(
     ] = None,
 ) -> None:
     """Re-check every guarantee of a plan; exit 1 on any violation."""
-    from batchplan.build import validate_plan_file
+    from batchplan.operations.build import validate_plan_file
 
     violations, checked = validate_plan_file(plan, dataset)
     if violations:
@@ -258,7 +258,7 @@ def reshard(
 ) -> None:
     """Re-plan the steps from --from-step on for another world size (resume with fewer or more machines)."""
     _unwind_on_sigterm()
-    from batchplan.reshard import reshard_plan_file
+    from batchplan.operations.reshard import reshard_plan_file
 
     metadata = reshard_plan_file(
         plan, output, world_size=world_size, from_step=from_step, micro_batches=micro_batches,
@@ -266,8 +266,8 @@ def reshard(
     )  # fmt: skip
     if quiet:
         return
-    from batchplan.plan_file import open_plan
-    from batchplan.summary import summarize_plan
+    from batchplan.formats.plan_file import open_plan
+    from batchplan.reports.summary import summarize_plan
     from batchplan_cli.render import print_summary
 
     parent, new = summarize_plan(open_plan(plan)), summarize_plan(open_plan(output))

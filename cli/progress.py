@@ -8,7 +8,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class BuildProgress:
-    """Implements `batchplan.build.Progress` on a rich display (stderr)."""
+    """Implements `batchplan.operations.build.Progress` on a rich display (stderr)."""
 
     def __init__(self) -> None:
         from rich.console import Console

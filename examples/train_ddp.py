@@ -40,7 +40,7 @@ from batchplan.runtime import (
     token_loss_sum,
     token_lr_scheduler,
 )
-from batchplan.runtime.toy import RandomTokens, TinyGPT
+from batchplan.toy import RandomTokens, TinyGPT
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB_SIZE = 1024
@@ -118,7 +118,7 @@ def main() -> None:
 
 def build_plan(args: argparse.Namespace, world_size: int) -> None:
     from batchplan import PlanConfig  # building plans is not the runtime's job (it loads numba)
-    from batchplan.build import build_plan_file
+    from batchplan.operations.build import build_plan_file
 
     config = PlanConfig(max_tokens=args.max_tokens, mode=args.mode, world_size=world_size,
                         micro_batches=args.micro_batches, oversize="split")  # fmt: skip

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from batchplan.config import PlanConfig
-from batchplan.plan_file import write_plan
-from batchplan.planner import build_plan
+from batchplan.formats.plan_file import write_plan
+from batchplan.planning.epochs import build_plan
 
 VOCAB_SIZE = 97
 
@@ -58,7 +58,7 @@ def standard_plans(directory: Path) -> dict[str, Path]:
 
 
 def make_dataset(lengths: np.ndarray | None = None):
-    from batchplan.runtime.toy import RandomTokens
+    from batchplan.toy import RandomTokens
 
     return RandomTokens(sample_lengths() if lengths is None else lengths, VOCAB_SIZE)
 
@@ -67,7 +67,7 @@ def make_model(seed: int = 0, attention: str = "documents"):
     """A float64 TinyGPT, identical in every process for the same seed."""
     import torch
 
-    from batchplan.runtime.toy import TinyGPT
+    from batchplan.toy import TinyGPT
 
     torch.manual_seed(seed)
     model = TinyGPT(VOCAB_SIZE, d_model=32, num_heads=4, num_layers=2, max_positions=160, attention=attention)

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from batchplan.runtime import PackCollator, PadCollator, PlanDataset, PlanSampler, token_loss_sum
-from batchplan.runtime.toy import RandomTokens, TinyGPT
+from batchplan.toy import RandomTokens, TinyGPT
 
 VOCAB_SIZE = 97
 

@@ -64,7 +64,7 @@ _REAL_CACHE: dict[str, np.ndarray] = {}
 def real_lengths(name: str) -> np.ndarray:
     """Lengths of a file in data/ (read once per session)."""
     if name not in _REAL_CACHE:
-        from batchplan.lengths import read_lengths
+        from batchplan.formats.lengths import read_lengths
 
         _REAL_CACHE[name] = read_lengths(DATA_DIR / REAL_FILES[name]).lengths
     return _REAL_CACHE[name]
@@ -82,9 +82,9 @@ def build_and_write(
     loss_tokens: np.ndarray | None = None,
 ):
     """Build a plan in memory and write it with the lengths fingerprint; return the Plan."""
-    from batchplan.lengths import fingerprint_lengths
-    from batchplan.plan_file import write_plan
-    from batchplan.planner import build_plan
+    from batchplan.formats.lengths import fingerprint_lengths
+    from batchplan.formats.plan_file import write_plan
+    from batchplan.planning.epochs import build_plan
 
     plan = build_plan(lengths, config, loss_tokens=loss_tokens)
     write_plan(plan, path, lengths_fingerprint=fingerprint_lengths(np.asarray(lengths), loss_tokens))

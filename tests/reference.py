@@ -1,7 +1,7 @@
 """Slow, obviously-correct references for every kernel, and an independent plan checker.
 
 Everything here is plain Python over lists: no numba, no numpy vector tricks, and
-nothing imported from ``batchplan.kernels`` or ``batchplan.validate``. The kernels
+nothing imported from ``batchplan.kernels`` or ``batchplan.operations.validate``. The kernels
 must agree with these functions exactly (tests/test_kernels.py), and every plan the
 planner writes must pass `check_guarantees`, which re-derives DESIGN.md's guarantees
 from the Arrow file alone (tests/test_guarantees.py).
@@ -349,7 +349,7 @@ def _check_header(reader, meta, lengths, loss_column, config, problems: _Problem
     if meta["num_samples"] != len(lengths):
         problems.add("dataset", f"plan is for {meta['num_samples']} samples, dataset has {len(lengths)}")
     elif meta["lengths_fingerprint"] is not None:
-        from batchplan.lengths import fingerprint_lengths  # the fingerprint's one definition
+        from batchplan.formats.lengths import fingerprint_lengths  # the fingerprint's one definition
 
         loss = None if loss_column is None else np.asarray(loss_column)
         found = fingerprint_lengths(np.asarray(lengths, dtype=np.int64), loss)

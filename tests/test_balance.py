@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 from batchplan import ConfigError
-from batchplan.build import build_plan_file
+from batchplan.operations.build import build_plan_file
 from batchplan.config import PlanConfig
-from batchplan.cost import attention_coefficient, micro_batch_costs
-from batchplan.plan_file import open_plan, write_plan
-from batchplan.planner import build_plan
-from batchplan.summary import summarize_plan
-from batchplan.validate import validate_plan
+from batchplan.planning.cost import attention_coefficient, micro_batch_costs
+from batchplan.formats.plan_file import open_plan, write_plan
+from batchplan.planning.epochs import build_plan
+from batchplan.reports.summary import summarize_plan
+from batchplan.operations.validate import validate_plan
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 FILES = ["sharegpt_dialogues_cl100k", "sharegpt_segments_cl100k", "squad11_bert384", "wikipedia_bert512_1m"]

@@ -19,11 +19,11 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from batchplan import plan_file
+from batchplan.formats import plan_file
 from batchplan.config import BALANCE_MODES, MODES, OVERSIZE_POLICIES, PlanConfig
 from batchplan.errors import PlanFormatError, PlanMismatchError
-from batchplan.plan_file import open_plan, write_plan
-from batchplan.planner import build_plan
+from batchplan.formats.plan_file import open_plan, write_plan
+from batchplan.planning.epochs import build_plan
 from batchplan_cli.choices import Balance, Mode, Oversize
 from batchplan_cli.main import app
 

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from batchplan.compare import (
+from batchplan.reports.compare import (
     STREAM_FAIRSEQ,
     STREAM_HF,
     STREAM_PYTORCH,
@@ -19,7 +19,7 @@ from batchplan.compare import (
     compare_strategies,
 )
 from batchplan.config import PlanConfig
-from batchplan.planner import build_plan, epoch_rng
+from batchplan.planning.epochs import build_plan, epoch_rng
 from batchplan_cli.main import app
 
 DATA = Path(__file__).resolve().parent.parent / "data"

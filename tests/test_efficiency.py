@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from batchplan.build import build_plan_file
+from batchplan.operations.build import build_plan_file
 from batchplan.config import PlanConfig
-from batchplan.plan_file import open_plan
-from batchplan.summary import summarize_plan
+from batchplan.formats.plan_file import open_plan
+from batchplan.reports.summary import summarize_plan
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 

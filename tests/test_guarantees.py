@@ -30,9 +30,9 @@ import reference as ref
 from conftest import REAL_FILES, build_and_write, dataset_lengths
 
 from batchplan import DatasetError, PlanConfig
-from batchplan.plan_file import open_plan
-from batchplan.planner import build_plan
-from batchplan.validate import validate_plan
+from batchplan.formats.plan_file import open_plan
+from batchplan.planning.epochs import build_plan
+from batchplan.operations.validate import validate_plan
 
 # --------------------------------------------------------------------------- the matrix
 

@@ -21,7 +21,7 @@ from _integration_worker import (
     trainer_checks,
 )
 
-from batchplan.plan_file import open_plan
+from batchplan.formats.plan_file import open_plan
 
 pytest.importorskip("transformers")
 
@@ -97,9 +97,9 @@ def one_process(monkeypatch, tmp_path):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     from batchplan.config import PlanConfig
-    from batchplan.lengths import fingerprint_lengths
-    from batchplan.plan_file import write_plan
-    from batchplan.planner import build_plan
+    from batchplan.formats.lengths import fingerprint_lengths
+    from batchplan.formats.plan_file import write_plan
+    from batchplan.planning.epochs import build_plan
 
     lengths = sample_lengths()
     single = tmp_path / "single.arrow"  # with the lengths' fingerprint, as `batchplan build` writes it

@@ -31,9 +31,9 @@ from batchplan.kernels.pack import (
 from batchplan.kernels.order import order_by_decreasing
 from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import lay_out_segments, range_sums
-from batchplan.segments import segment_max, segment_sum
+from batchplan.reduce import segment_max, segment_sum
 from batchplan.kernels.steps import ramp_steps, steps_by_tokens
-from batchplan.micro_batches import shuffle_by_group
+from batchplan.planning.micro_batches import shuffle_by_group
 
 # --------------------------------------------------------------------------- strategies
 

@@ -1,9 +1,12 @@
-"""Layering: `import batchplan` is light; readers of plans never load numba."""
+"""Layering: each layer imports only those below it (DESIGN.md, docs/architecture.md);
+`import batchplan` is light; readers of plans never load numba."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,10 +21,58 @@ def test_import_batchplan_is_light():
     assert loaded_after("import batchplan") == set()
 
 
-@pytest.mark.parametrize("module", ["batchplan.plan_file", "batchplan.lengths", "batchplan.summary", "batchplan.validate"])
+@pytest.mark.parametrize("module", ["batchplan.formats.plan_file", "batchplan.formats.lengths", "batchplan.reports.summary", "batchplan.operations.validate"])
 def test_file_layer_does_not_import_numba(module):
     assert "numba" not in loaded_after(f"import {module}")
 
 
 def test_kernels_package_import_is_light():
     assert loaded_after("import batchplan.kernels") == set()
+
+
+# What each layer may import (its own modules included), by folder; base = the modules
+# directly in batchplan/ other than __init__ and toy (errors, config, plan, reduce).
+ALLOWED = {
+    "base": {"base"},
+    "kernels": {"kernels"},
+    "planning": {"base", "kernels", "planning"},
+    "formats": {"base", "formats"},
+    "reports": {"base", "kernels", "planning", "formats", "reports"},
+    "operations": {"base", "kernels", "planning", "formats", "reports", "operations"},
+    "runtime": {"base", "formats", "runtime"},
+    "integrations": {"base", "formats", "runtime", "integrations"},
+    "toy": {"base", "runtime", "toy"},  # the examples' model
+}
+PACKAGE = Path(__file__).resolve().parent.parent / "batchplan"
+
+
+def layer_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "batchplan" or len(parts) == 1:
+        return None  # outside batchplan, or the lazy top-level API
+    return parts[1] if parts[1] in ALLOWED else "base"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every batchplan module a file imports, at module level or inside functions."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {f"{node.module}.{alias.name}" for alias in node.names} if node.module == "batchplan" else {node.module}
+    return {name for name in found if name.startswith("batchplan.")}
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        layer = layer_of(module)
+        if layer is None or path.name == "__init__.py" and layer == "base":
+            continue
+        for name in sorted(imported_modules(path)):
+            target = layer_of(name)
+            if target is not None and target not in ALLOWED[layer]:
+                wrong.append(f"{module} ({layer}) imports {name} ({target})")
+    assert wrong == []

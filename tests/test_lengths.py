@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchplan.errors import DatasetError
-from batchplan.lengths import fingerprint_lengths, read_lengths
+from batchplan.formats.lengths import fingerprint_lengths, read_lengths
 
 
 def write(path, **columns):

@@ -20,10 +20,10 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from batchplan.build import build_plan_file, validate_plan_file
+from batchplan.operations.build import build_plan_file, validate_plan_file
 from batchplan.config import PlanConfig
 from batchplan.errors import DatasetError
-from batchplan.lengths import DatasetFiles, count_samples, find_dataset_files, read_lengths
+from batchplan.formats.lengths import DatasetFiles, count_samples, find_dataset_files, read_lengths
 from batchplan_cli.main import app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +110,7 @@ def test_nulls_slices_and_fixed_size_lists(tmp_path):
 
 @pytest.mark.parametrize("type_", [pa.int8(), pa.uint16(), pa.int32(), pa.int64(), pa.uint64()])
 def test_integer_values_without_pyarrow_to_numpy(type_):
-    from batchplan.lengths import _numpy_of
+    from batchplan.formats.lengths import _numpy_of
 
     array = pa.array([5, None, 7, 0, None, 3, 9, 1, 2, 4, None], type_)
     for start, stop in ((0, 11), (1, 11), (3, 9), (9, 11), (4, 4)):
@@ -262,7 +262,7 @@ def test_reading_and_building_from_a_folder_import_neither_datasets_nor_pandas(t
     # Reading the lengths loads neither module (pyarrow's to_numpy and fill_null would load pandas).
     read = f"""
 import sys
-from batchplan.lengths import read_lengths
+from batchplan.formats.lengths import read_lengths
 read_lengths({str(folder)!r}, loss_tokens_column="n", length_column="n")
 read_lengths({str(folder)!r})
 loaded = {{"datasets", "pandas"}} & set(sys.modules)

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batchplan.entries import index_dtype
+from batchplan.plan import index_dtype
 from batchplan.kernels.pack import pack_bins
-from batchplan.micro_batches import MicroBatches, PackedBins, permute, shuffle_by_group
+from batchplan.planning.micro_batches import MicroBatches, PackedBins, permute, shuffle_by_group
 
 
 def both_forms(lengths: np.ndarray, cap: int, seed: int) -> tuple[MicroBatches, MicroBatches, PackedBins]:

@@ -9,11 +9,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-import batchplan.plan_file as plan_file
+import batchplan.formats.plan_file as plan_file
 from batchplan.config import PlanConfig
 from batchplan.errors import PlanFormatError
-from batchplan.plan_file import METADATA_KEY, open_plan, write_plan
-from batchplan.planner import build_plan
+from batchplan.formats.plan_file import METADATA_KEY, open_plan, write_plan
+from batchplan.planning.epochs import build_plan
 
 LENGTHS = np.random.default_rng(7).integers(1, 100, size=500).astype(np.int32)
 
@@ -129,10 +129,10 @@ def test_padded_tokens_only_in_pad_mode(tmp_path):
 def test_pack_plans_of_format_version_1_with_padded_tokens_still_read(tmp_path, monkeypatch):
     """Format version 1 wrote ``padded_tokens`` in pack mode too: such plans open, verify,
     validate, summarize, replay and reshard as before."""
-    from batchplan.reshard import reshard_plan_file
+    from batchplan.operations.reshard import reshard_plan_file
     from batchplan.runtime import PlanSampler
-    from batchplan.summary import summarize_plan
-    from batchplan.validate import validate_plan
+    from batchplan.reports.summary import summarize_plan
+    from batchplan.operations.validate import validate_plan
 
     config = PlanConfig(max_tokens=256, world_size=3, epochs=2)
     current, earlier = tmp_path / "current.arrow", tmp_path / "earlier.arrow"

@@ -12,15 +12,15 @@ import pyarrow as pa
 import pytest
 from typer.testing import CliRunner
 
-from batchplan.build import build_plan_file
+from batchplan.operations.build import build_plan_file
 from batchplan.config import PlanConfig
 from batchplan.errors import BatchPlanError, PlanMismatchError
-from batchplan.plan_file import open_plan
+from batchplan.formats.plan_file import open_plan
 from batchplan_cli.main import app
 
 pytest.importorskip("matplotlib")
 
-from batchplan.plot import PLAN_PANELS, plan_lengths, plot_comparison, plot_plan  # noqa: E402
+from batchplan.reports.plot import PLAN_PANELS, plan_lengths, plot_comparison, plot_plan  # noqa: E402
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 DIALOGUES = DATA / "sharegpt_dialogues_cl100k.parquet"
@@ -119,7 +119,7 @@ def test_cli_writes_png_and_keeps_json_clean(squad_plan, tmp_path):
 
 
 def test_comparison_figure_has_four_bar_panels():
-    from batchplan.compare import compare_strategies
+    from batchplan.reports.compare import compare_strategies
 
     lengths = np.random.default_rng(0).integers(1, 300, 2000)
     figure = plot_comparison(compare_strategies(lengths, max_tokens=1024, world_size=4))
@@ -140,7 +140,7 @@ def test_missing_matplotlib_is_a_clear_error(squad_plan, monkeypatch, tmp_path):
 
 
 def test_plotting_modules_load_matplotlib_only_when_drawing():
-    code = ("import sys, batchplan.plot, batchplan.compare, batchplan_cli.main; "
+    code = ("import sys, batchplan.reports.plot, batchplan.reports.compare, batchplan_cli.main; "
             "print(sorted(m for m in ('matplotlib', 'numba') if m in sys.modules))")  # fmt: skip
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "matplotlib" not in loaded
@@ -148,7 +148,7 @@ def test_plotting_modules_load_matplotlib_only_when_drawing():
 
 def test_compare_without_matplotlib_fails_before_computing(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
-    monkeypatch.setattr("batchplan.compare.compare_strategies", lambda *a, **k: pytest.fail("computed"))
+    monkeypatch.setattr("batchplan.reports.compare.compare_strategies", lambda *a, **k: pytest.fail("computed"))
     result = runner.invoke(app, ["compare", str(SQUAD), "--max-tokens", "4096", "--world-size", "2",
                                  "--plot", str(tmp_path / "c.png")])  # fmt: skip
     assert result.exit_code == 1 and "pip install 'batchplan[plot]'" in result.stderr
@@ -156,9 +156,9 @@ def test_compare_without_matplotlib_fails_before_computing(monkeypatch, tmp_path
 
 def test_a_resharded_plan_plots(tmp_path):
     """Steps of a resharded plan start at its first_step; the figure handles that."""
-    from batchplan.plan_file import write_plan
-    from batchplan.planner import build_plan
-    from batchplan.reshard import reshard_plan_file
+    from batchplan.formats.plan_file import write_plan
+    from batchplan.planning.epochs import build_plan
+    from batchplan.operations.reshard import reshard_plan_file
 
     lengths = np.random.default_rng(0).integers(1, 200, 5000).astype(np.int32)
     parent, child = tmp_path / "parent.arrow", tmp_path / "child.arrow"
@@ -169,8 +169,8 @@ def test_a_resharded_plan_plots(tmp_path):
 
 
 def test_varying_micro_batches_per_step_and_schedule_ends_are_drawn(tmp_path):
-    from batchplan.plan_file import write_plan
-    from batchplan.planner import build_plan
+    from batchplan.formats.plan_file import write_plan
+    from batchplan.planning.epochs import build_plan
 
     lengths = np.random.default_rng(3).integers(20, 900, 3000).astype(np.int32)
     config = PlanConfig(max_tokens=1024, world_size=2, tokens_per_step=8192, rampup_start=2048,

@@ -21,10 +21,10 @@ from typer.testing import CliRunner
 
 from batchplan import PlanConfig
 from batchplan.errors import ConfigError, DatasetError
-from batchplan.plan_file import open_plan
+from batchplan.formats.plan_file import open_plan
 from batchplan.runtime.schedule import read_step_tokens, token_lr_factor, token_lr_lambda
-from batchplan.summary import summarize_plan
-from batchplan.validate import validate_plan
+from batchplan.reports.summary import summarize_plan
+from batchplan.operations.validate import validate_plan
 from batchplan_cli.main import app
 
 LENGTHS = dataset_lengths("lognormal")  # 3,000 samples, ~2.5 M tokens, some above 2,048
@@ -268,7 +268,7 @@ def test_bad_options_are_clear_config_errors(options, message):
 
 
 def test_warmup_longer_than_an_epoch_and_loss_column_are_refused():
-    from batchplan.planner import build_plan
+    from batchplan.planning.epochs import build_plan
 
     config = PlanConfig(max_tokens=CAP, oversize="split", seqlen_warmup_min=16, seqlen_warmup_tokens=10**9)
     with pytest.raises(DatasetError, match="lower TOKENS"):
@@ -279,7 +279,7 @@ def test_warmup_longer_than_an_epoch_and_loss_column_are_refused():
 
 
 def test_resharding_a_ramp_up_plan_is_refused_clearly(built, tmp_path):
-    from batchplan.reshard import reshard_plan_file
+    from batchplan.operations.reshard import reshard_plan_file
 
     path, _, _ = built("pack-w8-tokens")
     with pytest.raises(ConfigError, match="--rampup"):
@@ -324,7 +324,7 @@ def test_cli_builds_with_both(tmp_path):
 @pytest.mark.parametrize("inside_warmup_epoch", [False, True])
 def test_resharding_a_warmup_plan_keeps_every_guarantee(built, tmp_path, inside_warmup_epoch):
     """Resharding keeps the warmup's pieces (each parent micro-batch is a unit)."""
-    from batchplan.reshard import reshard_plan_file
+    from batchplan.operations.reshard import reshard_plan_file
 
     path, plan, _ = built("warmup-pad-w8")
     new = tmp_path / "new.arrow"

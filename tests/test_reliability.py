@@ -32,15 +32,15 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-import batchplan.memory as memory
-from batchplan.build import build_plan_file
+import batchplan.planning.memory as memory
+from batchplan.operations.build import build_plan_file
 from batchplan.config import OVERSIZE_POLICIES, PlanConfig
 from batchplan.errors import BatchPlanError, PlanFormatError
-from batchplan.lengths import fingerprint_lengths
-from batchplan.plan_file import METADATA_KEY, open_plan, write_plan
-from batchplan.planner import build_plan
+from batchplan.formats.lengths import fingerprint_lengths
+from batchplan.formats.plan_file import METADATA_KEY, open_plan, write_plan
+from batchplan.planning.epochs import build_plan
 from batchplan.runtime import PlanSampler
-from batchplan.validate import validate_plan
+from batchplan.operations.validate import validate_plan
 from batchplan_cli.main import app
 
 runner = CliRunner()
@@ -330,7 +330,7 @@ def tiny_build(root: Path, **options):
 
 def test_a_build_that_does_not_fit_is_refused_before_reading(tmp_path, monkeypatch):
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: 100 * 2**20)
-    monkeypatch.setattr("batchplan.build.read_lengths", lambda *a, **k: pytest.fail("lengths were read"))
+    monkeypatch.setattr("batchplan.operations.build.read_lengths", lambda *a, **k: pytest.fail("lengths were read"))
     dataset, output, _ = tiny_build(tmp_path)
     before = snapshot(tmp_path)
     result = runner.invoke(app, ["build", str(dataset), "-o", str(output), "--max-tokens", "64"])
@@ -352,7 +352,7 @@ def test_a_build_that_does_not_fit_once_lengths_are_known_is_refused_before_plan
     assert full > lower
     monkeypatch.setenv("BATCHPLAN_THREADS", "1")
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: (lower + full) // 2)
-    monkeypatch.setattr("batchplan.planner.build_plan", lambda *a, **k: pytest.fail("planning started"))
+    monkeypatch.setattr("batchplan.planning.epochs.build_plan", lambda *a, **k: pytest.fail("planning started"))
     with pytest.raises(BatchPlanError, match=r"needs an estimated \d\.\d\d GiB .*micro-batches per epoch, 3 epoch"):
         build_plan_file(dataset, output, config)
     assert not output.exists()

@@ -28,12 +28,12 @@ from conftest import build_and_write
 from typer.testing import CliRunner
 
 from batchplan import ConfigError, PlanConfig, PlanMismatchError
-from batchplan.plan_file import open_plan, write_plan
-from batchplan.planner import build_plan
-from batchplan.bitmap import decode_bitmap, encode_bitmap
-from batchplan.reshard import default_step_sizing, reshard_plan, reshard_plan_file
+from batchplan.formats.plan_file import open_plan, write_plan
+from batchplan.planning.epochs import build_plan
+from batchplan.formats.bitmap import decode_bitmap, encode_bitmap
+from batchplan.operations.reshard import default_step_sizing, reshard_plan, reshard_plan_file
 from batchplan.runtime import PlanSampler, token_lr_lambda
-from batchplan.validate import validate_plan
+from batchplan.operations.validate import validate_plan
 from batchplan_cli.main import app
 
 
@@ -592,8 +592,8 @@ DATA_FILES = sorted((Path(__file__).resolve().parent.parent / "data").glob("*.pa
 @pytest.mark.slow
 @pytest.mark.parametrize("data", DATA_FILES, ids=lambda p: p.stem)
 def test_a_resharded_plan_is_balanced_like_a_fresh_build(data, tmp_path):
-    from batchplan.build import build_plan_file
-    from batchplan.summary import summarize_plan
+    from batchplan.operations.build import build_plan_file
+    from batchplan.reports.summary import summarize_plan
 
     max_tokens = 512 if "wikipedia" in data.name else 8192
     base = {"max_tokens": max_tokens, "epochs": 2, "oversize": "split", "hidden_size": 4096}

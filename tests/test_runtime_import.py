@@ -10,7 +10,7 @@ import sys
 def test_importing_the_runtime_loads_no_numba_and_no_typer():
     code = (
         "import sys\n"
-        "import batchplan.runtime, batchplan.runtime.toy\n"
+        "import batchplan.runtime, batchplan.toy\n"
         "from batchplan.runtime import PlanSampler, PackCollator, PadCollator, token_lr_lambda\n"
         "banned = ('numba', 'typer', 'llvmlite', 'batchplan_cli', 'transformers', 'trl', 'accelerate', 'lightning',\n"
         "          'pytorch_lightning', 'torchdata', 'datasets', 'batchplan.integrations')\n"

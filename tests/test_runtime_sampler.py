@@ -13,11 +13,11 @@ import torch
 from _ddp_plans import make_dataset, sample_lengths, standard_plans, write_test_plan
 from torch.utils.data import DataLoader
 
-from batchplan.build import build_plan_file
+from batchplan.operations.build import build_plan_file
 from batchplan.config import PlanConfig
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
-from batchplan.lengths import fingerprint_lengths
-from batchplan.plan_file import PlanFile, open_plan
+from batchplan.formats.lengths import fingerprint_lengths
+from batchplan.formats.plan_file import PlanFile, open_plan
 from batchplan.runtime import MicroBatch, PackCollator, PlanDataset, PlanSampler, SpanIndex
 
 

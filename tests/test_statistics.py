@@ -1,6 +1,6 @@
 """One definition per statistic: the table, --json and the plot show the same numbers.
 
-`batchplan.statistics` is checked against a slow loop (hypothesis); then, on 24 plans
+`batchplan.reports.statistics` is checked against a slow loop (hypothesis); then, on 24 plans
 (pack and pad, drop-last, ramp-up, sequence-length warmup, compute costs, resharded),
 every statistic of ``inspect --json`` appears, formatted the same way, in the
 ``inspect`` table, in the plot's summary panel and in the plot's legends and titles.
@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from batchplan.config import PlanConfig
-from batchplan.plan_file import open_plan, write_plan
-from batchplan.planner import build_plan
-from batchplan.reshard import reshard_plan_file
-from batchplan.statistics import last_steps_of, rank_imbalance
+from batchplan.formats.plan_file import open_plan, write_plan
+from batchplan.planning.epochs import build_plan
+from batchplan.operations.reshard import reshard_plan_file
+from batchplan.reports.statistics import last_steps_of, rank_imbalance
 from batchplan_cli.main import app
 
 runner = CliRunner()
@@ -111,8 +111,8 @@ def test_the_matrix_has_twenty_plans_and_every_kind(plans):
 
 def test_table_json_and_plot_show_the_same_numbers(plans):
     pytest.importorskip("matplotlib")
-    from batchplan.plot import plot_plan
-    from batchplan.summary import summarize_plan
+    from batchplan.reports.plot import plot_plan
+    from batchplan.reports.summary import summarize_plan
 
     for path in plans:
         result = runner.invoke(app, ["inspect", str(path), "--json"])

@@ -18,8 +18,8 @@ import pytest
 import reference as ref
 
 from batchplan import BatchPlanError, PlanConfig, PlanFormatError
-from batchplan.plan_file import METADATA_KEY, _content_hash, open_plan
-from batchplan.validate import validate_plan
+from batchplan.formats.plan_file import METADATA_KEY, _content_hash, open_plan
+from batchplan.operations.validate import validate_plan
 
 # --------------------------------------------------------------------------- rewriting plans
 

@@ -216,7 +216,7 @@ def pack_bins(items, start, max_tokens, slot_bin=None, counts=None, below=None, 
     """Best-fit decreasing over items grouped by length, before any member is laid out.
 
     ``items`` are item indices, those of length ``s`` at ``items[start[s]:start[s + 1]]``
-    (`batchplan.micro_batches.shuffle_by_group` makes them); within a length, items
+    (`batchplan.planning.micro_batches.shuffle_by_group` makes them); within a length, items
     are consumed in this order. ``max_tokens`` is the bin capacity.
 
     Slot ``k`` is the k-th item placed: lengths are placed longest first, so the slots of

@@ -11,5 +11,5 @@ __all__ = ["start_numba"]
 def start_numba():
     """Does nothing. numba's first call of any kernel in a process (even a cached one)
     loads its typing and target registries: ~0.15 s of Python. Calling this one first
-    lets a caller pay that while another thread reads input (`batchplan.build`)."""
+    lets a caller pay that while another thread reads input (`batchplan.operations.build`)."""
     return 0

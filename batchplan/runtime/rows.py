@@ -15,7 +15,7 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 from batchplan.errors import PlanFormatError
-from batchplan.plan_file import padded_tokens_column
+from batchplan.formats.plan_file import padded_tokens_column
 from batchplan.runtime.records import MicroBatch, PlannedRows, SpanIndex
 
 __all__ = ["CHUNK_ROWS", "RUNTIME_COLUMNS", "RankRows"]

@@ -27,7 +27,7 @@ from numpy.typing import ArrayLike
 from torch.utils.data import Sampler
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
-from batchplan.plan_file import PlanFile
+from batchplan.formats.plan_file import PlanFile
 from batchplan.runtime.distributed import check_world_size, resolve_placement
 from batchplan.runtime.records import MicroBatch, PlannedRows
 from batchplan.runtime.rows import RUNTIME_COLUMNS, RankRows
@@ -418,7 +418,7 @@ def _check_dataset(plan: PlanFile, dataset, lengths, loss_tokens) -> None:
         return
     import numpy as np
 
-    from batchplan.lengths import fingerprint_lengths
+    from batchplan.formats.lengths import fingerprint_lengths
 
     recorded = plan.metadata.get("lengths_fingerprint")
     if recorded is None:

@@ -22,7 +22,7 @@ import torch
 from numpy.typing import NDArray
 
 from batchplan.errors import ConfigError, PlanFormatError
-from batchplan.plan_file import PlanFile
+from batchplan.formats.plan_file import PlanFile
 
 __all__ = ["DECAYS", "read_step_tokens", "token_lr_factor", "token_lr_lambda", "token_lr_scheduler"]
 

@@ -13,8 +13,8 @@ from typing import Any, Protocol
 
 from batchplan.config import PlanConfig, num_threads
 from batchplan.errors import ConfigError
-from batchplan.lengths import DatasetFiles, count_samples, find_dataset_files, read_lengths
-from batchplan.memory import check_build_memory, estimate_build_memory
+from batchplan.formats.lengths import DatasetFiles, count_samples, find_dataset_files, read_lengths
+from batchplan.planning.memory import check_build_memory, estimate_build_memory
 
 __all__ = ["Progress", "build_plan_file", "validate_plan_file"]
 
@@ -41,11 +41,11 @@ def build_plan_file(
 
     Raises:
         ConfigError: bad options, an unusable output path, or a build whose estimated
-            peak memory exceeds what is available (`batchplan.memory`), checked before
+            peak memory exceeds what is available (`batchplan.planning.memory`), checked before
             reading the lengths and again before planning.
         DatasetError: the dataset cannot be read or breaks a rule.
     """
-    from batchplan.plan_file import write_plan
+    from batchplan.formats.plan_file import write_plan
 
     output = Path(output)
     files = find_dataset_files(dataset)
@@ -62,7 +62,7 @@ def build_plan_file(
         # Python (~0.3 s of every build).
         reading = reader.submit(_read_and_estimate, files, columns, config, threads)
         from batchplan.kernels.startup import start_numba
-        from batchplan.planner import build_plan
+        from batchplan.planning.epochs import build_plan
 
         start_numba()
         lengths, fingerprint, estimate = reading.result()
@@ -87,8 +87,8 @@ def validate_plan_file(plan_path: PathLike, dataset: PathLike | Sequence[PathLik
     Returns:
         ``(violations, description)``: the list of `Violation` and what was checked.
     """
-    from batchplan.plan_file import open_plan
-    from batchplan.validate import validate_plan
+    from batchplan.formats.plan_file import open_plan
+    from batchplan.operations.validate import validate_plan
 
     plan = open_plan(plan_path)
     if not dataset:

@@ -22,15 +22,15 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.errors import BatchPlanError, PlanMismatchError
-from batchplan.plan_file import PlanFile, padded_tokens_column
-from batchplan.statistics import last_steps_of, regular_steps, step_imbalance
-from batchplan.summary import per_step_and_rank, samples_per_row, summarize_plan
+from batchplan.formats.plan_file import PlanFile, padded_tokens_column
+from batchplan.reports.statistics import last_steps_of, regular_steps, step_imbalance
+from batchplan.reports.summary import per_step_and_rank, samples_per_row, summarize_plan
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from batchplan.compare import Comparison
+    from batchplan.reports.compare import Comparison
 
 __all__ = ["PLAN_PANELS", "plan_lengths", "plot_comparison", "plot_plan", "require_matplotlib", "save_figure"]
 
@@ -91,7 +91,7 @@ def plan_lengths(
         PlanMismatchError: the dataset is not the one the plan was built for.
     """
     if dataset:
-        from batchplan.lengths import fingerprint_lengths, read_lengths
+        from batchplan.formats.lengths import fingerprint_lengths, read_lengths
 
         source = plan.metadata.get("dataset") or {}
         column = source.get("length_column", "length")
@@ -226,7 +226,7 @@ def _tokens_per_step_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
 
 
 def _imbalance_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
-    # Legends quote the summary (one definition: batchplan.statistics), not the series drawn.
+    # Legends quote the summary (one definition: batchplan.reports.statistics), not the series drawn.
     # Each epoch's last step is completed by split and empty micro-batches: it is marked, not
     # drawn into the series, so its spike does not flatten every other step.
     regular = regular_steps(data["rank_tokens"].shape[0], data["last_steps"])

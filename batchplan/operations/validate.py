@@ -11,7 +11,7 @@ Checks (each violation names its guarantee):
   step, numbered 0..m-1.
 - ``counts``: tokens, loss tokens and the per-step sums (the loss normaliser) are exact.
 - ``seqlen_warmup``: with a sequence-length warmup, a step that ends after ``t`` tokens
-  of the run holds no sequence longer than the warmup cap at ``t`` (`batchplan.warmup`).
+  of the run holds no sequence longer than the warmup cap at ``t`` (`batchplan.planning.warmup`).
 
 A resharded plan (``batchplan reshard``) continues its parent from ``first_step``: its
 epochs before the resumed one must be empty, steps and token counts run on from the
@@ -30,12 +30,12 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
-from batchplan.bitmap import decode_bitmap
-from batchplan.cost import micro_batch_costs
+from batchplan.formats.bitmap import decode_bitmap
+from batchplan.planning.cost import micro_batch_costs
 from batchplan.errors import PlanFormatError
-from batchplan.lengths import fingerprint_lengths
-from batchplan.plan_file import PlanFile
-from batchplan.segments import segment_max, segment_sum
+from batchplan.formats.lengths import fingerprint_lengths
+from batchplan.formats.plan_file import PlanFile
+from batchplan.reduce import segment_max, segment_sum
 
 __all__ = ["Violation", "validate_plan"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from batchplan.segments import segment_max, segment_sum
+from batchplan.reduce import segment_max, segment_sum
 
 __all__ = ["attention_coefficient", "micro_batch_costs"]
 

@@ -3,7 +3,7 @@
 A dataset is Parquet files and directories of them (sample ``i`` is global row ``i``
 over the files in sorted path order), or one folder written by Hugging Face
 ``Dataset.save_to_disk`` (sample ``i`` is row ``i`` of the dataset: its Arrow files in
-``state.json`` order; `batchplan.lengths_arrow`). A length comes from an integer column
+``state.json`` order; `batchplan.formats.datasets_folder`). A length comes from an integer column
 (``length_column``) or, when that column is absent, from a list column of token ids
 (``tokens_column``), whose list offsets give the lengths; no other column is read.
 Memory: 4 bytes per sample for lengths (+4 with a loss-token column), plus one batch
@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
 from batchplan.errors import DatasetError
-from batchplan.lengths_arrow import StreamFile, is_datasets_folder, list_arrow_files
+from batchplan.formats.datasets_folder import StreamFile, is_datasets_folder, list_arrow_files
 
 __all__ = [
     "DatasetFiles",

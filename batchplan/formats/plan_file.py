@@ -32,7 +32,7 @@ from numpy.typing import NDArray
 from batchplan.errors import PlanFormatError
 
 if TYPE_CHECKING:
-    from batchplan.planner import EpochPlan, Plan
+    from batchplan.plan import EpochPlan, Plan
 
 __all__ = [
     "FORMAT_VERSION", "METADATA_KEY", "PlanFile", "open_plan", "padded_tokens_column", "plan_metadata", "write_plan",
@@ -106,7 +106,7 @@ def write_plan(
         dataset: description of the input (files, column), stored in the metadata.
         lengths_fingerprint: fingerprint of the input lengths (`fingerprint_lengths`).
         on_batch: called after each record batch is built (progress bars).
-        lineage: for a plan continuing another (`batchplan.reshard`): keys merged into
+        lineage: for a plan continuing another (`batchplan.operations.reshard`): keys merged into
             the metadata. Its ``first_step`` and ``tokens_before_first_step`` shift the
             ``step`` and ``tokens_before_step`` columns, so they run on from the parent's.
     """

@@ -7,60 +7,14 @@ Nothing is lost silently: each dropped sample is listed under its reason.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
 from batchplan.errors import DatasetError
+from batchplan.plan import Entries, index_dtype
 
-__all__ = ["Entries", "index_dtype", "make_entries"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Entries:
-    """The units the planner places.
-
-    Attributes:
-        length: tokens of each entry (int32).
-        dropped: reason -> sample indices left out of every epoch.
-        sample: dataset row of each entry (int32 below 2^31 samples, else int64), or
-            None when entry ``i`` is sample ``i`` (nothing dropped or cut: no array).
-        start: first token of each entry within its sample, or None when every
-            entry is a whole sample.
-        loss_tokens: tokens carrying a label in each entry (int32), or None when every
-            entry has ``length - 1`` (no loss-token column: the planner then counts
-            them without a pass over entries, and keeps no array).
-    """
-
-    length: NDArray[np.int32]
-    dropped: dict[str, NDArray[np.int64]]
-    sample: NDArray[np.integer] | None = None
-    start: NDArray[np.int64] | None = None
-    loss_tokens: NDArray[np.int32] | None = None
-
-    @property
-    def num_entries(self) -> int:
-        return int(self.length.shape[0])
-
-    @property
-    def has_spans(self) -> bool:
-        return self.start is not None
-
-    @property
-    def loss_is_length_minus_one(self) -> bool:
-        return self.loss_tokens is None
-
-    def samples_of(self, entries: NDArray[np.integer]) -> NDArray[np.integer]:
-        """Dataset rows of the given entries."""
-        return entries if self.sample is None else self.sample[entries]
-
-    def loss_of(self, entries: NDArray[np.integer]) -> NDArray[np.int32]:
-        """Loss tokens of the given entries."""
-        if self.loss_tokens is None:
-            return self.length[entries] - np.int32(1)
-        return self.loss_tokens[entries]
+__all__ = ["make_entries"]
 
 
 def make_entries(
@@ -124,11 +78,6 @@ def make_entries(
         every = np.arange(num_samples, dtype=index) if sample is None else sample
         return _spans(every, kept_lengths, config, dropped)
     return Entries(length=kept_lengths, dropped=dropped, sample=sample, loss_tokens=kept_loss)
-
-
-def index_dtype(count: int) -> np.dtype:
-    """int32 for indices below 2^31 (half the memory of int64), else int64."""
-    return np.dtype(np.int32) if count < 2**31 else np.dtype(np.int64)
 
 
 def _check_oversize(lengths, oversize, config: PlanConfig, has_loss_column: bool) -> None:

@@ -24,8 +24,8 @@ their own steps and ranks. Metrics, per strategy:
 - ``padding_fraction``: padding / (count x longest) summed over micro-batches (0 in pack);
 - ``fill``: real tokens / (micro-batches x max_tokens), over all steps but the epoch's last;
 - ``token_imbalance``, ``cost_imbalance``: mean over the same steps of max/mean rank - 1
-  (the definitions of `batchplan.statistics`, which ``inspect`` uses too);
-- ``epoch_cost``: sum over steps of the slowest rank's cost (`batchplan.cost`), and
+  (the definitions of `batchplan.reports.statistics`, which ``inspect`` uses too);
+- ``epoch_cost``: sum over steps of the slowest rank's cost (`batchplan.planning.cost`), and
   ``relative_time``: that over baseline 1's.
 
 Cost: O(n log n) for the sorts; the 16 M-sample Wikipedia file compares in ~18 s on
@@ -41,11 +41,11 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
-from batchplan.cost import attention_coefficient, micro_batch_costs
-from batchplan.entries import make_entries
+from batchplan.planning.cost import attention_coefficient, micro_batch_costs
+from batchplan.planning.entries import make_entries
 from batchplan.errors import ConfigError, DatasetError
-from batchplan.segments import segment_max
-from batchplan.statistics import last_steps_of, rank_imbalance, regular_steps
+from batchplan.reduce import segment_max
+from batchplan.reports.statistics import last_steps_of, rank_imbalance, regular_steps
 
 __all__ = [
     "DEFAULT_HIDDEN_SIZE",
@@ -173,7 +173,7 @@ def compare_strategies(
 
 
 def _measure_baselines(entry_lengths, batch_size: int, config: PlanConfig, coefficient: float) -> list[StrategyResult]:
-    from batchplan.planner import epoch_rng
+    from batchplan.planning.epochs import epoch_rng
 
     seed, world_size = config.seed, config.world_size
     baselines = {
@@ -341,7 +341,7 @@ def measure_strategy(
 
 
 def _measure_batchplan(lengths, config: PlanConfig, mode: str, coefficient: float) -> StrategyResult:
-    from batchplan.planner import build_plan
+    from batchplan.planning.epochs import build_plan
 
     plan = build_plan(lengths, dataclasses.replace(config, mode=mode))
     epoch = plan.epochs[0]

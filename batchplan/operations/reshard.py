@@ -11,7 +11,7 @@ from global step ``S`` gets a new plan:
    which the parent split so that every rank had one, are packed again (the
    planner's best fit decreasing within ``max_tokens``; counts and costs are sums of the pieces').
 2. Each epoch's micro-batches are scheduled again for ``W2`` ranks by
-   `batchplan.planner.schedule_epoch`: seeded shuffle, an incomplete last chunk
+   `batchplan.planning.epochs.schedule_epoch`: seeded shuffle, an incomplete last chunk
    completed with empty micro-batches (units are never split) or dropped under
    ``drop_last``, balanced steps, rank assignment. Each unit is balanced by its
    micro-batch's exact ``cost`` (the parent's column), so ``balance=compute`` keeps
@@ -30,7 +30,7 @@ to the parent's mean step would not do better: a step is a whole number of chunk
 ``W2`` micro-batches, and the target picks that same nearest number, only with more
 variation between steps.
 
-Guarantees (checked by `batchplan.validate` through the metadata written with the
+Guarantees (checked by `batchplan.operations.validate` through the metadata written with the
 plan, ``resharded_from``/``consumed``): what the parent trained before ``S`` plus
 what the new plan holds from ``S`` is every sample of every epoch exactly once
 (split samples: the pieces tile it), except what a policy dropped, which is listed;
@@ -53,14 +53,14 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from batchplan.bitmap import decode_bitmap, encode_bitmap
+from batchplan.formats.bitmap import decode_bitmap, encode_bitmap
 from batchplan.config import PlanConfig
-from batchplan.entries import Entries, index_dtype
+from batchplan.plan import Entries, EpochPlan, Plan, index_dtype
 from batchplan.errors import ConfigError
 from batchplan.kernels.pack import pack_segments
-from batchplan.plan_file import PlanFile, open_plan, padded_tokens_column, write_plan
-from batchplan.micro_batches import MicroBatches
-from batchplan.planner import EpochPlan, Plan, schedule_epoch
+from batchplan.formats.plan_file import PlanFile, open_plan, padded_tokens_column, write_plan
+from batchplan.planning.micro_batches import MicroBatches
+from batchplan.planning.epochs import schedule_epoch
 
 __all__ = ["ReshardedPlan", "default_step_sizing", "reshard_plan", "reshard_plan_file"]
 

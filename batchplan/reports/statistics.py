@@ -1,6 +1,6 @@
 """One definition of each statistic a plan is judged by.
 
-`batchplan.summary` (build summary, ``inspect`` table and ``--json``), the plot's
+`batchplan.reports.summary` (build summary, ``inspect`` table and ``--json``), the plot's
 legends (``--plot``) and ``compare`` all take their numbers from here:
 
 - **step imbalance**: in one step, the busiest rank's tokens (or cost) over the

@@ -3,7 +3,7 @@
 `form_micro_batches` runs the pack kernels (shuffle within lengths, best-fit decreasing)
 or the pad kernel (sort in windows, cut); `form_warmup_micro_batches` does the same
 stage by stage for a sequence-length warmup; `compute_costs` prices each micro-batch
-with the cost model. The planner (`batchplan.planner`) schedules the result.
+with the cost model. The planner (`batchplan.planning.epochs`) schedules the result.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
-from batchplan.entries import Entries, index_dtype
+from batchplan.plan import Entries, index_dtype
 from batchplan.kernels.pack import (
     bin_destinations,
     bin_item_sums,
@@ -29,8 +29,8 @@ from batchplan.kernels.pack import (
 from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import lay_out_segments, range_sums
 from batchplan.kernels.shuffle import count_groups, scatter_groups, shuffle_groups
-from batchplan.parts import run_in_parts
-from batchplan.warmup import SeqlenWarmup
+from batchplan.planning.threads import run_in_parts
+from batchplan.planning.warmup import SeqlenWarmup
 
 __all__ = [
     "MicroBatches", "PackedBins", "compute_costs", "form_micro_batches", "form_warmup_micro_batches", "permute",
@@ -448,7 +448,7 @@ def _concatenate(parts, num_entries: int) -> MicroBatches:
 
 
 def compute_costs(batches: MicroBatches, config: PlanConfig) -> NDArray[np.float64]:
-    """Predicted compute per micro-batch, in tokens: `batchplan.cost` for the model width."""
+    """Predicted compute per micro-batch, in tokens: `batchplan.planning.cost` for the model width."""
     coefficient = config.cost_coefficient
     if config.mode == "pack":
         return batches.length_sums(lambda lengths: lengths + coefficient * lengths**2)

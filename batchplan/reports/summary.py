@@ -1,7 +1,7 @@
 """Summary statistics of a plan, for `batchplan inspect` and for library users.
 
 All numbers come from the plan file alone (no dataset needed); each statistic is
-defined once, in `batchplan.statistics`:
+defined once, in `batchplan.reports.statistics`:
 - ``fill``: real tokens / (micro-batches x max_tokens) over the regular steps (all
   but each epoch's last): packing efficiency.
 - ``padding_fraction``: padding / (count x longest) over all micro-batches (pad mode;
@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from batchplan.plan_file import PlanFile, padded_tokens_column
-from batchplan.statistics import last_steps_of, rank_imbalance, regular_steps
+from batchplan.formats.plan_file import PlanFile, padded_tokens_column
+from batchplan.reports.statistics import last_steps_of, rank_imbalance, regular_steps
 
 __all__ = ["per_step_and_rank", "samples_per_row", "summarize_plan"]
 

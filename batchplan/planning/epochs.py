@@ -17,7 +17,7 @@ Per epoch, with randomness only from ``SeedSequence([seed, epoch, stream])``:
    before it (exact up front: each epoch holds every token once, unless ``drop_last``);
 5. inside each step, micro-batches go to ranks (equal counts, balanced cost).
 
-A sequence-length warmup (`batchplan.warmup`) changes epoch 0 only: its first tokens
+A sequence-length warmup (`batchplan.planning.warmup`) changes epoch 0 only: its first tokens
 are pieces cut to a growing cap, formed into micro-batches stage by stage and
 scheduled first, in stage order, ahead of the rest of the epoch (steps 1-3 as usual).
 
@@ -28,7 +28,6 @@ contiguous. Cost: O(n log C) to pack, O(n) for the rest, per epoch.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,21 +35,22 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig, num_threads
-from batchplan.entries import Entries, make_entries
 from batchplan.errors import ConfigError, DatasetError
 from batchplan.kernels.assemble import lay_out_rows, take_scheduled
 from batchplan.kernels.steps import ramp_steps, ramp_target, steps_by_tokens
-from batchplan.micro_batches import (
+from batchplan.plan import Entries, EpochPlan, Plan
+from batchplan.planning.entries import make_entries
+from batchplan.planning.micro_batches import (
     MicroBatches,
     compute_costs,
     form_micro_batches,
     form_warmup_micro_batches,
     permute,
 )
-from batchplan.parts import run_in_parts
-from batchplan.warmup import SeqlenWarmup, add_warmup_pieces
+from batchplan.planning.threads import run_in_parts
+from batchplan.planning.warmup import SeqlenWarmup, add_warmup_pieces
 
-__all__ = ["EpochPlan", "Plan", "build_plan", "epoch_rng", "plan_epoch", "schedule_epoch"]
+__all__ = ["build_plan", "epoch_rng", "plan_epoch", "schedule_epoch"]
 
 # Independent random streams of one epoch.
 STREAM_ENTRY_ORDER = 0
@@ -62,76 +62,6 @@ STREAM_SEQLEN_WARMUP = 3
 def epoch_rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
     """The only source of randomness in batchplan."""
     return np.random.default_rng(np.random.SeedSequence([seed, epoch, stream]))
-
-
-@dataclasses.dataclass(frozen=True)
-class EpochPlan:
-    """One epoch's micro-batches, rows ordered by (rank, step, micro).
-
-    Every rank has the same number of rows (``rows_per_rank``); rank ``r`` holds rows
-    ``r * rows_per_rank`` to ``(r + 1) * rows_per_rank``. Row ``i`` holds entries
-    ``members[offsets[i]:offsets[i + 1]]`` (indices into `Entries`). Every rank's rows
-    have the same (step, micro, num_micro) sequence: stored once, for one rank.
-    """
-
-    epoch: int
-    world_size: int
-    offsets: NDArray[np.int64]
-    members: NDArray[np.int64]
-    rank_step: NDArray[np.int64]  # epoch-local step of each of one rank's rows
-    rank_micro: NDArray[np.int32]  # position in the step on the rank
-    rank_num_micro: NDArray[np.int32]  # micro-batches per rank in the row's step
-    tokens: NDArray[np.int64]
-    loss_tokens: NDArray[np.int64]
-    padded_tokens: NDArray[np.int64]  # count x longest in pad mode, tokens in pack mode
-    cost: NDArray[np.float64] | None  # tokens + attention term (`batchplan.cost`), with a coefficient
-    step_tokens: NDArray[np.int64]  # per epoch-local step, all ranks
-    step_loss_tokens: NDArray[np.int64]
-    dropped_entries: NDArray[np.int64]  # entries left out by drop_last
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @property
-    def num_steps(self) -> int:
-        return int(self.step_tokens.shape[0])
-
-    @property
-    def rows_per_rank(self) -> int:
-        return self.num_rows // self.world_size
-
-    @functools.cached_property
-    def step(self) -> NDArray[np.int64]:
-        """Epoch-local step of every row."""
-        return _broadcast(self.rank_step, (self.world_size, self.rows_per_rank))
-
-    @functools.cached_property
-    def rank(self) -> NDArray[np.int32]:
-        """Rank of every row."""
-        return _broadcast(np.arange(self.world_size, dtype=np.int32)[:, None], (self.world_size, self.rows_per_rank))
-
-    @functools.cached_property
-    def micro(self) -> NDArray[np.int32]:
-        return _broadcast(self.rank_micro, (self.world_size, self.rows_per_rank))
-
-    @functools.cached_property
-    def num_micro(self) -> NDArray[np.int32]:
-        return _broadcast(self.rank_num_micro, (self.world_size, self.rows_per_rank))
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-    """A whole plan in memory: the config, the entries, and every epoch."""
-
-    config: PlanConfig
-    num_samples: int
-    entries: Entries
-    epochs: tuple[EpochPlan, ...]
-
-    @property
-    def num_steps(self) -> int:
-        return sum(epoch.num_steps for epoch in self.epochs)
 
 
 def build_plan(
@@ -221,7 +151,7 @@ def plan_epoch(
         config: the build configuration.
         epoch: the epoch to plan.
         tokens_before: tokens of the run planned before this epoch (for a ramp-up).
-        warmup: epoch 0's sequence-length warmup (`batchplan.warmup`), if any.
+        warmup: epoch 0's sequence-length warmup (`batchplan.planning.warmup`), if any.
         threads: threads for the steps that split (the plan is the same for any number).
     """
     rng = epoch_rng(config.seed, epoch, STREAM_ENTRY_ORDER)
@@ -543,11 +473,3 @@ def _assemble(
         step_loss_tokens=step_loss_tokens,
         dropped_entries=dropped,
     )
-
-
-def _broadcast(values: NDArray, shape: tuple[int, int]) -> NDArray:
-    """``values`` broadcast to ``shape``, flattened: every rank's rows from one rank's
-    (or from one value per rank). A copy, faster than `np.tile`/`np.repeat`."""
-    out = np.empty(shape, dtype=values.dtype)
-    out[:] = values
-    return out.reshape(-1)

@@ -34,7 +34,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
-from batchplan.entries import Entries, index_dtype
+from batchplan.plan import Entries, index_dtype
 from batchplan.errors import DatasetError
 
 __all__ = ["MAX_STAGES", "SeqlenWarmup", "add_warmup_pieces", "warmup_cap"]

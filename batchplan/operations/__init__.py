@@ -1,0 +1,1 @@
+"""Whole operations on files, as the CLI runs them: build, validate, reshard."""

@@ -1,0 +1,147 @@
+"""The data types of a plan in memory: what planning makes and plan files write.
+
+- `Entries`: what micro-batches hold: samples, or spans of samples when they are
+  truncated or split (one entry per span).
+- `EpochPlan`: one epoch's micro-batches, rows ordered by (rank, step, micro).
+- `Plan`: the config, the entries and every epoch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+from numpy.typing import NDArray
+
+from batchplan.config import PlanConfig
+
+__all__ = ["Entries", "EpochPlan", "Plan", "index_dtype"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Entries:
+    """The units the planner places.
+
+    Attributes:
+        length: tokens of each entry (int32).
+        dropped: reason -> sample indices left out of every epoch.
+        sample: dataset row of each entry (int32 below 2^31 samples, else int64), or
+            None when entry ``i`` is sample ``i`` (nothing dropped or cut: no array).
+        start: first token of each entry within its sample, or None when every
+            entry is a whole sample.
+        loss_tokens: tokens carrying a label in each entry (int32), or None when every
+            entry has ``length - 1`` (no loss-token column: the planner then counts
+            them without a pass over entries, and keeps no array).
+    """
+
+    length: NDArray[np.int32]
+    dropped: dict[str, NDArray[np.int64]]
+    sample: NDArray[np.integer] | None = None
+    start: NDArray[np.int64] | None = None
+    loss_tokens: NDArray[np.int32] | None = None
+
+    @property
+    def num_entries(self) -> int:
+        return int(self.length.shape[0])
+
+    @property
+    def has_spans(self) -> bool:
+        return self.start is not None
+
+    @property
+    def loss_is_length_minus_one(self) -> bool:
+        return self.loss_tokens is None
+
+    def samples_of(self, entries: NDArray[np.integer]) -> NDArray[np.integer]:
+        """Dataset rows of the given entries."""
+        return entries if self.sample is None else self.sample[entries]
+
+    def loss_of(self, entries: NDArray[np.integer]) -> NDArray[np.int32]:
+        """Loss tokens of the given entries."""
+        if self.loss_tokens is None:
+            return self.length[entries] - np.int32(1)
+        return self.loss_tokens[entries]
+
+
+def index_dtype(count: int) -> np.dtype:
+    """int32 for indices below 2^31 (half the memory of int64), else int64."""
+    return np.dtype(np.int32) if count < 2**31 else np.dtype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochPlan:
+    """One epoch's micro-batches, rows ordered by (rank, step, micro).
+
+    Every rank has the same number of rows (``rows_per_rank``); rank ``r`` holds rows
+    ``r * rows_per_rank`` to ``(r + 1) * rows_per_rank``. Row ``i`` holds entries
+    ``members[offsets[i]:offsets[i + 1]]`` (indices into `Entries`). Every rank's rows
+    have the same (step, micro, num_micro) sequence: stored once, for one rank.
+    """
+
+    epoch: int
+    world_size: int
+    offsets: NDArray[np.int64]
+    members: NDArray[np.int64]
+    rank_step: NDArray[np.int64]  # epoch-local step of each of one rank's rows
+    rank_micro: NDArray[np.int32]  # position in the step on the rank
+    rank_num_micro: NDArray[np.int32]  # micro-batches per rank in the row's step
+    tokens: NDArray[np.int64]
+    loss_tokens: NDArray[np.int64]
+    padded_tokens: NDArray[np.int64]  # count x longest in pad mode, tokens in pack mode
+    cost: NDArray[np.float64] | None  # tokens + attention term (`batchplan.planning.cost`), with a coefficient
+    step_tokens: NDArray[np.int64]  # per epoch-local step, all ranks
+    step_loss_tokens: NDArray[np.int64]
+    dropped_entries: NDArray[np.int64]  # entries left out by drop_last
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.step_tokens.shape[0])
+
+    @property
+    def rows_per_rank(self) -> int:
+        return self.num_rows // self.world_size
+
+    @functools.cached_property
+    def step(self) -> NDArray[np.int64]:
+        """Epoch-local step of every row."""
+        return _broadcast(self.rank_step, (self.world_size, self.rows_per_rank))
+
+    @functools.cached_property
+    def rank(self) -> NDArray[np.int32]:
+        """Rank of every row."""
+        return _broadcast(np.arange(self.world_size, dtype=np.int32)[:, None], (self.world_size, self.rows_per_rank))
+
+    @functools.cached_property
+    def micro(self) -> NDArray[np.int32]:
+        return _broadcast(self.rank_micro, (self.world_size, self.rows_per_rank))
+
+    @functools.cached_property
+    def num_micro(self) -> NDArray[np.int32]:
+        return _broadcast(self.rank_num_micro, (self.world_size, self.rows_per_rank))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A whole plan in memory: the config, the entries, and every epoch."""
+
+    config: PlanConfig
+    num_samples: int
+    entries: Entries
+    epochs: tuple[EpochPlan, ...]
+
+    @property
+    def num_steps(self) -> int:
+        return sum(epoch.num_steps for epoch in self.epochs)
+
+
+def _broadcast(values: NDArray, shape: tuple[int, int]) -> NDArray:
+    """``values`` broadcast to ``shape``, flattened: every rank's rows from one rank's
+    (or from one value per rank). A copy, faster than `np.tile`/`np.repeat`."""
+    out = np.empty(shape, dtype=values.dtype)
+    out[:] = values
+    return out.reshape(-1)
