@@ -51,8 +51,9 @@ class PlanConfig:
         balance: what steps and ranks are balanced on: ``"tokens"``, or ``"compute"``
             (tokens + attention, `batchplan.planning.cost`; needs ``hidden_size`` or
             ``attention_coefficient``). Default: compute when either is given, else tokens.
-        balance_window: steps are formed from micro-batches of similar cost (tokens or
-            compute) within windows of this many steps, then shuffled; 1 = random steps.
+        balance_window: rounds (one micro-batch per rank; a step is one or more rounds)
+            are formed from micro-batches of similar cost (tokens or compute) within
+            windows of this many rounds, then shuffled; 1 = random rounds.
         hidden_size: model width, for the attention term of the cost model
             (coefficient ``1 / (12 hidden_size)``).
         attention_coefficient: the attention term's coefficient given directly (e.g.
@@ -164,12 +165,12 @@ class PlanConfig:
             return
         _check_int("rampup_start", self.rampup_start, minimum=1, flag="--rampup START")
         _check_int("rampup_tokens", self.rampup_tokens, minimum=1, flag="--rampup TOKENS")
-        chunk = self.world_size * self.max_tokens  # the smallest step: one micro-batch per rank
-        if self.rampup_start < chunk:
+        round = self.world_size * self.max_tokens  # the smallest step: one micro-batch per rank
+        if self.rampup_start < round:
             raise ConfigError(
                 f"--rampup START {self.rampup_start:,} is smaller than one micro-batch per rank "
-                f"(world_size {self.world_size} x max_tokens {self.max_tokens:,} = {chunk:,}), the "
-                f"smallest step; raise START to at least {chunk:,}"
+                f"(world_size {self.world_size} x max_tokens {self.max_tokens:,} = {round:,}), the "
+                f"smallest step; raise START to at least {round:,}"
             )
         if self.tokens_per_step is not None:
             if self.rampup_start >= self.tokens_per_step:
@@ -184,11 +185,11 @@ class PlanConfig:
                 "--rampup needs a full step larger than one micro-batch per rank (the smallest "
                 "step): pass --tokens-per-step T (the ramp's target) or --micro-batches M > 1"
             )
-        full = chunk * per_step
+        full = round * per_step
         if self.rampup_start >= full:
             raise ConfigError(
                 f"--rampup START {self.rampup_start:,} must be below a full step of --micro-batches "
-                f"{per_step} (at most {per_step} x {chunk:,} = {full:,} tokens); lower START or raise "
+                f"{per_step} (at most {per_step} x {round:,} = {full:,} tokens); lower START or raise "
                 "--micro-batches"
             )
 

@@ -110,8 +110,8 @@ def setup_batchplan_plan(lengths: np.ndarray, capacity: int):
 
 def setup_batchplan_pack(lengths: np.ndarray, capacity: int):
     from batchplan import PlanConfig
-    from batchplan.planning.micro_batches import form_micro_batches
-    from batchplan.planning.epochs import epoch_rng
+    from batchplan.planning.forming import form_micro_batches
+    from batchplan.planning.randomness import epoch_rng
 
     config = PlanConfig(max_tokens=capacity, world_size=1, oversize="truncate")
 

@@ -90,7 +90,7 @@ def build(
         typer.Option(help="Balance ranks by tokens or compute (default: compute with --hidden-size)."),
     ] = None,
     balance_window: Annotated[
-        int, typer.Option(help="Steps formed from similar-cost micro-batches within this many steps; 1 = random.")
+        int, typer.Option(help="Rounds (one micro-batch per rank) of similar cost, formed within this many rounds; 1 = random.")
     ] = DEFAULT_BALANCE_WINDOW,
     rampup: Annotated[
         Optional[str],

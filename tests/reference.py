@@ -151,20 +151,20 @@ def cut_padded(
     return offsets, members
 
 
-def steps_by_tokens(chunk_tokens: Sequence[int], target: int) -> list[int]:
-    """A step keeps taking the next chunk while that brings its total strictly closer to
-    ``target``; it always takes at least one chunk. Returns step offsets over chunks."""
+def steps_by_tokens(round_tokens: Sequence[int], target: int) -> list[int]:
+    """A step keeps taking the next round while that brings its total strictly closer to
+    ``target``; it always takes at least one round. Returns step offsets over rounds."""
     offsets = [0]
     total = 0
-    for chunk, tokens in enumerate(chunk_tokens):
+    for round, tokens in enumerate(round_tokens):
         tokens = int(tokens)
-        step_is_empty = chunk == offsets[-1]
+        step_is_empty = round == offsets[-1]
         if not step_is_empty and not abs(total + tokens - target) < abs(total - target):
-            offsets.append(chunk)
+            offsets.append(round)
             total = 0
         total += tokens
-    if len(chunk_tokens):
-        offsets.append(len(chunk_tokens))
+    if len(round_tokens):
+        offsets.append(len(round_tokens))
     return offsets
 
 
@@ -174,26 +174,26 @@ def ramp_target(done: int, start: float, target: float, ramp_tokens: int) -> flo
 
 
 def ramp_steps(
-    chunk_tokens: Sequence[int], tokens_before: int, start: float, target: float, ramp_tokens: int, max_chunks: int
+    round_tokens: Sequence[int], tokens_before: int, start: float, target: float, ramp_tokens: int, max_rounds: int
 ) -> list[int]:
     """Steps for a target that ramps with the tokens done (``tokens_before`` + earlier steps).
 
-    Once ``done >= ramp_tokens`` with ``max_chunks > 0``: exactly ``max_chunks`` chunks per
-    step. Otherwise a step keeps taking the next chunk while that brings its total strictly
-    closer to the target of its start, at most ``max_chunks`` (when > 0), at least one.
+    Once ``done >= ramp_tokens`` with ``max_rounds > 0``: exactly ``max_rounds`` rounds per
+    step. Otherwise a step keeps taking the next round while that brings its total strictly
+    closer to the target of its start, at most ``max_rounds`` (when > 0), at least one.
     """
     steps: list[list[int]] = []
     done = tokens_before
     position = 0
-    while position < len(chunk_tokens):
+    while position < len(round_tokens):
         goal = ramp_target(done, start, target, ramp_tokens)
-        fixed = max_chunks > 0 and done >= ramp_tokens
-        step = [int(chunk_tokens[position])]
+        fixed = max_rounds > 0 and done >= ramp_tokens
+        step = [int(round_tokens[position])]
         position += 1
-        while position < len(chunk_tokens):
-            if max_chunks > 0 and len(step) == max_chunks:
+        while position < len(round_tokens):
+            if max_rounds > 0 and len(step) == max_rounds:
                 break
-            nxt = int(chunk_tokens[position])
+            nxt = int(round_tokens[position])
             if not fixed and not abs(sum(step) + nxt - goal) < abs(sum(step) - goal):
                 break
             step.append(nxt)
@@ -381,7 +381,7 @@ def _trained_before(meta, epoch: int, num_samples: int) -> tuple[set[int], list[
 def _drop_limit(cfg, world_size: int) -> int:
     """Most tokens (whole samples) that drop_last may drop in one epoch: an incomplete step."""
     if cfg["tokens_per_step"] is not None:
-        # the partial chunk, plus a final step that had not reached its target
+        # the partial round, plus a final step that had not reached its target
         return (world_size - 1) * cfg["max_tokens"] + cfg["tokens_per_step"]
     return (world_size * (cfg["micro_batches"] or 1) - 1) * cfg["max_tokens"]
 
@@ -544,7 +544,7 @@ class _EpochCheck:
 
     def check_step_sizes(self, per_step, step_tokens) -> None:
         """Fixed micro-batches: every step but the epoch's last holds exactly that many per
-        rank (all of them with drop_last). Token target: steps land within half a chunk.
+        rank (all of them with drop_last). Token target: steps land within half a round.
         Ramp-up: the target of a step is linear in the tokens before it, from the ramp's
         start to the full step (with micro-batches: at most that many per rank, exactly
         that many once the ramp is over)."""
@@ -562,18 +562,18 @@ class _EpochCheck:
                     self.add("step_size", f"step {step}: {per_step[step]} micro-batches per rank, expected {fixed}")
             return
         target = self.cfg["tokens_per_step"]
-        half_chunk = self.world_size * self.max_tokens / 2
+        half_round = self.world_size * self.max_tokens / 2
         for step in steps:
             tokens = step_tokens[step]
-            if tokens > target + half_chunk or (step != steps[-1] and tokens < target - half_chunk):
-                self.add("step_size", f"step {step} holds {tokens} tokens, target {target} +- {half_chunk}")
+            if tokens > target + half_round or (step != steps[-1] and tokens < target - half_round):
+                self.add("step_size", f"step {step} holds {tokens} tokens, target {target} +- {half_round}")
 
     def check_ramp_sizes(self, steps, per_step, step_tokens) -> None:
         start, ramp = self.cfg["rampup_start"], self.cfg["rampup_tokens"]
         fixed = self.cfg["micro_batches"] if self.cfg["tokens_per_step"] is None else None
-        chunk = self.world_size * self.max_tokens
-        # With micro-batches the full step is the mean of M chunks: at most M x chunk.
-        full = self.cfg["tokens_per_step"] if fixed is None else fixed * chunk
+        round = self.world_size * self.max_tokens
+        # With micro-batches the full step is the mean of M rounds: at most M x round.
+        full = self.cfg["tokens_per_step"] if fixed is None else fixed * round
         done = self.tokens_base
         for step in steps:
             tokens = step_tokens[step]
@@ -585,9 +585,9 @@ class _EpochCheck:
                              f"expected {fixed}")  # fmt: skip
             elif fixed is not None and per_step[step] > fixed:
                 self.add("step_size", f"step {step}: {per_step[step]} micro-batches per rank, above {fixed}")
-            if tokens > goal + chunk / 2 or (fixed is None and not last and tokens < goal - chunk / 2):
+            if tokens > goal + round / 2 or (fixed is None and not last and tokens < goal - round / 2):
                 self.add("step_size", f"step {step} holds {tokens} tokens after {done}, ramp target {goal:.0f} "
-                         f"+- {chunk / 2}")  # fmt: skip
+                         f"+- {round / 2}")  # fmt: skip
             done += tokens
 
     def check_seqlen_warmup(self, step_tokens) -> None:

@@ -19,7 +19,8 @@ from batchplan.reports.compare import (
     compare_strategies,
 )
 from batchplan.config import PlanConfig
-from batchplan.planning.epochs import build_plan, epoch_rng
+from batchplan.planning.epochs import build_plan
+from batchplan.planning.randomness import epoch_rng
 from batchplan_cli.main import app
 
 DATA = Path(__file__).resolve().parent.parent / "data"

@@ -445,10 +445,10 @@ def test_loss_normaliser_is_exact(plans, case):
 @pytest.mark.parametrize("case", CASE_PARAMS)
 def test_step_sizes_follow_the_config(plans, case):
     """Fixed micro-batches: that many per rank in every step but an epoch's last (all, with
-    drop_last). Token target: every step within half a chunk of it but an epoch's last."""
+    drop_last). Token target: every step within half a round of it but an epoch's last."""
     built = plans(case)
     config = case.config
-    half_chunk = config.world_size * config.max_tokens / 2
+    half_round = config.world_size * config.max_tokens / 2
     for ranks in built.epochs:
         steps = Counter(ranks[0]["step"].tolist())
         tokens: Counter = Counter()
@@ -462,8 +462,8 @@ def test_step_sizes_follow_the_config(plans, case):
                 fixed = config.micro_batches_per_step
                 assert steps[step] == fixed or (last and not config.drop_last and steps[step] < fixed)
             else:
-                assert tokens[step] <= config.tokens_per_step + half_chunk
-                assert last or tokens[step] >= config.tokens_per_step - half_chunk
+                assert tokens[step] <= config.tokens_per_step + half_round
+                assert last or tokens[step] >= config.tokens_per_step - half_round
 
 
 RANK_READ_PARAMS = [p for p in CASE_PARAMS if p.values[0].config.world_size in (3, 64)][:6]

@@ -33,7 +33,7 @@ from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import lay_out_segments, range_sums
 from batchplan.reduce import segment_max, segment_sum
 from batchplan.kernels.steps import ramp_steps, steps_by_tokens
-from batchplan.planning.micro_batches import shuffle_by_group
+from batchplan.planning.randomness import shuffle_by_group
 
 # --------------------------------------------------------------------------- strategies
 
@@ -236,18 +236,18 @@ def step_inputs(draw):
 
 
 @given(step_inputs())
-@example((np.zeros(0, dtype=np.int64), 10))  # no chunks
-@example((np.array([7], dtype=np.int64), 10))  # one chunk (fewer chunks than a step wants)
+@example((np.zeros(0, dtype=np.int64), 10))  # no rounds
+@example((np.array([7], dtype=np.int64), 10))  # one round (fewer rounds than a step wants)
 @example((np.array([5, 5, 5, 5], dtype=np.int64), 10))  # exact ties
-@example((np.array([50, 1, 1], dtype=np.int64), 10))  # one chunk alone above target
-@example((np.array([0, 0, 3, 0], dtype=np.int64), 10))  # zero-token chunks
+@example((np.array([50, 1, 1], dtype=np.int64), 10))  # one round alone above target
+@example((np.array([0, 0, 3, 0], dtype=np.int64), 10))  # zero-token rounds
 def test_steps_by_tokens_matches_reference(case):
     tokens, target = case
     assert steps_by_tokens(tokens, target).tolist() == ref.steps_by_tokens(tokens.tolist(), target)
 
 
 @given(step_inputs())
-def test_steps_by_tokens_stays_within_half_a_chunk(case):
+def test_steps_by_tokens_stays_within_half_a_round(case):
     tokens, target = case
     offsets = steps_by_tokens(tokens, target).tolist()
     tokens = tokens.tolist()
@@ -255,55 +255,55 @@ def test_steps_by_tokens_stays_within_half_a_chunk(case):
         assert offsets == [0]
         return
     assert offsets[0] == 0 and offsets[-1] == len(tokens)
-    assert all(a < b for a, b in zip(offsets, offsets[1:])), "every step takes at least one chunk"
+    assert all(a < b for a, b in zip(offsets, offsets[1:])), "every step takes at least one round"
     for s in range(len(offsets) - 1):
         begin, end = offsets[s], offsets[s + 1]
         total = sum(tokens[begin:end])
-        if end - begin > 1:  # overshoot only by less than half the chunk that caused it
+        if end - begin > 1:  # overshoot only by less than half the round that caused it
             assert total - target < tokens[end - 1] / 2 or total <= target
-        if end < len(tokens):  # stopped because the next chunk would not bring it closer
+        if end < len(tokens):  # stopped because the next round would not bring it closer
             assert abs(total + tokens[end] - target) >= abs(total - target)
 
 
 @st.composite
 def ramp_inputs(draw):
-    """``(chunk_tokens, tokens_before, start, target, ramp_tokens, max_chunks)``: ramps that end
-    inside the chunks, before them (tokens_before past the ramp) or beyond them; no ramp (0);
-    chunk limits 0 (token target) or 1..5 (micro-batches)."""
+    """``(round_tokens, tokens_before, start, target, ramp_tokens, max_rounds)``: ramps that end
+    inside the rounds, before them (tokens_before past the ramp) or beyond them; no ramp (0);
+    round limits 0 (token target) or 1..5 (micro-batches)."""
     tokens, target = draw(step_inputs())
     total = int(tokens.sum())
     start = draw(st.integers(1, target))
     ramp_tokens = draw(st.one_of(st.just(0), st.integers(1, max(1, total)), st.integers(total + 1, 2 * total + 2)))
     tokens_before = draw(st.one_of(st.just(0), st.integers(0, 2 * total + 2)))
-    max_chunks = draw(st.integers(0, 5))
-    return tokens, tokens_before, float(start), float(target), ramp_tokens, max_chunks
+    max_rounds = draw(st.integers(0, 5))
+    return tokens, tokens_before, float(start), float(target), ramp_tokens, max_rounds
 
 
 @given(ramp_inputs())
-@example((np.zeros(0, dtype=np.int64), 0, 1.0, 10.0, 5, 0))  # no chunks
-@example((np.full(7, 3, dtype=np.int64), 0, 3.0, 9.0, 0, 2))  # no ramp: fixed steps of 2 chunks
+@example((np.zeros(0, dtype=np.int64), 0, 1.0, 10.0, 5, 0))  # no rounds
+@example((np.full(7, 3, dtype=np.int64), 0, 3.0, 9.0, 0, 2))  # no ramp: fixed steps of 2 rounds
 def test_ramp_steps_matches_reference(case):
     assert ramp_steps(*case).tolist() == ref.ramp_steps(case[0].tolist(), *case[1:])
 
 
 @given(ramp_inputs())
 def test_ramp_steps_follow_the_ramp(case):
-    """Each step lands within half its last chunk of its own target, the target grows
-    linearly with the tokens done, and past the ramp a chunk limit is an exact count."""
-    tokens, before, start, target, ramp_tokens, max_chunks = case
+    """Each step lands within half its last round of its own target, the target grows
+    linearly with the tokens done, and past the ramp a round limit is an exact count."""
+    tokens, before, start, target, ramp_tokens, max_rounds = case
     offsets = ramp_steps(*case).tolist()
     tokens = tokens.tolist()
     done = before
     for s in range(len(offsets) - 1):
         begin, end = offsets[s], offsets[s + 1]
-        assert end > begin, "every step takes at least one chunk"
+        assert end > begin, "every step takes at least one round"
         goal = target if done >= ramp_tokens else start + (target - start) * done / ramp_tokens
         assert min(start, target) <= goal <= max(start, target)
         total = sum(tokens[begin:end])
-        if max_chunks:
-            assert end - begin <= max_chunks
+        if max_rounds:
+            assert end - begin <= max_rounds
             if done >= ramp_tokens and end < len(tokens):
-                assert end - begin == max_chunks
+                assert end - begin == max_rounds
         elif end - begin > 1:
             assert total - goal < tokens[end - 1] / 2 or total <= goal
         done += total
@@ -401,29 +401,29 @@ def test_lay_out_rows_matches_assign_ranks_and_order_rows(case, with_loss, with_
 @st.composite
 def schedules(draw):
     """A shuffled schedule of micro-batches with tokens, ranges and costs, a balanced range
-    ``begin:end`` of whole chunks, a window (0: none) and a chunk order."""
+    ``begin:end`` of whole rounds, a window (0: none) and a round order."""
     world_size = draw(st.integers(1, 4))
     count = draw(st.integers(0, 40))
     tokens = np.array(draw(st.lists(st.integers(0, 9), min_size=count, max_size=count)), dtype=np.int64)
     starts = np.arange(count, dtype=np.int64) * 3
     ends = starts + tokens % 3
     schedule = np.array(draw(st.permutations(range(count))), dtype=np.int64)
-    chunks = count // world_size
-    first = draw(st.integers(0, chunks))
-    last = draw(st.integers(first, chunks))
+    rounds = count // world_size
+    first = draw(st.integers(0, rounds))
+    last = draw(st.integers(first, rounds))
     begin, end = first * world_size, last * world_size
     window = draw(st.sampled_from([0, 1, 2, 3])) * world_size
-    chunk_order = np.array(draw(st.permutations(range(last - first))) if window else [], dtype=np.int64)
+    round_order = np.array(draw(st.permutations(range(last - first))) if window else [], dtype=np.int64)
     values = np.array(draw(st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=count, max_size=count)))
-    return schedule, begin, end, window, chunk_order, world_size, tokens, starts, ends, values
+    return schedule, begin, end, window, round_order, world_size, tokens, starts, ends, values
 
 
 @given(schedules(), st.booleans(), st.booleans(), st.integers(1, 3), st.sampled_from([9, 10_000]))
 def test_take_scheduled_matches_reference(case, with_values, by_values, parts, max_tokens):
     """Outside ``begin:end`` a plain gather; inside, windows sorted by cost (the reference's
-    `sort_within_windows`), then chunk ``j`` = sorted chunk ``chunk_order[j]``; in one call
+    `sort_within_windows`), then round ``j`` = sorted round ``round_order[j]``; in one call
     or in parts."""
-    schedule, begin, end, window, chunk_order, world_size, tokens, starts, ends, values = case
+    schedule, begin, end, window, round_order, world_size, tokens, starts, ends, values = case
     values = values if with_values else np.zeros(0)
     by_values = by_values and with_values
     table = np.column_stack([tokens, ends - starts])
@@ -431,15 +431,15 @@ def test_take_scheduled_matches_reference(case, with_values, by_values, parts, m
     for part in range(parts):
         # max_tokens 9 (every token count here is below 10): windows sorted by counting; 10,000: by comparison.
         take_scheduled(
-            schedule, begin, end, window, chunk_order, world_size, table, values, by_values, max_tokens, *got, part, parts
+            schedule, begin, end, window, round_order, world_size, table, values, by_values, max_tokens, *got, part, parts
         )
     got = [*got[0], got[1]]
     order = list(schedule)
     if window:
         costs = [float(values[k] if by_values else tokens[k]) for k in order[begin:end]]
         ranked = [order[begin + p] for p in ref.sort_within_windows(costs, window)]
-        chunks = [ranked[c * world_size : (c + 1) * world_size] for c in range(len(ranked) // world_size)]
-        order[begin:end] = [k for j in chunk_order for k in chunks[j]]
+        rounds = [ranked[c * world_size : (c + 1) * world_size] for c in range(len(ranked) // world_size)]
+        order[begin:end] = [k for j in round_order for k in rounds[j]]
     assert got[0].tolist() == order
     assert got[1].tolist() == [int(tokens[k]) for k in order]
     assert got[2].tolist() == [int(ends[k] - starts[k]) for k in order]

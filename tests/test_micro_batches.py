@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 
 from batchplan.plan import index_dtype
 from batchplan.kernels.pack import pack_bins
-from batchplan.planning.micro_batches import MicroBatches, PackedBins, permute, shuffle_by_group
+from batchplan.planning.bins import PackedBins
+from batchplan.planning.micro_batches import MicroBatches
+from batchplan.planning.randomness import permute, shuffle_by_group
 
 
 def both_forms(lengths: np.ndarray, cap: int, seed: int) -> tuple[MicroBatches, MicroBatches, PackedBins]:

@@ -105,7 +105,7 @@ def test_rebuild_is_byte_identical_for_any_thread_count(built, name, tmp_path, m
 
 @pytest.mark.parametrize("name", ["pack-w8-tokens", "pad-w64-tokens-past-epoch"])
 def test_token_steps_follow_the_ramp(built, name):
-    """Each step's tokens are within half a chunk of the ramp's target at its start; the
+    """Each step's tokens are within half a round of the ramp's target at its start; the
     first steps are near START, the steps past the ramp near tokens_per_step."""
     path, _, config = built(name)
     before, tokens, _ = step_table(path)

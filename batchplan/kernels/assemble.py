@@ -2,12 +2,11 @@
 
 `take_scheduled` gathers what each scheduled micro-batch needs once (the only random
 reads) and writes it straight to its balanced position (sorted by cost inside windows,
-chunks shuffled); `lay_out_rows` assigns ranks step by step and writes each row's values
+rounds shuffled); `lay_out_rows` assigns ranks step by step and writes each row's values
 in place. Every rank holds the same number of rows, ``rows_per_rank``, so the row of a
 micro-batch is ``rank x rows_per_rank + (rows of its rank before its step) + micro``: no
 sort, and each output column is written as ``world_size`` sequential streams, one per rank.
-Outputs written at scattered places are made by the callers with numpy, which asks the
-kernel for huge pages (numba's own allocations do not): fewer TLB misses.
+Outputs written at scattered places are made by the callers (`batchplan.planning.buffers`).
 """
 
 from __future__ import annotations
@@ -24,17 +23,17 @@ __all__ = ["lay_out_rows", "take_scheduled"]
 
 @njit(cache=True, nogil=True)
 def take_scheduled(
-    schedule, begin, end, window, chunk_order, world_size, table, values, by_values, max_tokens, out, out_values,
+    schedule, begin, end, window, round_order, world_size, table, values, by_values, max_tokens, out, out_values,
     part, parts,
 ):  # fmt: skip
     """Per scheduled position, its micro-batch's id, tokens, entry count and ``values``,
     gathered in one pass (the only random reads), with positions ``begin:end`` balanced.
 
-    Balancing (``window > 0``) reorders ``begin:end`` (a whole number of chunks of
+    Balancing (``window > 0``) reorders ``begin:end`` (a whole number of rounds of
     ``world_size``): each window of ``window`` positions is sorted by decreasing cost
-    (stable; cost = ``values`` if ``by_values`` else tokens), so consecutive chunks hold
-    similar costs, then the chunks are shuffled: chunk ``j`` of the result is sorted chunk
-    ``chunk_order[j]``. Every value is written once, to its final position.
+    (stable; cost = ``values`` if ``by_values`` else tokens), so consecutive rounds hold
+    similar costs, then the rounds are shuffled: round ``j`` of the result is sorted round
+    ``round_order[j]``. Every value is written once, to its final position.
 
     Args:
         schedule: micro-batch ids in (shuffled) schedule order.
@@ -44,7 +43,7 @@ def take_scheduled(
         max_tokens: no micro-batch has more tokens: windows sorted by tokens use a counting
             sort over ``0..max_tokens`` when that pays (`batchplan.kernels.order`).
         out: int64, shape (3, positions), filled with each position's micro-batch id,
-            tokens and entries (made by the caller: numpy asks for huge pages).
+            tokens and entries (made by the caller, `batchplan.planning.buffers`).
         out_values: float64, filled with each position's ``values`` (empty when none).
         part, parts: this call does part ``part`` of ``parts`` (its share of the windows
             and of the other positions); the parts write disjoint places, so threads can
@@ -59,9 +58,9 @@ def take_scheduled(
     first, last = share(count - end, part, parts)
     for position in range(end + first, end + last):
         _put(out, out_values, position, schedule[position], table, values)
-    inverse = np.empty(chunk_order.shape[0], dtype=np.int64)
-    for j in range(chunk_order.shape[0]):
-        inverse[chunk_order[j]] = j
+    inverse = np.empty(round_order.shape[0], dtype=np.int64)
+    for j in range(round_order.shape[0]):
+        inverse[round_order[j]] = j
     size = min(window, max(end - begin, 0))
     by_counting = not by_values and counting_pays(max_tokens, window)
     tokens = np.empty(0 if by_values else size, dtype=np.int64)
@@ -80,7 +79,7 @@ def take_scheduled(
                 tokens[i] = table[schedule[first + i], 0]
             order_by_decreasing(tokens[:n], max_tokens, by_counting, counts, order)
         for i in range(n):
-            relative = first - begin + i  # its place once sorted, then its chunk's place
+            relative = first - begin + i  # its place once sorted, then its round's place
             target = begin + inverse[relative // world_size] * world_size + relative % world_size
             _put(out, out_values, target, schedule[first + order[i]], table, values)
 
@@ -110,7 +109,7 @@ def lay_out_rows(
         world_size: number of ranks.
         rows: int64, shape (4, positions), filled with each row's ``batch``, ``tokens``,
             ``loss`` and ``sizes``, rows ordered by (rank, step, micro); made by the caller
-            (numpy asks for huge pages: the writes go to ``4 x world_size`` streams).
+            (made by the caller, `batchplan.planning.buffers`).
         row_compute: float64, filled with each row's compute (empty when not given).
         rank_rows: int64, shape (3, rows per rank), filled with ``step``, ``micro`` and
             ``num_micro`` of each row of one rank (every rank has the same).

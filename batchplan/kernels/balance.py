@@ -3,7 +3,7 @@
 In a synchronous step every rank waits for the slowest, so a step should hold
 micro-batches that can be split evenly. `batchplan.kernels.assemble.take_scheduled` orders
 each window of micro-batches by cost, so that consecutive groups of ``world_size``
-("chunks") hold similar costs, and shuffles the chunks. `assign_step` places each step's
+("rounds") hold similar costs, and shuffles the rounds. `assign_step` places each step's
 micro-batches on ranks: longest-processing-time first under a cardinality constraint,
 by decreasing cost onto the least-loaded rank that still has room (every rank gets
 exactly ``count / world_size``). O(n log n + n x world_size).

@@ -216,7 +216,7 @@ def pack_bins(items, start, max_tokens, slot_bin=None, counts=None, below=None, 
     """Best-fit decreasing over items grouped by length, before any member is laid out.
 
     ``items`` are item indices, those of length ``s`` at ``items[start[s]:start[s + 1]]``
-    (`batchplan.planning.micro_batches.shuffle_by_group` makes them); within a length, items
+    (`batchplan.planning.randomness.shuffle_by_group` makes them); within a length, items
     are consumed in this order. ``max_tokens`` is the bin capacity.
 
     Slot ``k`` is the k-th item placed: lengths are placed longest first, so the slots of
@@ -225,8 +225,7 @@ def pack_bins(items, start, max_tokens, slot_bin=None, counts=None, below=None, 
     positions ``offsets[b]:offsets[b + 1]`` of the "member space" that `fill_bins`
     materialises and `scatter_bins` lays out in any order of bins.
 
-    The arrays it fills may be made by the caller (numpy asks for huge pages, numba does
-    not, and faulting in fresh memory is much of the cost): ``slot_bin`` (one per item, dtype
+    The arrays it fills may be made by the caller (`batchplan.planning.buffers`): ``slot_bin`` (one per item, dtype
     of ``items``), ``counts`` (int64 zeros) and ``below`` (dtype of ``items``) and ``tokens``
     (int64), the last three ``most_bins(histogram, max_tokens)`` long (``counts`` one more).
 
@@ -273,7 +272,7 @@ def scatter_bins(
         max_tokens: bin capacity.
         out: filled with the members (dtype of ``items``): bin ``b``'s list at
             ``destination[b]``, in the order `fill_bins` gives them. Made by the caller
-            (numpy asks for huge pages: the writes land at random).
+            (`batchplan.planning.buffers`: the writes land at random).
         part, parts: this call lays out the bins of part ``part`` of ``parts`` (a share of
             the bin ids; every part reads all slots); the parts write disjoint places.
 
@@ -313,7 +312,7 @@ def bin_destinations(order, sizes, offsets, destination, part, parts):
     empty); ``sizes`` are the entry counts of ``order``'s micro-batches. For this part's
     share of ``order``, fills ``offsets`` (int64, ``len(order) + 1``: the CSR offsets of the
     result) and each whole bin's ``destination`` (int64, one per bin, -1 filled by the
-    caller). Both are made by the caller (numpy asks for huge pages); each part sums the
+    caller). Both are made by the caller (`batchplan.planning.buffers`); each part sums the
     sizes before its share itself, so the parts also fault in their share of ``offsets``.
     """
     num_bins = destination.shape[0]

@@ -25,8 +25,8 @@ def lay_out_segments(members, starts, ends, order, destination, out):
         members, starts, ends: the segments.
         order: segment ids, each at most once; segments not named are left out.
         destination: int64, one per segment: scratch, filled with where each goes (-1: left out).
-        out: as long as the named segments together (made by the caller: numpy asks for
-            huge pages, and the writes land at random).
+        out: as long as the named segments together (made by the caller,
+            `batchplan.planning.buffers`: the writes land at random).
 
     Returns:
         ``(offsets, written)``: the CSR offsets over ``order`` and how many members were

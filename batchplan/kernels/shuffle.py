@@ -7,13 +7,13 @@ then runs Fisher-Yates inside each group, which is contiguous and, when groups a
 small, cached. The swaps come from ``keys``: 32 random bits per position that the
 caller makes with a seeded generator (kernels draw no random numbers).
 
-Two uses (`batchplan.planning.micro_batches.shuffle_by_group` runs the three passes):
+Two uses (`batchplan.planning.randomness.shuffle_by_group` runs the three passes):
 - best-fit decreasing only needs a random order *among items of equal length* (items
   of one length are interchangeable): the groups are the lengths;
 - a uniformly random permutation: the groups are random too (independent draws, one per
   item). Any fixed relabelling of the items leaves the procedure's distribution alone,
   so every permutation is equally likely; ~4x faster than ``Generator.permutation``
-  from 10^6 items on (`batchplan.planning.micro_batches.permute`).
+  from 10^6 items on (`batchplan.planning.randomness.permute`).
 
 Each pass splits into parts (`batchplan.kernels.split`) that threads can run at once:
 ``count_groups`` and ``scatter_groups`` take a share of the items (each part writes
@@ -64,8 +64,8 @@ def scatter_groups(groups, cursors, items, first, values, carried, part, parts):
         groups: as for `count_groups`.
         cursors: int64, shape (parts, groups): where part ``part`` writes its first item of
             each group (after the parts before it); advanced as it writes.
-        items: int32 or int64, one per item (made by the caller: numpy asks for huge pages,
-            and the writes go to a stream per group).
+        items: int32 or int64, one per item (made by the caller, `batchplan.planning.buffers`:
+            the writes go to a stream per group).
         first: added to every item index written.
         values, carried: optional; ``carried[i]`` is filled with ``values[item]`` of the
             item written at position ``i`` (read in order, instead of a gather through

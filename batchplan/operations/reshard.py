@@ -11,7 +11,7 @@ from global step ``S`` gets a new plan:
    which the parent split so that every rank had one, are packed again (the
    planner's best fit decreasing within ``max_tokens``; counts and costs are sums of the pieces').
 2. Each epoch's micro-batches are scheduled again for ``W2`` ranks by
-   `batchplan.planning.epochs.schedule_epoch`: seeded shuffle, an incomplete last chunk
+   `batchplan.planning.schedule.schedule_epoch`: seeded shuffle, an incomplete last round
    completed with empty micro-batches (units are never split) or dropped under
    ``drop_last``, balanced steps, rank assignment. Each unit is balanced by its
    micro-batch's exact ``cost`` (the parent's column), so ``balance=compute`` keeps
@@ -26,7 +26,7 @@ depend on ranks; ``M2 = 1`` if one micro-batch per rank already exceeds it). ``M
 micro-batches per rank become ``M2 = max(1, round(W * M / W2))``: the same global
 step when ``W2`` divides ``W * M``, else the nearest whole number of micro-batches per
 rank (4 ranks x 1 -> 3 ranks x 1 is 25 % fewer tokens per step). A token target equal
-to the parent's mean step would not do better: a step is a whole number of chunks of
+to the parent's mean step would not do better: a step is a whole number of rounds of
 ``W2`` micro-batches, and the target picks that same nearest number, only with more
 variation between steps.
 
@@ -60,7 +60,7 @@ from batchplan.errors import ConfigError
 from batchplan.kernels.pack import pack_segments
 from batchplan.formats.plan_file import PlanFile, open_plan, padded_tokens_column, write_plan
 from batchplan.planning.micro_batches import MicroBatches
-from batchplan.planning.epochs import schedule_epoch
+from batchplan.planning.schedule import schedule_epoch
 
 __all__ = ["ReshardedPlan", "default_step_sizing", "reshard_plan", "reshard_plan_file"]
 

@@ -1,4 +1,5 @@
-"""Run a kernel that splits into parts (`batchplan.kernels.split`) on threads."""
+"""How planning uses cores: epochs side by side, and kernels split into parts
+(`batchplan.kernels.split`) on threads. Results never depend on the number of threads."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["run_in_parts"]
+__all__ = ["epoch_threads", "run_in_parts"]
 
 
 def run_in_parts(kernel: Callable[..., Any], threads: int, *args: Any) -> list[Any]:
@@ -17,3 +18,14 @@ def run_in_parts(kernel: Callable[..., Any], threads: int, *args: Any) -> list[A
     with ThreadPoolExecutor(max_workers=threads) as pool:
         futures = [pool.submit(kernel, *args, part, threads) for part in range(threads)]
         return [future.result() for future in futures]
+
+
+def epoch_threads(count: int, cores: int) -> tuple[int, list[int]]:
+    """How ``count`` epochs share ``cores``: ``(at_once, threads)``, the epochs planned side by
+    side and the threads each epoch's kernels split over. Cores left over split the work of
+    each epoch, and the epochs of a last, partial wave share all the cores (3 epochs on 2
+    cores: 1, 1, then 2 threads)."""
+    at_once = max(1, min(count, cores))
+    last_wave = count % at_once or at_once
+    threads = [max(1, cores // at_once)] * (count - last_wave) + [max(1, cores // last_wave)] * last_wave
+    return at_once, threads

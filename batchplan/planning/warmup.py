@@ -34,8 +34,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
-from batchplan.plan import Entries, index_dtype
 from batchplan.errors import DatasetError
+from batchplan.plan import Entries, index_dtype
 
 __all__ = ["MAX_STAGES", "SeqlenWarmup", "add_warmup_pieces", "warmup_cap"]
 

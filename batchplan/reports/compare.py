@@ -173,7 +173,7 @@ def compare_strategies(
 
 
 def _measure_baselines(entry_lengths, batch_size: int, config: PlanConfig, coefficient: float) -> list[StrategyResult]:
-    from batchplan.planning.epochs import epoch_rng
+    from batchplan.planning.randomness import epoch_rng
 
     seed, world_size = config.seed, config.world_size
     baselines = {

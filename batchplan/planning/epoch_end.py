@@ -1,0 +1,127 @@
+"""An epoch's end: its micro-batches rarely fill the last round (one per rank).
+
+Without ``drop_last`` the last round is completed: micro-batches are split in two,
+largest first, then empty micro-batches fill the rest. With ``drop_last`` the
+incomplete final step is dropped, and its entries listed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+from numpy.typing import NDArray
+
+from batchplan.config import PlanConfig
+from batchplan.errors import DatasetError
+from batchplan.planning.micro_batches import MicroBatches
+from batchplan.planning.steps import StepSizing, cut_steps
+
+if TYPE_CHECKING:
+    from batchplan.planning.schedule import Scheduled
+
+__all__ = ["complete_last_round", "drop_last_ramp_step", "drop_last_step"]
+
+
+def complete_last_round(batches: MicroBatches, room, count: int, world_size: int):
+    """Make the scheduled count a multiple of world_size: split micro-batches, then add empties.
+
+    The schedule is ``room[:count]``; ``room`` holds ``world_size`` more, so the completed
+    schedule is written in place. Returns the new schedule and the (no) entries dropped.
+    """
+    schedule = room[:count]
+    full = count - count % world_size
+    no_drop = np.zeros(0, dtype=np.int64)
+    if full == count:
+        return schedule, no_drop
+    # The last round as (start, end, lengths): split the largest in two until every rank
+    # has one, then add empties; appended to the micro-batches at once.
+    last = schedule[full:]
+    pairs = [
+        (int(start), int(end), lengths)
+        for start, end, (_, lengths) in zip(*batches.bounds(last), batches.ranges(last))
+    ]
+    while len(pairs) < world_size:
+        splittable = [i for i, (start, end, _) in enumerate(pairs) if end - start > 1]
+        if not splittable:
+            break
+        largest = max(splittable, key=lambda i: int(pairs[i][2].sum()))
+        start, end, lengths = pairs.pop(largest)
+        cut = _halving_point(lengths)
+        pairs += [(start, start + cut, lengths[:cut]), (start + cut, end, lengths[cut:])]
+    tokens = [int(lengths.sum()) for _, _, lengths in pairs] + [0] * (world_size - len(pairs))
+    pairs = [(start, end) for start, end, _ in pairs] + [(0, 0)] * (world_size - len(pairs))
+    last = batches.extend(np.array(pairs, dtype=np.int64).reshape(-1, 2), np.array(tokens, dtype=np.int64))
+    completed = room[: full + world_size]
+    completed[full:] = last
+    return completed, no_drop
+
+
+def _halving_point(lengths: NDArray[np.int32]) -> int:
+    """Where to cut a micro-batch into a prefix and a suffix of about equal tokens (both non-empty)."""
+    cumulative = np.cumsum(lengths)
+    cut = int(np.searchsorted(cumulative, cumulative[-1] / 2))
+    return min(max(cut, 1), lengths.shape[0] - 1)
+
+
+def drop_last_step(batches: MicroBatches, schedule, config: PlanConfig, epoch: int):
+    """Drop the micro-batches of an incomplete final step (``drop_last``).
+
+    Incomplete: fewer than ``micro_batches`` per rank, or, with a token target, a last
+    step that would still have taken another (average) round. Returns the kept schedule
+    and the dropped entries.
+    """
+    world_size = config.world_size
+    full = schedule.shape[0] - schedule.shape[0] % world_size
+    per_step = config.micro_batches_per_step
+    if per_step is not None:
+        keep = full - full % (world_size * per_step)
+    else:
+        tokens = batches.tokens()[schedule[:full]]
+        step_offsets = cut_steps(tokens, config, StepSizing(0, 0.0))
+        keep = full
+        if step_offsets.shape[0] > 1:
+            last_step = int(tokens[step_offsets[-2] :].sum())
+            next_round = tokens.sum() / max(1, full // world_size)
+            if abs(last_step + next_round - config.tokens_per_step) < abs(last_step - config.tokens_per_step):
+                keep = int(step_offsets[-2])
+    _check_keeps_some(keep, schedule.shape[0], config, epoch)
+    return schedule[:keep], batches.members_of(schedule[keep:])
+
+
+def drop_last_ramp_step(batches: MicroBatches, at: Scheduled, step_offsets, config: PlanConfig, epoch: int, sizing):
+    """``drop_last`` under a ramp-up, on the final steps over the whole rounds of the
+    schedule: drop the partial round, and the last step if it is incomplete (see
+    `_last_step_incomplete`). Returns how many to keep, their step offsets, the dropped entries."""
+    tokens = at.tokens[: step_offsets[-1]]
+    keep = int(step_offsets[-1])
+    if step_offsets.shape[0] > 1 and _last_step_incomplete(tokens, step_offsets, config, sizing):
+        keep, step_offsets = int(step_offsets[-2]), step_offsets[:-1]
+    _check_keeps_some(keep, at.batch.shape[0], config, epoch)
+    return keep, step_offsets, batches.members_of(at.batch[keep:])
+
+
+def _last_step_incomplete(tokens, step_offsets, config: PlanConfig, sizing: StepSizing) -> bool:
+    """Under a ramp-up, would the last step have taken another (average) round: fewer than
+    ``micro_batches`` per rank once the ramp is over, or (during the ramp, or with a
+    token target) further from its target than with one more round."""
+    world_size = config.world_size
+    begin = int(step_offsets[-2])
+    rounds = (tokens.shape[0] - begin) // world_size
+    per_step = config.micro_batches_per_step
+    done = sizing.tokens_before + int(tokens[:begin].sum())
+    if per_step is not None and (done >= config.rampup_tokens or rounds >= per_step):
+        return rounds < per_step
+    last_step = int(tokens[begin:].sum())
+    next_round = tokens.sum() / max(1, tokens.shape[0] // world_size)
+    target = sizing.target(config, done)
+    return abs(last_step + next_round - target) < abs(last_step - target)
+
+
+def _check_keeps_some(keep: int, count: int, config: PlanConfig, epoch: int) -> None:
+    if keep == 0:
+        raise DatasetError(
+            f"--drop-last would drop all {count:,} micro-batches of epoch {epoch}: they do "
+            f"not fill one step of {config.world_size} ranks; use fewer ranks or micro-batches per step, "
+            "or leave out --drop-last"
+        )

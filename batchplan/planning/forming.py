@@ -1,0 +1,96 @@
+"""Form an epoch's micro-batches: pack (shuffle within lengths, best-fit decreasing) or
+pad (shuffle, sort in windows, cut); stage by stage for a sequence-length warmup; and
+price them with the cost model."""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+from batchplan.config import PlanConfig
+from batchplan.kernels.pack import most_bins, pack_bins
+from batchplan.kernels.pad import cut_padded
+from batchplan.plan import Entries, index_dtype
+from batchplan.planning.bins import PackedBins
+from batchplan.planning.buffers import new_buffer
+from batchplan.planning.micro_batches import MicroBatches
+from batchplan.planning.randomness import permute, shuffle_by_group
+from batchplan.planning.warmup import SeqlenWarmup
+
+__all__ = ["compute_costs", "form_micro_batches", "form_warmup_micro_batches"]
+
+
+def form_micro_batches(
+    lengths: NDArray[np.int32], config: PlanConfig, rng: np.random.Generator, threads: int = 1
+) -> MicroBatches:
+    """Micro-batches over entries ``0..len(lengths)-1`` (members index ``lengths``); the
+    shuffles run on ``threads`` threads (the same result for any number)."""
+    count = lengths.shape[0]
+    if config.mode == "pack":
+        # The kernels' memory grows with the capacity; a capacity above all the tokens
+        # packs exactly as the total does (one bin holds everything either way).
+        capacity = int(min(config.max_tokens, lengths.sum(dtype=np.int64)))
+        keys = rng.integers(0, 2**32, size=count, dtype=np.uint32)
+        items = np.empty(count, dtype=index_dtype(count))
+        start = shuffle_by_group(lengths, capacity + 1, keys, items, threads=threads)
+        del keys  # 4 bytes per entry, free before packing
+        # Best fit's arrays, sized for the most bins it can open (`batchplan.planning.buffers`).
+        bound = most_bins(np.diff(start)[: capacity + 1], capacity)
+        buffers = (new_buffer(count, items.dtype), np.zeros(bound + 1, dtype=np.int64),
+                   new_buffer(bound, items.dtype), new_buffer(bound, np.int64))  # fmt: skip
+        slot_bin, offsets, tokens = pack_bins(items, start, capacity, *buffers)
+        return MicroBatches.of_bins(PackedBins(items, start, slot_bin, offsets, tokens, capacity))
+    else:
+        # The shuffle carries each entry's length along: the cut then reads them in order.
+        members = np.empty(count, dtype=index_dtype(count))
+        member_lengths = np.empty(count, dtype=np.int32)
+        permute(rng, members, values=lengths, carried=member_lengths, threads=threads)
+        offsets = cut_padded(members, member_lengths, config.shuffle_window, config.max_tokens, config.batch_multiple)
+    return MicroBatches(members, member_lengths, offsets[:-1], offsets[1:])
+
+
+def form_warmup_micro_batches(
+    entries: Entries, config: PlanConfig, warmup: SeqlenWarmup, rng, stage_rng, threads: int = 1
+):
+    """Epoch 0 with a sequence-length warmup: each stage's pieces form micro-batches on
+    their own, stage after stage (shuffled within a stage), then the rest of the epoch.
+
+    Returns the micro-batches and how many come from the stages (their order is kept).
+    ``stage_rng`` drives the stages, ``rng`` the rest.
+    """
+    parts = []
+    for stage in range(warmup.num_stages):
+        first, end = int(warmup.stage_offsets[stage]), int(warmup.stage_offsets[stage + 1])
+        if end > first:
+            formed = form_micro_batches(entries.length[first:end], config, stage_rng, threads)
+            parts.append((formed, first + np.arange(end - first, dtype=np.int64), stage_rng.permutation(formed.count)))
+    ordered = sum(part[0].count for part in parts)
+    if warmup.rest.size:
+        formed = form_micro_batches(entries.length[warmup.rest], config, rng, threads)
+        parts.append((formed, warmup.rest, np.arange(formed.count)))
+    return _concatenate(parts, entries.num_entries), ordered
+
+
+def _concatenate(parts, num_entries: int) -> MicroBatches:
+    """One `MicroBatches` of ``(batches, entry_ids, order)`` parts: each part's micro-batches
+    in ``order``, their members mapped from part-local positions to ``entry_ids``."""
+    members, lengths, starts, ends = [], [], [], []
+    base = 0
+    for batches, ids, order in parts:
+        members.append(ids[batches.members].astype(index_dtype(num_entries)))
+        lengths.append(batches.lengths)
+        starts.append(base + batches.starts[order])
+        ends.append(base + batches.ends[order])
+        base += batches.members.shape[0]
+    return MicroBatches(np.concatenate(members), np.concatenate(lengths), np.concatenate(starts), np.concatenate(ends))
+
+
+def compute_costs(batches: MicroBatches, config: PlanConfig) -> NDArray[np.float64]:
+    """Predicted compute per micro-batch, in tokens: `batchplan.planning.cost` for the model width."""
+    coefficient = config.cost_coefficient
+    if config.mode == "pack":
+        return batches.length_sums(lambda lengths: lengths + coefficient * lengths**2)
+    # Pad: count x (longest + c longest^2).
+    count = batches.ends - batches.starts
+    longest = batches.longest().astype(np.float64)
+    return count * (longest + coefficient * longest**2)

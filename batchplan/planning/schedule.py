@@ -1,0 +1,184 @@
+"""Steps 2-5 of an epoch (`batchplan.planning.epochs`): formed micro-batches in, an
+`EpochPlan` out.
+
+`schedule_epoch` reads as its stages: shuffle the micro-batches, complete or drop the
+epoch's end (`epoch_end`), gather what each needs in schedule order while forming
+rounds of similar cost (`Scheduled.take`), cut steps (`steps`), then assign ranks and lay
+out the rows (`_assemble`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from numpy.typing import NDArray
+
+from batchplan.config import PlanConfig
+from batchplan.errors import ConfigError
+from batchplan.kernels.assemble import lay_out_rows, take_scheduled
+from batchplan.plan import Entries, EpochPlan
+from batchplan.planning.buffers import new_buffer
+from batchplan.planning.epoch_end import complete_last_round, drop_last_ramp_step, drop_last_step
+from batchplan.planning.forming import compute_costs
+from batchplan.planning.micro_batches import MicroBatches
+from batchplan.planning.randomness import STREAM_MICRO_BATCH_ORDER, STREAM_ROUND_ORDER, epoch_rng, permute
+from batchplan.planning.steps import StepSizing, cut_steps
+from batchplan.planning.threads import run_in_parts
+
+__all__ = ["Scheduled", "schedule_epoch"]
+
+
+def schedule_epoch(
+    entries: Entries,
+    batches: MicroBatches,
+    config: PlanConfig,
+    epoch: int,
+    *,
+    tokens_before: int | None = None,
+    ordered: int = 0,
+    threads: int = 1,
+    costs: NDArray[np.float64] | None = None,
+) -> EpochPlan:
+    """Steps 2-5 of the module docstring for formed micro-batches: shuffle them, complete
+    or drop the last round, form balanced steps, assign ranks. ``batches`` may be
+    extended (split halves, empty micro-batches).
+
+    Args:
+        tokens_before: tokens of the run before this epoch; needed with a ramp-up.
+        ordered: the first ``ordered`` micro-batches keep their order and go first
+            (a sequence-length warmup's stages), unbalanced; the rest are shuffled.
+        threads: threads for the kernels that split (the plan is the same for any number).
+        costs: the predicted compute of each of ``batches`` when it is known already
+            (a resharded plan's micro-batches, whose entries stand for whole micro-batches);
+            empty micro-batches added here cost 0. Default: from the entries' lengths.
+    """
+    if config.has_rampup and tokens_before is None:
+        raise ConfigError(
+            f"epoch {epoch}: with --rampup the steps depend on the tokens trained before the epoch, "
+            "which were not given (resharding a plan built with --rampup is not supported yet)"
+        )
+    sizing = StepSizing.of(config, tokens_before or 0, batches)
+    # A permutation of the micro-batches after the first `ordered`, with room for the
+    # last round to be completed in place.
+    room = np.empty(batches.count + config.world_size, dtype=np.int64)
+    schedule = room[: batches.count]
+    schedule[:ordered] = np.arange(ordered)
+    permute(epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER), schedule[ordered:], first=ordered, threads=threads)
+    if config.drop_last:
+        if not config.has_rampup:
+            schedule, dropped = drop_last_step(batches, schedule, config, epoch)
+        num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
+    else:
+        num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
+        schedule, dropped = complete_last_round(batches, room, batches.count, config.world_size)
+    compute = None if config.cost_coefficient is None else _costs_of(batches, config, costs)
+    kept = min(num_full, -(-ordered // config.world_size) * config.world_size)  # whole rounds
+    # Each scheduled micro-batch's values, gathered once and written where balancing puts them.
+    at = Scheduled.take(schedule, batches, compute, config, kept, num_full, epoch, threads)
+    del room, schedule, compute  # taken (`batchplan.planning.buffers`)
+    if config.drop_last and config.has_rampup:
+        # The ramp makes step boundaries depend on the order: decide on the final steps.
+        step_offsets = cut_steps(at.tokens[:num_full], config, sizing)
+        keep, step_offsets, dropped = drop_last_ramp_step(batches, at, step_offsets, config, epoch, sizing)
+        at = at.head(keep)
+    else:
+        step_offsets = cut_steps(at.tokens, config, sizing)
+    return _assemble(entries, config, epoch, batches, at, step_offsets, dropped, threads)
+
+
+def _costs_of(batches: MicroBatches, config: PlanConfig, known: NDArray[np.float64] | None) -> NDArray[np.float64]:
+    if known is None:
+        return compute_costs(batches, config)
+    if batches.count < known.shape[0] or batches.count - known.shape[0] > config.world_size:
+        raise ConfigError(f"{known.shape[0]:,} known costs for {batches.count:,} micro-batches")
+    return np.concatenate([known.astype(np.float64), np.zeros(batches.count - known.shape[0])])
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+    """Micro-batches in schedule order, each with what the later stages need of it."""
+
+    batch: NDArray[np.int64]  # micro-batch id
+    tokens: NDArray[np.int64]
+    sizes: NDArray[np.int64]  # entries
+    compute: NDArray[np.float64] | None  # predicted compute, with a cost coefficient
+    by_compute: bool  # balance ranks by compute, else by tokens
+    buffer: NDArray[np.int64]  # where batch, tokens and sizes live: scratch once rows are laid out
+
+    @classmethod
+    def take(
+        cls, schedule, batches: MicroBatches, compute, config: PlanConfig, begin: int, end: int, epoch: int, threads: int
+    ) -> Scheduled:
+        """What each micro-batch of ``schedule`` needs, gathered once, with step 3 of the
+        module docstring applied to positions ``begin:end`` (whole rounds): rounds of
+        ``world_size`` micro-batches of similar cost within windows of ``balance_window``
+        rounds, the rounds shuffled; ``balance_window`` 1 keeps the (already random) order,
+        and LPT balances inside each step."""
+        by_compute = config.balance == "compute"
+        values = np.zeros(0, dtype=np.float64) if compute is None else compute
+        window = 0 if config.balance_window == 1 else config.balance_window * config.world_size
+        num_rounds = (end - begin) // config.world_size if window else 0
+        round_order = epoch_rng(config.seed, epoch, STREAM_ROUND_ORDER).permutation(num_rounds)
+        out = new_buffer((3, schedule.shape[0]), np.int64)
+        out_values = np.empty(schedule.shape[0] if compute is not None else 0, dtype=np.float64)
+        table = batches.token_table()
+        run_in_parts(
+            take_scheduled, threads,
+            schedule, begin, end, window, round_order, config.world_size, table, values, by_compute, config.max_tokens,
+            out, out_values,
+        )  # fmt: skip
+        return cls(out[0], out[1], out[2], None if compute is None else out_values, by_compute, out.reshape(-1))
+
+    @property
+    def costs(self) -> NDArray:
+        """What ranks are balanced by (integer tokens sort and add up as their float values)."""
+        return self.compute if self.by_compute else self.tokens
+
+    def head(self, count: int) -> Scheduled:
+        """The first ``count`` positions."""
+        compute = None if self.compute is None else self.compute[:count]
+        return Scheduled(
+            self.batch[:count], self.tokens[:count], self.sizes[:count], compute, self.by_compute, self.buffer
+        )
+
+
+def _assemble(
+    entries, config, epoch, batches: MicroBatches, at: Scheduled, step_offsets, dropped, threads: int
+) -> EpochPlan:
+    """Assign ranks in each step, order micro-batches by (rank, step, micro), and compute
+    the per-row columns (`batchplan.kernels.assemble.lay_out_rows`)."""
+    world_size = config.world_size
+    no_values = np.zeros(0, dtype=np.int64)
+    loss = no_values if entries.loss_is_length_minus_one else batches.entry_sums(entries.loss_tokens)[at.batch]
+    compute = np.zeros(0, dtype=np.float64) if at.compute is None else at.compute
+    rows = new_buffer((4, step_offsets[-1]), np.int64)
+    cost = np.empty(step_offsets[-1] if at.compute is not None else 0, dtype=np.float64)
+    rank_rows = np.empty((3, step_offsets[-1] // world_size), dtype=np.int64)
+    step_sums = np.zeros((2, step_offsets.shape[0] - 1), dtype=np.int64)
+    run_in_parts(
+        lay_out_rows, threads,
+        step_offsets, at.costs, at.batch, at.tokens, at.sizes, loss, compute, world_size, rows, cost, rank_rows, step_sums,
+    )  # fmt: skip
+    step, micro, num_micro = rank_rows[0], rank_rows[1].astype(np.int32), rank_rows[2].astype(np.int32)
+    step_tokens, step_loss_tokens = step_sums
+    batch_of_row, tokens, loss_tokens, sizes = rows
+    # The schedule's arrays are dead once the rows are laid out: scratch for the layout.
+    offsets, members = batches.gather(batch_of_row, sizes, threads, scratch=at.buffer)
+    padded = sizes * batches.longest()[batch_of_row] if config.mode == "pad" else tokens
+    return EpochPlan(
+        epoch=epoch,
+        world_size=world_size,
+        offsets=offsets,
+        members=members,
+        rank_step=step,
+        rank_micro=micro,
+        rank_num_micro=num_micro,
+        tokens=tokens,
+        loss_tokens=loss_tokens,
+        padded_tokens=padded,
+        cost=None if at.compute is None else cost,
+        step_tokens=step_tokens,
+        step_loss_tokens=step_loss_tokens,
+        dropped_entries=dropped,
+    )
