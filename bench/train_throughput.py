@@ -64,7 +64,7 @@ def baseline_batches(num_samples: int, batch_size: int) -> Iterator[list[int]]:
 def plan_batches(lengths: np.ndarray, mode: str, max_tokens: int, directory: Path) -> Iterator[list[int]]:
     """This process's micro-batches of a one-rank plan, through PlanSampler."""
     from batchplan import PlanConfig
-    from batchplan.formats.plan_file import write_plan
+    from batchplan.formats.plan_writer import write_plan
     from batchplan.planning.epochs import build_plan
 
     path = directory / f"{mode}.arrow"

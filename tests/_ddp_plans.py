@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from batchplan.config import PlanConfig
-from batchplan.formats.plan_file import write_plan
+from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.epochs import build_plan
 
 VOCAB_SIZE = 97

@@ -83,7 +83,7 @@ def build_and_write(
 ):
     """Build a plan in memory and write it with the lengths fingerprint; return the Plan."""
     from batchplan.formats.lengths import fingerprint_lengths
-    from batchplan.formats.plan_file import write_plan
+    from batchplan.formats.plan_writer import write_plan
     from batchplan.planning.epochs import build_plan
 
     plan = build_plan(lengths, config, loss_tokens=loss_tokens)

@@ -98,7 +98,7 @@ def one_process(monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
     from batchplan.config import PlanConfig
     from batchplan.formats.lengths import fingerprint_lengths
-    from batchplan.formats.plan_file import write_plan
+    from batchplan.formats.plan_writer import write_plan
     from batchplan.planning.epochs import build_plan
 
     lengths = sample_lengths()

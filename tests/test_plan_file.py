@@ -10,9 +10,11 @@ import pyarrow as pa
 import pytest
 
 import batchplan.formats.plan_file as plan_file
+import batchplan.formats.plan_writer as plan_writer
 from batchplan.config import PlanConfig
 from batchplan.errors import PlanFormatError
-from batchplan.formats.plan_file import METADATA_KEY, open_plan, write_plan
+from batchplan.formats.plan_file import METADATA_KEY, open_plan
+from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.epochs import build_plan
 
 LENGTHS = np.random.default_rng(7).integers(1, 100, size=500).astype(np.int32)
@@ -51,7 +53,7 @@ def test_failed_write_keeps_the_previous_plan_and_leaves_no_temporary(plan_path,
     def explode(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(plan_file, "_content_hash", explode)
+    monkeypatch.setattr(plan_writer, "content_hash", explode)
     with pytest.raises(KeyboardInterrupt):
         write_plan(build_plan(LENGTHS, PlanConfig(max_tokens=512)), plan_path)
     assert plan_path.read_bytes() == before
@@ -137,8 +139,8 @@ def test_pack_plans_of_format_version_1_with_padded_tokens_still_read(tmp_path, 
     config = PlanConfig(max_tokens=256, world_size=3, epochs=2)
     current, earlier = tmp_path / "current.arrow", tmp_path / "earlier.arrow"
     write_plan(build_plan(LENGTHS, config), current)
-    monkeypatch.setattr(plan_file, "_has_padded", lambda plan: True)
-    monkeypatch.setattr(plan_file, "FORMAT_VERSION", 1)
+    monkeypatch.setattr(plan_writer, "_has_padded", lambda plan: True)
+    monkeypatch.setattr(plan_writer, "FORMAT_VERSION", 1)
     write_plan(build_plan(LENGTHS, config), earlier)
     monkeypatch.undo()
     plan = open_plan(earlier)

@@ -156,7 +156,7 @@ def test_compare_without_matplotlib_fails_before_computing(monkeypatch, tmp_path
 
 def test_a_resharded_plan_plots(tmp_path):
     """Steps of a resharded plan start at its first_step; the figure handles that."""
-    from batchplan.formats.plan_file import write_plan
+    from batchplan.formats.plan_writer import write_plan
     from batchplan.planning.epochs import build_plan
     from batchplan.operations.reshard import reshard_plan_file
 
@@ -169,7 +169,7 @@ def test_a_resharded_plan_plots(tmp_path):
 
 
 def test_varying_micro_batches_per_step_and_schedule_ends_are_drawn(tmp_path):
-    from batchplan.formats.plan_file import write_plan
+    from batchplan.formats.plan_writer import write_plan
     from batchplan.planning.epochs import build_plan
 
     lengths = np.random.default_rng(3).integers(20, 900, 3000).astype(np.int32)

@@ -28,7 +28,8 @@ from conftest import build_and_write
 from typer.testing import CliRunner
 
 from batchplan import ConfigError, PlanConfig, PlanMismatchError
-from batchplan.formats.plan_file import open_plan, write_plan
+from batchplan.formats.plan_file import open_plan
+from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.epochs import build_plan
 from batchplan.formats.bitmap import decode_bitmap, encode_bitmap
 from batchplan.operations.reshard import default_step_sizing, reshard_plan, reshard_plan_file

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from batchplan.config import PlanConfig
-from batchplan.formats.plan_file import open_plan, write_plan
+from batchplan.formats.plan_file import open_plan
+from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.epochs import build_plan
 from batchplan.operations.reshard import reshard_plan_file
 from batchplan.reports.statistics import last_steps_of, rank_imbalance

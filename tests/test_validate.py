@@ -18,7 +18,7 @@ import pytest
 import reference as ref
 
 from batchplan import BatchPlanError, PlanConfig, PlanFormatError
-from batchplan.formats.plan_file import METADATA_KEY, _content_hash, open_plan
+from batchplan.formats.plan_file import METADATA_KEY, content_hash, open_plan
 from batchplan.operations.validate import validate_plan
 
 # --------------------------------------------------------------------------- rewriting plans
@@ -37,7 +37,7 @@ def write_rows(path: Path, schema: pa.Schema, metadata: dict, batches: list[dict
     """Write batches as a plan file; ``rehash`` records a checksum matching the new rows."""
     records = [pa.RecordBatch.from_pydict(b, schema=schema) for b in batches]
     if rehash:
-        metadata = {**metadata, "content_hash": _content_hash(metadata, records)}
+        metadata = {**metadata, "content_hash": content_hash(metadata, records)}
     encoded = {METADATA_KEY: json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode()}
     final = schema.with_metadata(encoded)
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, final) as writer:

@@ -45,7 +45,7 @@ def build_plan_file(
             reading the lengths and again before planning.
         DatasetError: the dataset cannot be read or breaks a rule.
     """
-    from batchplan.formats.plan_file import write_plan
+    from batchplan.formats.plan_writer import write_plan
 
     output = Path(output)
     files = find_dataset_files(dataset)

@@ -58,7 +58,8 @@ from batchplan.config import PlanConfig
 from batchplan.plan import Entries, EpochPlan, Plan, index_dtype
 from batchplan.errors import ConfigError
 from batchplan.kernels.pack import pack_segments
-from batchplan.formats.plan_file import PlanFile, open_plan, padded_tokens_column, write_plan
+from batchplan.formats.plan_file import PlanFile, open_plan, padded_tokens_column
+from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.micro_batches import MicroBatches
 from batchplan.planning.schedule import schedule_epoch
 
