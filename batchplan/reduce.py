@@ -1,14 +1,13 @@
-"""Per-segment reductions over CSR offsets, in plain numpy (no numba: readers use them).
-
-Segment ``k`` is ``values[offsets[k]:offsets[k + 1]]``; empty segments reduce to 0.
-"""
+"""Reductions in plain numpy (no numba: readers use them): per segment of CSR offsets
+(segment ``k`` is ``values[offsets[k]:offsets[k + 1]]``; empty segments reduce to 0), and
+per group of unsorted labels."""
 
 from __future__ import annotations
 
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["segment_max", "segment_sum"]
+__all__ = ["segment_max", "segment_sum", "sum_by_group"]
 
 
 def segment_sum(values: NDArray, offsets: NDArray[np.int64]) -> NDArray:
@@ -33,3 +32,12 @@ def segment_max(values: NDArray, offsets: NDArray[np.int64]) -> NDArray:
     if nonempty.size:
         out[nonempty] = np.maximum.reduceat(values, offsets[nonempty])
     return out
+
+
+def sum_by_group(groups: NDArray[np.integer], values: NDArray, num_groups: int) -> NDArray:
+    """Sum of ``values`` per label in ``groups`` (each in ``0..num_groups - 1``, any order):
+    exact int64 for integers, float64 for floats."""
+    dtype = np.float64 if np.issubdtype(np.asarray(values).dtype, np.floating) else np.int64
+    sums = np.zeros(num_groups, dtype=dtype)
+    np.add.at(sums, groups, values)
+    return sums

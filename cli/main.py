@@ -231,7 +231,7 @@ def validate(
     ] = None,
 ) -> None:
     """Re-check every guarantee of a plan; exit 1 on any violation."""
-    from batchplan.operations.build import validate_plan_file
+    from batchplan.operations.validate import validate_plan_file
 
     violations, checked = validate_plan_file(plan, dataset)
     if violations:

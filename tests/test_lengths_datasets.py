@@ -20,7 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from batchplan.operations.build import build_plan_file, validate_plan_file
+from batchplan.operations.build import build_plan_file
+from batchplan.operations.validate import validate_plan_file
 from batchplan.config import PlanConfig
 from batchplan.errors import DatasetError
 from batchplan.formats.lengths import DatasetFiles, count_samples, find_dataset_files, read_lengths

@@ -1,7 +1,4 @@
-"""End to end: dataset files -> plan file, and plan file (+ dataset) -> violations.
-
-What the CLI's ``build`` and ``validate`` do, as library calls.
-"""
+"""End to end: dataset files -> plan file, what the CLI's ``build`` does, as a library call."""
 
 from __future__ import annotations
 
@@ -16,7 +13,7 @@ from batchplan.errors import ConfigError
 from batchplan.formats.lengths import DatasetFiles, count_samples, find_dataset_files, read_lengths
 from batchplan.planning.memory import check_build_memory, estimate_build_memory
 
-__all__ = ["Progress", "build_plan_file", "validate_plan_file"]
+__all__ = ["Progress", "build_plan_file"]
 
 PathLike = str | os.PathLike
 
@@ -79,27 +76,6 @@ def build_plan_file(
     return write_plan(
         plan, output, dataset=source, lengths_fingerprint=fingerprint, on_batch=lambda _: advance(1)
     )
-
-
-def validate_plan_file(plan_path: PathLike, dataset: PathLike | Sequence[PathLike] | None = None):
-    """Open a plan and check every guarantee, against the dataset when given.
-
-    Returns:
-        ``(violations, description)``: the list of `Violation` and what was checked.
-    """
-    from batchplan.formats.plan_file import open_plan
-    from batchplan.operations.validate import validate_plan
-
-    plan = open_plan(plan_path)
-    if not dataset:
-        return validate_plan(plan), f"{plan.num_epochs} epoch(s), {plan.world_size} rank(s)"
-    source = plan.metadata.get("dataset") or {}
-    column = source.get("length_column", "length")  # the column actually used: integer or list
-    lengths = read_lengths(
-        dataset, length_column=column, tokens_column=column, loss_tokens_column=source.get("loss_tokens_column")
-    )
-    violations = validate_plan(plan, lengths.lengths, lengths.loss_tokens)
-    return violations, f"{plan.num_epochs} epoch(s), {plan.world_size} rank(s), {lengths.num_samples:,} samples"
 
 
 def _read_and_estimate(files: DatasetFiles, columns: dict[str, Any], config: PlanConfig, threads: int):

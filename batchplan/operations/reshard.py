@@ -53,15 +53,23 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from batchplan.formats.bitmap import decode_bitmap, encode_bitmap
 from batchplan.config import PlanConfig
-from batchplan.plan import Entries, EpochPlan, Plan, index_dtype
 from batchplan.errors import ConfigError
-from batchplan.kernels.pack import pack_segments
-from batchplan.formats.plan_file import PlanFile, open_plan, padded_tokens_column
+from batchplan.formats.bitmap import decode_bitmap, encode_bitmap
+from batchplan.formats.plan_file import PlanFile, open_plan
 from batchplan.formats.plan_writer import write_plan
+from batchplan.operations.parent_rows import (
+    ParentRows,
+    index_entries,
+    merge_epoch_end,
+    parent_drops,
+    read_epoch,
+    segment_positions,
+)
+from batchplan.plan import Entries, EpochPlan, Plan, index_dtype
 from batchplan.planning.micro_batches import MicroBatches
 from batchplan.planning.schedule import schedule_epoch
+from batchplan.reduce import sum_by_group
 
 __all__ = ["ReshardedPlan", "default_step_sizing", "reshard_plan", "reshard_plan_file"]
 
@@ -154,13 +162,13 @@ def reshard_plan(
     if micro_batches is None and tokens_per_step is None:
         sizing = default_step_sizing(plan, world_size)
     config = PlanConfig.from_dict({**plan.metadata["config"], "world_size": world_size, **sizing})
-    rows = [_read_epoch(plan, k) for k in range(epoch, plan.num_epochs)]
+    rows = [read_epoch(plan, k) for k in range(epoch, plan.num_epochs)]
     consumed = _consumed(plan, rows[0], from_step, epoch)
     rows[0] = rows[0].take(np.flatnonzero(rows[0].step >= from_step))
     if config.mode == "pack":
-        rows = [_merge_epoch_end(part, config.max_tokens) for part in rows]
-    drops = [_parent_drops(plan, k) for k in range(epoch, plan.num_epochs)]
-    entries, entry_ids, drop_ids = _index_entries(plan, rows, drops)
+        rows = [merge_epoch_end(part, config.max_tokens) for part in rows]
+    drops = [parent_drops(plan, k) for k in range(epoch, plan.num_epochs)]
+    entries, entry_ids, drop_ids = index_entries(plan, rows, drops)
     epochs = [_empty_epoch(k, config, np.zeros(0, np.int64)) for k in range(epoch)]
     for k, (part, ids, dropped) in enumerate(zip(rows, entry_ids, drop_ids), start=epoch):
         epochs.append(_schedule(part, ids, dropped, config, k, resumed=k == epoch))
@@ -229,172 +237,7 @@ def _parent_record(plan: PlanFile, from_step: int, epoch: int, position: int) ->
     return record
 
 
-@dataclasses.dataclass(frozen=True)
-class _Rows:
-    """A parent epoch's micro-batches, all ranks, in (step, rank, micro) order.
-
-    Row ``i`` holds entries ``offsets[i]:offsets[i + 1]`` of ``sample`` (and of
-    ``start``/``length`` when the plan has spans).
-    """
-
-    step: NDArray[np.int64]
-    offsets: NDArray[np.int64]
-    sample: NDArray[np.int64]
-    start: NDArray[np.int64] | None
-    length: NDArray[np.int64] | None
-    tokens: NDArray[np.int64]
-    loss_tokens: NDArray[np.int64]
-    padded_tokens: NDArray[np.int64]
-    cost: NDArray[np.float64] | None
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.step.shape[0])
-
-    def take(self, rows: NDArray[np.int64]) -> _Rows:
-        """These rows, in this order."""
-        flat = _segment_positions(self.offsets, rows)
-        counts = np.diff(self.offsets)[rows]
-        return _Rows(
-            step=self.step[rows], offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-            sample=self.sample[flat], start=_pick(self.start, flat), length=_pick(self.length, flat),
-            tokens=self.tokens[rows], loss_tokens=self.loss_tokens[rows], padded_tokens=self.padded_tokens[rows],
-            cost=None if self.cost is None else self.cost[rows],
-        )  # fmt: skip
-
-
-def _merge_epoch_end(part: _Rows, max_tokens: int) -> _Rows:
-    """Pack mode: the parent's last step of the epoch, whose micro-batches the parent split to
-    give every rank one, packed again by the planner's best fit decreasing within
-    ``max_tokens``: left as they are, its small pieces would sit in ordinary steps of the new
-    plan beside full micro-batches and leave ranks idle. Counts and costs of a packed
-    micro-batch are sums of its pieces', so they stay exact."""
-    if part.num_rows == 0:
-        return part
-    last = np.flatnonzero(part.step == part.step.max())
-    # (bins + 1,) offsets and (pieces,) members: pieces of the last step packed into bins
-    offsets, members = pack_segments(part.tokens[last], np.arange(last.shape[0], dtype=np.int64), max_tokens)
-    if offsets.shape[0] - 1 == last.shape[0]:
-        return part
-    merged = part.take(last[members])
-    group_of = np.repeat(np.arange(offsets.shape[0] - 1), np.diff(offsets))
-
-    def summed(values):
-        return np.bincount(group_of, weights=values).astype(values.dtype)
-
-    ends = _Rows(
-        step=merged.step[offsets[1:] - 1], offsets=np.concatenate([[0], np.cumsum(summed(np.diff(merged.offsets)))]),
-        sample=merged.sample, start=merged.start, length=merged.length, tokens=summed(merged.tokens),
-        loss_tokens=summed(merged.loss_tokens), padded_tokens=summed(merged.padded_tokens),
-        cost=None if merged.cost is None else summed(merged.cost),
-    )  # fmt: skip
-    return _concat_rows(part.take(np.flatnonzero(part.step != part.step.max())), ends)
-
-
-def _concat_rows(first: _Rows, second: _Rows) -> _Rows:
-    def both(a, b):
-        return None if a is None else np.concatenate([a, b])
-
-    return _Rows(
-        step=both(first.step, second.step), offsets=np.concatenate([first.offsets, first.offsets[-1] + second.offsets[1:]]),
-        sample=both(first.sample, second.sample), start=both(first.start, second.start),
-        length=both(first.length, second.length), tokens=both(first.tokens, second.tokens),
-        loss_tokens=both(first.loss_tokens, second.loss_tokens),
-        padded_tokens=both(first.padded_tokens, second.padded_tokens), cost=both(first.cost, second.cost),
-    )  # fmt: skip
-
-
-def _pick(values: NDArray | None, positions: NDArray[np.int64]) -> NDArray | None:
-    return None if values is None else values[positions]
-
-
-def _read_epoch(plan: PlanFile, epoch: int) -> _Rows:
-    """Every non-empty micro-batch of one parent epoch, in the order the run trains them."""
-    table = plan.read_epoch(epoch)
-    column = {name: table.column(name).combine_chunks() for name in table.column_names}
-    column["padded_tokens"] = padded_tokens_column(table).combine_chunks()
-    numbers = {name: column[name].to_numpy().astype(np.int64)
-               for name in ("step", "rank", "micro", "tokens", "loss_tokens", "padded_tokens")}  # fmt: skip
-    spans = "starts" in column
-    rows = _Rows(
-        step=numbers["step"], offsets=_offsets(column["samples"]), sample=_values(column["samples"]),
-        start=_values(column["starts"]) if spans else None, length=_values(column["lengths"]) if spans else None,
-        tokens=numbers["tokens"], loss_tokens=numbers["loss_tokens"], padded_tokens=numbers["padded_tokens"],
-        cost=column["cost"].to_numpy() if "cost" in column else None,
-    )  # fmt: skip
-    order = np.lexsort((numbers["micro"], numbers["rank"], numbers["step"]))
-    return rows.take(order[np.diff(rows.offsets)[order] > 0])
-
-
-def _offsets(array) -> NDArray[np.int64]:
-    offsets = array.offsets.to_numpy().astype(np.int64)
-    return offsets - offsets[0]
-
-
-def _values(array) -> NDArray[np.int64]:
-    offsets = array.offsets.to_numpy()
-    return array.values.to_numpy()[offsets[0] : offsets[-1]].astype(np.int64)
-
-
-def _segment_positions(offsets: NDArray[np.int64], segments: NDArray[np.int64]) -> NDArray[np.int64]:
-    """Positions of the items of ``segments`` (CSR ``offsets``), segment after segment."""
-    counts = offsets[segments + 1] - offsets[segments]
-    placed = np.cumsum(counts) - counts  # where each segment starts in the output
-    return np.repeat(offsets[segments] - placed, counts) + np.arange(int(counts.sum()), dtype=np.int64)
-
-
-def _parent_drops(plan: PlanFile, epoch: int) -> NDArray[np.int64]:
-    """What the parent dropped by drop_last in ``epoch``: shape (n, 3) ``[sample, start, length]``
-    with spans, else shape (n, 1) ``[sample]``."""
-    dropped = plan.metadata["dropped"]
-    if plan.metadata.get("has_spans"):
-        return np.asarray(dropped.get("drop_last_spans", {}).get(str(epoch), []), dtype=np.int64).reshape(-1, 3)
-    return np.asarray(dropped.get("drop_last", {}).get(str(epoch), []), dtype=np.int64).reshape(-1, 1)
-
-
-def _always_dropped(plan: PlanFile) -> dict[str, NDArray[np.int64]]:
-    dropped = plan.metadata["dropped"]
-    return {r: np.asarray(dropped[r], dtype=np.int64) for r in ("empty", "oversize") if r in dropped}
-
-
-def _index_entries(plan: PlanFile, rows: list[_Rows], drops: list[NDArray[np.int64]]):
-    """The new plan's `Entries`, and the entry of each row item and each dropped piece, per epoch.
-
-    Without spans: entry ``i`` is the ``i``-th sample not always dropped (as the planner
-    numbers them). With spans: every piece the new plan holds or drops, in (sample,
-    start) order.
-    """
-    always = _always_dropped(plan)
-    if not plan.metadata.get("has_spans"):
-        keep = np.ones(plan.num_samples, dtype=bool)
-        for samples in always.values():
-            keep[samples] = False
-        sample = np.flatnonzero(keep).astype(index_dtype(plan.num_samples))
-        unknown = np.zeros(sample.shape[0], dtype=np.int32)  # per-sample lengths are not in the file
-        entries = Entries(sample=sample, start=None, length=unknown, loss_tokens=unknown, dropped=always)
-        return entries, [_entry_of(sample, part.sample) for part in rows], [_entry_of(sample, d[:, 0]) for d in drops]
-    pieces = [np.stack([part.sample, part.start, part.length], axis=1) for part in rows] + list(drops)
-    every = np.concatenate(pieces)
-    order = np.lexsort((every[:, 2], every[:, 1], every[:, 0]))
-    ordered = every[order]
-    new = np.ones(ordered.shape[0], dtype=bool)
-    new[1:] = np.any(ordered[1:] != ordered[:-1], axis=1)
-    inverse = np.empty(every.shape[0], dtype=np.int64)
-    inverse[order] = np.cumsum(new) - 1
-    unique = ordered[new]
-    length = unique[:, 2].astype(np.int32)
-    entries = Entries(sample=unique[:, 0].astype(index_dtype(plan.num_samples)), start=unique[:, 1].copy(),
-                      length=length, dropped=always)  # fmt: skip
-    bounds = np.cumsum([0] + [p.shape[0] for p in pieces])
-    ids = [inverse[bounds[i] : bounds[i + 1]] for i in range(len(pieces))]
-    return entries, ids[: len(rows)], ids[len(rows) :]
-
-
-def _entry_of(kept: NDArray[np.integer], samples: NDArray[np.int64]) -> NDArray[np.int64]:
-    return np.searchsorted(kept, samples).astype(np.int64)
-
-
-def _schedule(part: _Rows, entry_ids, dropped_ids, config: PlanConfig, epoch: int, *, resumed: bool) -> EpochPlan:
+def _schedule(part: ParentRows, entry_ids, dropped_ids, config: PlanConfig, epoch: int, *, resumed: bool) -> EpochPlan:
     """Schedule one epoch's micro-batches for the new world size, each as one unit."""
     count = part.num_rows
     per_step = config.micro_batches_per_step
@@ -417,7 +260,7 @@ def _schedule(part: _Rows, entry_ids, dropped_ids, config: PlanConfig, epoch: in
     return _expand(scheduled, part, entry_ids, dropped_ids)
 
 
-def _expand(scheduled: EpochPlan, part: _Rows, entry_ids, dropped_ids) -> EpochPlan:
+def _expand(scheduled: EpochPlan, part: ParentRows, entry_ids, dropped_ids) -> EpochPlan:
     """Replace each scheduled unit by the parent micro-batch it stands for: its entries and counts."""
     has_unit = np.diff(scheduled.offsets) > 0  # False for an empty micro-batch added as filler
     unit = scheduled.members[scheduled.offsets[:-1][has_unit]].astype(np.int64)
@@ -434,21 +277,15 @@ def _expand(scheduled: EpochPlan, part: _Rows, entry_ids, dropped_ids) -> EpochP
     return dataclasses.replace(
         scheduled,
         offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-        members=entry_ids[_segment_positions(part.offsets, unit)],
+        members=entry_ids[segment_positions(part.offsets, unit)],
         tokens=tokens,
         loss_tokens=loss_tokens,
         padded_tokens=per_row(part.padded_tokens),
         cost=None if part.cost is None else per_row(part.cost),
-        step_tokens=_sum_by_step(scheduled.step, tokens, scheduled.num_steps),
-        step_loss_tokens=_sum_by_step(scheduled.step, loss_tokens, scheduled.num_steps),
-        dropped_entries=np.concatenate([entry_ids[_segment_positions(part.offsets, gone)], dropped_ids]),
+        step_tokens=sum_by_group(scheduled.step, tokens, scheduled.num_steps),
+        step_loss_tokens=sum_by_group(scheduled.step, loss_tokens, scheduled.num_steps),
+        dropped_entries=np.concatenate([entry_ids[segment_positions(part.offsets, gone)], dropped_ids]),
     )
-
-
-def _sum_by_step(step: NDArray[np.int64], values: NDArray[np.int64], num_steps: int) -> NDArray[np.int64]:
-    sums = np.zeros(num_steps, dtype=np.int64)
-    np.add.at(sums, step, values)
-    return sums
 
 
 def _empty_epoch(epoch: int, config: PlanConfig, dropped: NDArray[np.int64]) -> EpochPlan:
@@ -462,7 +299,7 @@ def _empty_epoch(epoch: int, config: PlanConfig, dropped: NDArray[np.int64]) -> 
     )  # fmt: skip
 
 
-def _consumed(plan: PlanFile, rows: _Rows, from_step: int, epoch: int) -> dict[str, Any]:
+def _consumed(plan: PlanFile, rows: ParentRows, from_step: int, epoch: int) -> dict[str, Any]:
     """``consumed``: what the parent trained of ``epoch`` before ``from_step`` (with what its
     own parent had, for a chain). ``samples``: bitmap of samples trained whole; ``spans``:
     the trained pieces of split samples that still have pieces left."""
@@ -474,7 +311,7 @@ def _consumed(plan: PlanFile, rows: _Rows, from_step: int, epoch: int) -> dict[s
         return {"epoch": epoch, "samples": encode_bitmap(whole), "spans": []}
     pieces = np.concatenate([np.stack([done.sample, done.start, done.length], axis=1), spans])
     rest = rows.take(np.flatnonzero(rows.step >= from_step)).sample
-    open_samples = np.concatenate([rest, _parent_drops(plan, epoch)[:, 0]])
+    open_samples = np.concatenate([rest, parent_drops(plan, epoch)[:, 0]])
     complete = ~np.isin(pieces[:, 0], open_samples)
     whole[pieces[complete, 0]] = True
     partial = pieces[~complete]
@@ -488,4 +325,3 @@ def _inherited_consumed(plan: PlanFile, epoch: int) -> tuple[NDArray[np.bool_], 
         return np.zeros(plan.num_samples, dtype=bool), np.zeros((0, 3), dtype=np.int64)
     whole = decode_bitmap(consumed["samples"], plan.num_samples)
     return whole, np.asarray(consumed.get("spans", []), dtype=np.int64).reshape(-1, 3)
-

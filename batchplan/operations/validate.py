@@ -25,30 +25,22 @@ from __future__ import annotations
 
 import binascii
 import dataclasses
+import os
+from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
-from batchplan.formats.bitmap import decode_bitmap
-from batchplan.planning.cost import micro_batch_costs
 from batchplan.errors import PlanFormatError
-from batchplan.formats.lengths import fingerprint_lengths
-from batchplan.formats.plan_file import PlanFile
-from batchplan.reduce import segment_max, segment_sum
+from batchplan.formats.bitmap import decode_bitmap
+from batchplan.formats.lengths import fingerprint_lengths, read_lengths
+from batchplan.formats.plan_file import PlanFile, open_plan
+from batchplan.operations.epoch_checks import EpochChecker, Violation
 
-__all__ = ["Violation", "validate_plan"]
+__all__ = ["Violation", "validate_plan", "validate_plan_file"]
 
-
-@dataclasses.dataclass(frozen=True)
-class Violation:
-    """One broken guarantee."""
-
-    guarantee: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"[{self.guarantee}] {self.message}"
+PathLike = str | os.PathLike
 
 
 def validate_plan(
@@ -85,7 +77,7 @@ def validate_plan(
                 found += _check_trained_on_parent(plan, epoch)
                 continue
             trained = lineage.trained_before(epoch, plan.num_samples)
-            checker = _EpochChecker(plan, epoch, lengths, loss_tokens, step_base, tokens_base, trained)
+            checker = EpochChecker(plan, epoch, lengths, loss_tokens, step_base, tokens_base, trained)
             found += checker.run()
         except (PlanFormatError, pa.ArrowException, OSError, ValueError, IndexError, TypeError, KeyError) as error:
             # Structure too damaged to check (list offsets out of range, unreadable batch, a
@@ -95,6 +87,24 @@ def validate_plan(
         step_base += plan.metadata["steps_per_epoch"][epoch]
         tokens_base += checker.total_tokens
     return found
+
+
+def validate_plan_file(plan_path: PathLike, dataset: PathLike | Sequence[PathLike] | None = None):
+    """Open a plan and check every guarantee, against the dataset when given.
+
+    Returns:
+        ``(violations, description)``: the list of `Violation` and what was checked.
+    """
+    plan = open_plan(plan_path)
+    if not dataset:
+        return validate_plan(plan), f"{plan.num_epochs} epoch(s), {plan.world_size} rank(s)"
+    source = plan.metadata.get("dataset") or {}
+    column = source.get("length_column", "length")  # the column actually used: integer or list
+    lengths = read_lengths(
+        dataset, length_column=column, tokens_column=column, loss_tokens_column=source.get("loss_tokens_column")
+    )
+    violations = validate_plan(plan, lengths.lengths, lengths.loss_tokens)
+    return violations, f"{plan.num_epochs} epoch(s), {plan.world_size} rank(s), {lengths.num_samples:,} samples"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,229 +191,3 @@ def _check_dropped_reasons(plan: PlanFile, lengths) -> list[Violation]:
         if samples.size and not rule(lengths[samples]).all():
             found.append(Violation("coverage", f"samples listed as dropped for {reason!r} do not meet that reason"))
     return found
-
-
-class _EpochChecker:
-    """The checks of one epoch; each method returns its violations."""
-
-    def __init__(self, plan, epoch, lengths, loss_tokens, step_base, tokens_base, trained_before):
-        self.plan, self.epoch, self.lengths = plan, epoch, lengths
-        self.trained_whole, self.trained_spans = trained_before  # what a parent trained before
-        self.loss_column = loss_tokens
-        self.step_base, self.tokens_base = step_base, tokens_base
-        self.meta = plan.metadata
-        self.batches = [plan.read_rank(epoch, r) for r in range(plan.world_size)]
-        table = plan.read_epoch(epoch)
-        self.col = {name: table.column(name).combine_chunks() for name in table.column_names}
-        samples = self.col["samples"]
-        self.offsets = samples.offsets.to_numpy().astype(np.int64)
-        self.samples = samples.values.to_numpy().astype(np.int64)
-        self.tokens = self.col["tokens"].to_numpy()
-        self.total_tokens = int(self.tokens.sum())
-
-    def fail(self, guarantee: str, message: str) -> list[Violation]:
-        return [Violation(guarantee, f"epoch {self.epoch}: {message}")]
-
-    def run(self) -> list[Violation]:
-        found = self.check_ranks()
-        if found:  # the rest assumes a well-formed layout
-            return found
-        if self.samples.size and (self.samples.min() < 0 or self.samples.max() >= self.plan.num_samples):
-            return self.fail("integrity", "a sample index is outside the dataset")
-        return self.check_caps() + self.check_counts() + self.check_seqlen_warmup() + self.check_coverage()
-
-    def check_ranks(self) -> list[Violation]:
-        steps = [b.column("step").to_numpy() for b in self.batches]
-        for rank, batch in enumerate(self.batches):
-            if not (batch.column("rank").to_numpy() == rank).all():
-                return self.fail("integrity", f"rows of rank {rank} are stored under another rank")
-            if not (batch.column("epoch").to_numpy() == self.epoch).all():
-                return self.fail("integrity", f"rank {rank} holds rows of another epoch")
-            if not np.array_equal(steps[rank], steps[0]):
-                return self.fail("equal_micro_batches", f"rank {rank} runs other micro-batch counts per step than rank 0")
-        num_steps = self.meta["steps_per_epoch"][self.epoch]
-        step = steps[0] - self.step_base
-        if step.size and (np.any(np.diff(step) < 0) or step[0] != 0 or step[-1] != num_steps - 1):
-            return self.fail("integrity", f"steps are not {self.step_base}..{self.step_base + num_steps - 1} in order")
-        per_step = np.bincount(step, minlength=num_steps) if step.size else np.zeros(0, np.int64)
-        if num_steps and (per_step == 0).any():
-            return self.fail("integrity", "a step has no micro-batches")
-        first = np.concatenate([[0], np.cumsum(per_step)[:-1]])
-        expected_micro = np.arange(step.size) - first[step] if step.size else step
-        for rank, batch in enumerate(self.batches):
-            micro = batch.column("micro").to_numpy()
-            if not np.array_equal(micro, expected_micro):
-                return self.fail("equal_micro_batches", f"rank {rank}'s micro indices are not 0..m-1 per step")
-            if not np.array_equal(batch.column("num_micro").to_numpy(), per_step[step]):
-                return self.fail("equal_micro_batches", f"rank {rank}'s num_micro disagrees with its rows")
-        return []
-
-    def entry_lengths(self) -> NDArray[np.int64] | None:
-        if "lengths" in self.col:
-            return self.col["lengths"].values.to_numpy().astype(np.int64)
-        if self.lengths is not None:
-            return self.lengths[self.samples].astype(np.int64)
-        return None
-
-    def check_caps(self) -> list[Violation]:
-        cap = self.meta["max_tokens"]
-        counts = np.diff(self.offsets)
-        lengths = self.entry_lengths()
-        if self.meta["mode"] == "pad":
-            longest = segment_max(lengths, self.offsets) if lengths is not None else None
-            load = self.col["padded_tokens"].to_numpy() if longest is None else counts * longest
-        else:
-            load = segment_sum(lengths, self.offsets) if lengths is not None else self.tokens
-        over = np.flatnonzero(load > cap)
-        if over.size:
-            what = "count x longest" if self.meta["mode"] == "pad" else "tokens"
-            return self.fail("max_tokens", f"{over.size:,} micro-batches exceed max_tokens {cap:,} "
-                             f"({what} up to {int(load[over].max()):,})")  # fmt: skip
-        return []
-
-    def check_counts(self) -> list[Violation]:
-        found = []
-        lengths = self.entry_lengths()
-        if lengths is not None:
-            if not np.array_equal(segment_sum(lengths, self.offsets), self.tokens):
-                found += self.fail("counts", "a micro-batch's tokens differ from the sum of its samples' lengths")
-            if self.meta["mode"] == "pad":
-                padded = np.diff(self.offsets) * segment_max(lengths, self.offsets)
-                if not np.array_equal(padded, self.col["padded_tokens"].to_numpy()):
-                    found += self.fail("counts", "padded_tokens differs from count x longest")
-            loss = self.col["loss_tokens"].to_numpy()
-            if self.loss_column is not None and "lengths" not in self.col:
-                per_entry = np.asarray(self.loss_column)[self.samples].astype(np.int64)
-            else:
-                per_entry = lengths - 1
-            if not np.array_equal(segment_sum(per_entry, self.offsets), loss):
-                found += self.fail("counts", "a micro-batch's loss_tokens differ from its samples' loss tokens")
-            if "cost" in self.col:
-                found += self.check_cost(lengths)
-        found += self.check_step_sums()
-        return found
-
-    def check_cost(self, lengths) -> list[Violation]:
-        coefficient = float(self.meta["attention_coefficient"])
-        expected = micro_batch_costs(lengths, self.offsets, self.meta["mode"], coefficient)
-        if not np.allclose(self.col["cost"].to_numpy(), expected, rtol=1e-9, atol=0.0):
-            return self.fail("counts", "a micro-batch's cost differs from the cost model of its samples")
-        return []
-
-    def check_step_sums(self) -> list[Violation]:
-        step = self.col["step"].to_numpy() - self.step_base
-        num_steps = self.meta["steps_per_epoch"][self.epoch]
-        found = []
-        for name, per_row in (("step_tokens", self.tokens), ("step_loss_tokens", self.col["loss_tokens"].to_numpy())):
-            sums = np.zeros(num_steps, dtype=np.int64)
-            np.add.at(sums, step, per_row)
-            if not np.array_equal(sums[step], self.col[name].to_numpy()):
-                found += self.fail("counts", f"{name} is not the sum over all ranks of the step")
-        sums = np.zeros(num_steps, dtype=np.int64)
-        np.add.at(sums, step, self.tokens)
-        before = self.tokens_base + np.cumsum(sums) - sums
-        if not np.array_equal(before[step], self.col["tokens_before_step"].to_numpy()):
-            found += self.fail("counts", "tokens_before_step is not the running total of step tokens")
-        return found
-
-    def check_seqlen_warmup(self) -> list[Violation]:
-        """No sequence above the warmup cap at the end of its step (not checked on a
-        resharded plan, which schedules the rest of a warmup anew)."""
-        config = self.meta["config"]
-        low, span = config.get("seqlen_warmup_min"), config.get("seqlen_warmup_tokens")
-        if low is None or "resharded_from" in self.meta:
-            return []
-        if "lengths" not in self.col:
-            return self.fail("seqlen_warmup", "the plan has a sequence-length warmup but no spans")
-        step = self.col["step"].to_numpy() - self.step_base
-        sums = np.zeros(self.meta["steps_per_epoch"][self.epoch], dtype=np.int64)
-        np.add.at(sums, step, self.tokens)
-        step_end = self.tokens_base + np.cumsum(sums)
-        warm = np.flatnonzero(step_end < span)  # steps that end inside the warmup
-        # Exact integer caps (Python ints: no overflow), one per step inside the warmup.
-        cap = np.full(sums.shape[0], self.meta["max_tokens"], dtype=np.int64)
-        cap[warm] = [low + (self.meta["max_tokens"] - low) * int(t) // span for t in step_end[warm]]
-        longest = segment_max(self.col["lengths"].values.to_numpy().astype(np.int64), self.offsets)
-        over = np.flatnonzero(longest > cap[step])
-        if over.size:
-            row = int(over[0])
-            where = f"step {int(step[row]) + self.step_base}: {int(longest[row]):,} > {int(cap[step[row]]):,}"
-            message = f"{over.size:,} micro-batches hold a sequence above the warmup cap ({where})"
-            return self.fail("seqlen_warmup", message)
-        return []
-
-    def check_coverage(self) -> list[Violation]:
-        num_samples = self.plan.num_samples
-        dropped = self.meta.get("dropped", {})
-        always = np.concatenate([np.asarray(dropped.get(r, []), dtype=np.int64) for r in ("empty", "oversize")])
-        last = np.asarray(dropped.get("drop_last", {}).get(str(self.epoch), []), dtype=np.int64)
-        seen = np.bincount(self.samples, minlength=num_samples) + self.trained_whole
-        seen += np.bincount(self.trained_spans[:, 0], minlength=num_samples)
-        if (seen[always] > 0).any():
-            return self.fail("coverage", "a sample listed as dropped is in the plan (or was trained before it)")
-        if "starts" in self.col:
-            return self.check_spans(always, last)
-        if self.trained_spans.size:
-            return self.fail("coverage", "pieces of samples are listed as consumed in a plan without spans")
-        expected = np.ones(num_samples, dtype=bool)
-        expected[always] = False
-        expected[last] = False
-        wrong = np.flatnonzero((seen != 1) & expected)
-        if wrong.size:
-            first = int(wrong[0])
-            return self.fail("coverage", f"{wrong.size:,} samples are not planned exactly once "
-                             f"(sample {first:,} appears {int(seen[first])} times)")  # fmt: skip
-        if (seen[last] > 0).any():
-            return self.fail("coverage", "a sample dropped by drop_last is in the plan (or was trained before it)")
-        return []
-
-    def kept_lengths(self) -> NDArray[np.int64]:
-        """Tokens of each sample that an epoch covers (truncate keeps the first max_tokens)."""
-        want = self.lengths.astype(np.int64)
-        if self.meta["config"]["oversize"] == "truncate":
-            want = np.minimum(want, self.meta["max_tokens"])
-        return want
-
-    def check_spans(self, always, last) -> list[Violation]:
-        """Truncated or split samples: the planned pieces, the pieces dropped by drop_last
-        and (resharded plans) the pieces trained before never overlap and tile each
-        sample's kept tokens exactly."""
-        spans = self.meta.get("dropped", {}).get("drop_last_spans", {}).get(str(self.epoch), [])
-        spans = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
-        if not np.array_equal(np.unique(spans[:, 0]), np.unique(last)):
-            return self.fail("coverage", "drop_last lists other samples than its dropped pieces")
-        trained = self.trained_spans
-        sample = np.concatenate([self.samples, spans[:, 0], trained[:, 0]])
-        start = np.concatenate([self.col["starts"].values.to_numpy().astype(np.int64), spans[:, 1], trained[:, 1]])
-        length = np.concatenate([self.col["lengths"].values.to_numpy().astype(np.int64), spans[:, 2], trained[:, 2]])
-        whole = np.flatnonzero(self.trained_whole)
-        if np.isin(whole, sample).any():
-            return self.fail("coverage", "a sample trained whole before the plan's first step is planned again")
-        want = None if self.lengths is None else self.kept_lengths()
-        if want is not None:  # a sample trained whole is one piece covering it
-            sample, start = np.concatenate([sample, whole]), np.concatenate([start, np.zeros_like(whole)])
-            length = np.concatenate([length, want[whole]])
-        order = np.lexsort((start, sample))
-        sample, start, length = sample[order], start[order], length[order]
-        same = sample[1:] == sample[:-1]
-        if (same & (start[1:] < start[:-1] + length[:-1])).any():
-            return self.fail("coverage", "two pieces of a sample overlap")
-        expected = np.ones(self.plan.num_samples, dtype=bool)
-        expected[always] = False
-        pieces = np.bincount(sample, minlength=expected.size) + self.trained_whole
-        if want is None:
-            if (pieces[expected] == 0).any():
-                return self.fail("coverage", "a sample is neither planned, trained before, nor listed as dropped")
-            return []
-        if (start + length > want[sample]).any():
-            return self.fail("coverage", "a piece reaches past the end of its sample")
-        first_piece = np.concatenate([[True], ~same])
-        if (start[first_piece] != 0).any():
-            return self.fail("coverage", "a sample's first piece does not start at token 0")
-        # Without overlaps, from token 0 and never past the end: equal totals mean no gap.
-        covered = np.bincount(sample, weights=length, minlength=expected.size).astype(np.int64)
-        wrong = np.flatnonzero(expected & (covered != want))
-        if wrong.size:
-            return self.fail("coverage", f"{wrong.size:,} samples are not covered exactly once "
-                             f"(sample {int(wrong[0]):,})")  # fmt: skip
-        return []
