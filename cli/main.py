@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from batchplan_cli.choices import Balance, Mode, Oversize
 
 from batchplan.config import DEFAULT_BALANCE_WINDOW
 from batchplan.errors import BatchPlanError
-from batchplan_cli.choices import Balance, Mode, Oversize
 
 app = typer.Typer(
     name="batchplan",
@@ -107,8 +107,8 @@ def build(
 ) -> None:
     """Read sample lengths and write a plan for every epoch."""
     _unwind_on_sigterm()
-    from batchplan.operations.build import build_plan_file
     from batchplan.config import DEFAULT_SHUFFLE_WINDOW, PlanConfig, parse_pair
+    from batchplan.operations.build import build_plan_file
 
     rampup_start, rampup_tokens = parse_pair("--rampup", "START:TOKENS", rampup)
     warmup_min, warmup_tokens = parse_pair("--seqlen-warmup", "MIN:TOKENS", seqlen_warmup)
@@ -194,8 +194,8 @@ def compare(
     plot: Annotated[Optional[Path], typer.Option(help="Also draw the comparison into this image.")] = None,
 ) -> None:
     """Compare batchplan pad/pack with PyTorch, Hugging Face and fairseq batching on the same lengths."""
-    from batchplan.reports.compare import DEFAULT_HIDDEN_SIZE, compare_strategies
     from batchplan.formats.lengths import read_lengths
+    from batchplan.reports.compare import DEFAULT_HIDDEN_SIZE, compare_strategies
 
     if plot is not None:
         from batchplan.reports.plot import require_matplotlib
@@ -216,7 +216,8 @@ def compare(
 
         print_comparison(result.to_dict(), hidden_size_given=hidden_size is not None)
     if plot is not None:
-        from batchplan.reports.plot import plot_comparison, save_figure
+        from batchplan.reports.plot import save_figure
+        from batchplan.reports.plot_compare import plot_comparison
 
         save_figure(plot_comparison(result), plot)
         typer.echo(f"wrote {plot}", err=json_output)
@@ -266,9 +267,10 @@ def reshard(
     )  # fmt: skip
     if quiet:
         return
+    from batchplan_cli.render import print_summary
+
     from batchplan.formats.plan_file import open_plan
     from batchplan.reports.summary import summarize_plan
-    from batchplan_cli.render import print_summary
 
     parent, new = summarize_plan(open_plan(plan)), summarize_plan(open_plan(output))
     print_summary(new, title=f"wrote {output}")

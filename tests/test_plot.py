@@ -20,7 +20,8 @@ from batchplan_cli.main import app
 
 pytest.importorskip("matplotlib")
 
-from batchplan.reports.plot import PLAN_PANELS, plan_lengths, plot_comparison, plot_plan  # noqa: E402
+from batchplan.reports.plot import PLAN_PANELS, plan_lengths, plot_plan  # noqa: E402
+from batchplan.reports.plot_compare import plot_comparison  # noqa: E402
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 DIALOGUES = DATA / "sharegpt_dialogues_cl100k.parquet"

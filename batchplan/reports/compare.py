@@ -41,9 +41,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
+from batchplan.errors import ConfigError, DatasetError
 from batchplan.planning.cost import attention_coefficient, micro_batch_costs
 from batchplan.planning.entries import make_entries
-from batchplan.errors import ConfigError, DatasetError
 from batchplan.reduce import segment_max
 from batchplan.reports.statistics import last_steps_of, rank_imbalance, regular_steps
 
