@@ -16,7 +16,6 @@ says where training is, whatever the loader has prefetched.
 
 from __future__ import annotations
 
-import numbers
 import os
 from collections.abc import Iterator, Sized
 from pathlib import Path
@@ -28,9 +27,10 @@ from torch.utils.data import Sampler
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
 from batchplan.formats.plan_file import PlanFile
+from batchplan.runtime.checks import check_plan_dataset, check_runtime_columns
 from batchplan.runtime.distributed import check_world_size, resolve_placement
 from batchplan.runtime.records import MicroBatch, PlannedRows
-from batchplan.runtime.rows import RUNTIME_COLUMNS, RankRows
+from batchplan.runtime.rows import RankRows
 from batchplan.runtime.state import check_state, make_state
 
 __all__ = ["PlanSampler"]
@@ -60,7 +60,7 @@ class PlanSampler(Sampler[list[int]]):
         self._plan = PlanFile(path)
         self._placement = resolve_placement(rank, world_size)
         check_world_size(self._placement, self._plan.world_size, self._plan.path)
-        _check_runtime_columns(self._plan)
+        check_runtime_columns(self._plan)
         metadata = self._plan.metadata
         self._rows_per_epoch = [int(n) for n in metadata["rows_per_rank"]]
         self._identity = {
@@ -188,7 +188,7 @@ class PlanSampler(Sampler[list[int]]):
             ConfigError: ``dataset`` has no length, or the plan needs ``loss_tokens``.
             PlanFormatError: lengths are given but the plan records no fingerprint.
         """
-        _check_dataset(self._plan, dataset, lengths, loss_tokens)
+        check_plan_dataset(self._plan, dataset, lengths, loss_tokens)
 
     # -- epochs and iteration -----------------------------------------------------
 
@@ -384,63 +384,4 @@ class PlanSampler(Sampler[list[int]]):
         return (
             f"PlanSampler({str(self.path)!r}, rank={self.rank}, world_size={self.world_size}, "
             f"epoch={self._epoch}, position={self._position})"
-        )
-
-
-def _check_runtime_columns(plan: PlanFile) -> None:
-    missing = [name for name in RUNTIME_COLUMNS if name not in plan.schema.names]
-    if missing:
-        raise PlanFormatError(
-            f"{plan.path}: column(s) {missing} missing; the runtime needs them to know step "
-            "boundaries and token counts; rebuild the plan with this batchplan"
-        )
-    if "rows_per_rank" not in plan.metadata or "steps_per_epoch" not in plan.metadata:
-        raise PlanFormatError(f"{plan.path}: metadata lacks rows_per_rank/steps_per_epoch; rebuild the plan")
-
-
-def _check_dataset(plan: PlanFile, dataset, lengths, loss_tokens) -> None:
-    """`PlanSampler.check_dataset`."""
-    if isinstance(dataset, Sized):
-        num_rows = len(dataset)
-    elif isinstance(dataset, numbers.Integral) and not isinstance(dataset, bool):
-        num_rows = int(dataset)
-    else:
-        raise ConfigError(
-            f"check_dataset needs a dataset with len() or its row count, got {type(dataset).__name__}; "
-            "for an iterable dataset pass its number of rows"
-        )
-    if num_rows != plan.num_samples:
-        raise PlanMismatchError(
-            f"{plan.path}: the plan was built for a dataset of {plan.num_samples:,} rows but this dataset "
-            f"has {num_rows:,}; rebuild the plan on this dataset or load the dataset it was built for"
-        )
-    if lengths is None:
-        return
-    import numpy as np
-
-    from batchplan.formats.lengths import fingerprint_lengths
-
-    recorded = plan.metadata.get("lengths_fingerprint")
-    if recorded is None:
-        raise PlanFormatError(
-            f"{plan.path}: the plan records no lengths fingerprint, so lengths cannot be compared; "
-            "rebuild it with `batchplan build` (or write_plan(..., lengths_fingerprint=...))"
-        )
-    column = (plan.metadata.get("dataset") or {}).get("loss_tokens_column")
-    if column is not None and loss_tokens is None:
-        raise ConfigError(
-            f"{plan.path}: the plan was built with loss-tokens column {column!r}; pass loss_tokens= "
-            "(that column's values) with the lengths"
-        )
-    if isinstance(plan.metadata.get("dataset"), dict) and column is None and loss_tokens is not None:
-        raise ConfigError(f"{plan.path}: the plan was built without a loss-tokens column; drop loss_tokens=")
-    lengths = np.asarray(lengths)
-    if lengths.shape != (num_rows,):
-        raise ConfigError(f"lengths has shape {lengths.shape}, expected ({num_rows:,},): one per dataset row")
-    found = fingerprint_lengths(lengths, None if loss_tokens is None else np.asarray(loss_tokens))
-    if found != recorded:
-        what = "lengths and loss tokens" if loss_tokens is not None else "lengths"
-        raise PlanMismatchError(
-            f"{plan.path}: the dataset's {what} have fingerprint {found} but the plan was built for "
-            f"{recorded}; same row count, other data (or another row order); rebuild the plan on this dataset"
         )
