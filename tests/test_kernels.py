@@ -24,7 +24,6 @@ from batchplan.kernels.pack import (
     fill_bins,
     most_bins,
     pack_bins,
-    pack_items,
     pack_segments,
     scatter_bins,
 )
@@ -36,6 +35,14 @@ from batchplan.kernels.steps import ramp_steps, steps_by_tokens
 from batchplan.planning.randomness import shuffle_by_group
 
 # --------------------------------------------------------------------------- strategies
+
+
+def pack_items(lengths, order, max_tokens):
+    """Best-fit decreasing as the bin of each item (`pack_segments` read back per item)."""
+    offsets, members = pack_segments(lengths, order, max_tokens)
+    bin_of_item = np.empty(lengths.shape[0], dtype=np.int64)
+    bin_of_item[members] = np.repeat(np.arange(offsets.shape[0] - 1), np.diff(offsets))
+    return bin_of_item
 
 
 @st.composite

@@ -28,36 +28,12 @@ from numba import njit
 
 from batchplan.kernels.shuffle import group_offsets
 from batchplan.kernels.split import share
+from batchplan.kernels.tree import tree_add, tree_first_at_least
 
 __all__ = [
     "bin_destinations", "bin_item_sums", "bin_length_sums", "bin_members", "fill_bins", "most_bins", "pack_bins",
-    "pack_items", "pack_segments", "scatter_bins",
+    "pack_segments", "scatter_bins",
 ]  # fmt: skip
-
-
-@njit(cache=True, nogil=True)
-def _tree_add(tree, size, leaf, delta):
-    node = leaf + size
-    while node > 0:
-        tree[node] += delta
-        node >>= 1
-
-
-@njit(cache=True, nogil=True)
-def _tree_first_at_least(tree, size, leaf):
-    """Smallest leaf index >= ``leaf`` with a non-zero count, or -1."""
-    node = leaf + size
-    if tree[node] > 0:
-        return leaf
-    # Climb until a right sibling holds something, then walk down its leftmost path.
-    while node > 1:
-        if node & 1 == 0 and tree[node + 1] > 0:
-            node += 1
-            while node < size:
-                node = 2 * node if tree[2 * node] > 0 else 2 * node + 1
-            return node - size
-        node >>= 1
-    return -1
 
 
 @njit(cache=True, nogil=True)
@@ -66,7 +42,7 @@ def _push(head, below, tree, size, target, residual):
     if residual > 0:
         below[target] = head[residual]
         head[residual] = target
-        _tree_add(tree, size, residual, 1)
+        tree_add(tree, size, residual, 1)
 
 
 @njit(cache=True, nogil=True)
@@ -91,15 +67,7 @@ def _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts, below, 
     `most_bins`) and ``tokens`` (int64, `most_bins`) may come from the caller, else are made
     here (None).
     """
-    num_items = histogram.sum()
-    if slot_bin is None:
-        slot_bin = np.empty(num_items, dtype=index.dtype)
-    if counts is None or below is None:  # a caller that made them has the bound already
-        bound = most_bins(histogram, max_tokens)
-        if counts is None:
-            counts = np.zeros(bound + 1, dtype=np.int64)  # bin b's slots at b + 1: made offsets in place
-        if below is None:
-            below = np.empty(bound, dtype=index.dtype)
+    slot_bin, counts, below = _buffers(histogram, max_tokens, index, slot_bin, counts, below)
     size = 1
     while size < max_tokens + 1:
         size <<= 1
@@ -112,22 +80,12 @@ def _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts, below, 
         left = histogram[length]
         if 2 * length > max_tokens:
             # Longer than half: every open bin holds a longer item or one of these, so none
-            # has room; each item opens its own bin (as the general loop below would, one
-            # tree search and one tree update per item).
-            residual = max_tokens - length
-            for _ in range(left):
-                slot_bin[slot] = num_bins
-                counts[num_bins + 1] = 1
-                if residual > 0:
-                    below[num_bins] = head[residual]
-                    head[residual] = num_bins
-                num_bins += 1
-                slot += 1
-            if residual > 0:
-                _tree_add(tree, size, residual, left)
+            # has room; each item opens its own bin (as the loop below would, one tree
+            # search and one tree update per item).
+            num_bins, slot = _open_each(left, max_tokens - length, head, below, tree, size, slot_bin, counts, num_bins, slot)
             left = 0
         while left > 0:
-            fit = _tree_first_at_least(tree, size, length)
+            fit = tree_first_at_least(tree, size, length)
             if fit < 0 or fit - length >= length:
                 # One bin takes items of this length until it cannot fit another: no other
                 # bin has a residual in [length, fit), so it stays the best fit meanwhile.
@@ -138,32 +96,76 @@ def _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts, below, 
                 else:
                     target = head[fit]
                     head[fit] = below[target]
-                    _tree_add(tree, size, fit, -1)
+                    tree_add(tree, size, fit, -1)
                 take = min(left, fit // length)
-                for _ in range(take):
-                    slot_bin[slot] = target
-                    slot += 1
+                slot_bin[slot : slot + take] = target
+                slot += take
                 counts[target + 1] += take
                 _push(head, below, tree, size, target, fit - take * length)
             else:
-                # Every bin at residual `fit` takes exactly one item of this length, in
-                # stack order: the next item's best fit is the next bin of that stack.
-                take = min(left, tree[fit + size])
-                remaining = fit - length
-                for _ in range(take):
-                    target = head[fit]
-                    head[fit] = below[target]
-                    if remaining > 0:
-                        below[target] = head[remaining]
-                        head[remaining] = target
-                    slot_bin[slot] = target
-                    counts[target + 1] += 1
-                    slot += 1
-                _tree_add(tree, size, fit, -take)
-                if remaining > 0:
-                    _tree_add(tree, size, remaining, take)
+                take = _one_each(left, length, fit, head, below, tree, size, slot_bin, counts, slot)
+                slot += take
             left -= take
-    # A bin's tokens: the capacity less the residual of the stack it ends on (none: full).
+    tokens = _bin_tokens(head, below, tree, size, max_tokens, num_bins, tokens)
+    for target in range(num_bins):
+        counts[target + 1] += counts[target]
+    return slot_bin, counts[: num_bins + 1], tokens
+
+
+@njit(cache=True, nogil=True)
+def _buffers(histogram, max_tokens, index, slot_bin, counts, below):
+    """The caller's arrays, or new ones where it passed None (see `_best_fit_decreasing`)."""
+    if slot_bin is None:
+        slot_bin = np.empty(histogram.sum(), dtype=index.dtype)
+    if counts is None or below is None:  # a caller that made them has the bound already
+        bound = most_bins(histogram, max_tokens)
+        if counts is None:
+            counts = np.zeros(bound + 1, dtype=np.int64)  # bin b's slots at b + 1: made offsets in place
+        if below is None:
+            below = np.empty(bound, dtype=index.dtype)
+    return slot_bin, counts, below
+
+
+@njit(cache=True, nogil=True)
+def _open_each(count, residual, head, below, tree, size, slot_bin, counts, num_bins, slot):
+    """``count`` items that each open a bin left with ``residual``; returns ``(num_bins, slot)``."""
+    for _ in range(count):
+        slot_bin[slot] = num_bins
+        counts[num_bins + 1] = 1
+        if residual > 0:
+            below[num_bins] = head[residual]
+            head[residual] = num_bins
+        num_bins += 1
+        slot += 1
+    if residual > 0:
+        tree_add(tree, size, residual, count)
+    return num_bins, slot
+
+
+@njit(cache=True, nogil=True)
+def _one_each(left, length, fit, head, below, tree, size, slot_bin, counts, slot):
+    """Every bin at residual ``fit`` (< 2 x ``length``) takes exactly one item of this length,
+    in stack order: the next item's best fit is the next bin of that stack. Returns how
+    many items were placed."""
+    take = min(left, tree[fit + size])
+    remaining = fit - length
+    for k in range(take):
+        target = head[fit]
+        head[fit] = below[target]
+        if remaining > 0:
+            below[target] = head[remaining]
+            head[remaining] = target
+        slot_bin[slot + k] = target
+        counts[target + 1] += 1
+    tree_add(tree, size, fit, -take)
+    if remaining > 0:
+        tree_add(tree, size, remaining, take)
+    return take
+
+
+@njit(cache=True, nogil=True)
+def _bin_tokens(head, below, tree, size, max_tokens, num_bins, tokens):
+    """A bin's tokens: the capacity less the residual of the stack it ends on (none: full)."""
     if tokens is None:
         tokens = np.empty(num_bins, dtype=np.int64)
     tokens = tokens[:num_bins]
@@ -173,9 +175,7 @@ def _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts, below, 
         for _ in range(tree[residual + size]):
             tokens[target] = max_tokens - residual
             target = below[target]
-    for target in range(num_bins):
-        counts[target + 1] += counts[target]
-    return slot_bin, counts[: num_bins + 1], tokens
+    return tokens
 
 
 @njit(cache=True, nogil=True)
@@ -377,14 +377,3 @@ def bin_members(items, start, slot_bin, offsets, bins, max_tokens):
                 member_lengths[cursor[i]] = length
                 cursor[i] += 1
     return local, members, member_lengths
-
-
-@njit(cache=True, nogil=True)
-def pack_items(lengths, order, max_tokens):
-    """Best-fit decreasing, as the bin of each item (see `pack_segments`)."""
-    offsets, members = pack_segments(lengths, order, max_tokens)
-    bin_of_item = np.empty(lengths.shape[0], dtype=np.int64)
-    for target in range(offsets.shape[0] - 1):
-        for i in range(offsets[target], offsets[target + 1]):
-            bin_of_item[members[i]] = target
-    return bin_of_item
