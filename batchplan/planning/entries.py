@@ -31,22 +31,10 @@ def make_entries(
             inside a sample is unknown).
     """
     lengths = np.asarray(lengths)
-    if loss_tokens is not None and config.has_seqlen_warmup:
-        raise DatasetError(
-            "--seqlen-warmup splits samples into pieces, and with a loss-tokens column where the "
-            "labelled tokens lie inside a sample is unknown (no exact loss-token count per piece); "
-            "leave out --seqlen-warmup or the loss-tokens column"
-        )
     num_samples = lengths.shape[0]
     shortest = int(lengths.min()) if num_samples else 1
     longest = int(lengths.max()) if num_samples else 0
-    if shortest < 0:
-        negative = np.flatnonzero(lengths < 0)
-        first = int(negative[0])
-        raise DatasetError(
-            f"{negative.size:,} samples have a negative length (sample {first:,}: {int(lengths[first]):,}); "
-            "token counts must be >= 0"
-        )
+    _check_inputs(lengths, shortest, config, loss_tokens is not None)
     dropped: dict[str, NDArray[np.int64]] = {}
     keep = None  # all samples kept (the common case: no mask, no copies)
     if shortest == 0:
@@ -78,6 +66,22 @@ def make_entries(
         every = np.arange(num_samples, dtype=index) if sample is None else sample
         return _spans(every, kept_lengths, config, dropped)
     return Entries(length=kept_lengths, dropped=dropped, sample=sample, loss_tokens=kept_loss)
+
+
+def _check_inputs(lengths, shortest: int, config: PlanConfig, has_loss_column: bool) -> None:
+    if has_loss_column and config.has_seqlen_warmup:
+        raise DatasetError(
+            "--seqlen-warmup splits samples into pieces, and with a loss-tokens column where the "
+            "labelled tokens lie inside a sample is unknown (no exact loss-token count per piece); "
+            "leave out --seqlen-warmup or the loss-tokens column"
+        )
+    if shortest < 0:
+        negative = np.flatnonzero(lengths < 0)
+        first = int(negative[0])
+        raise DatasetError(
+            f"{negative.size:,} samples have a negative length (sample {first:,}: {int(lengths[first]):,}); "
+            "token counts must be >= 0"
+        )
 
 
 def _check_oversize(lengths, oversize, config: PlanConfig, has_loss_column: bool) -> None:

@@ -35,6 +35,13 @@ from batchplan.reports.statistics import last_steps_of, rank_imbalance, regular_
 __all__ = ["per_step_and_rank", "samples_per_row", "summarize_plan"]
 
 
+def _imbalance_fields(name: str, imbalance) -> dict[str, float | None]:
+    """``name``, ``name_p99``, ``name_max``, ``name_last_step`` (None without a value)."""
+    stats = ("mean", "p99", "max", "last_step")
+    keys = [name] + [f"{name}_{stat}" for stat in stats[1:]]
+    return {key: None if imbalance is None else getattr(imbalance, stat) for key, stat in zip(keys, stats)}
+
+
 def summarize_plan(plan: PlanFile) -> dict[str, Any]:
     """Key numbers of a plan as a JSON-able dict."""
     meta = plan.metadata
@@ -76,14 +83,8 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
         "loss_tokens": int(table.column("loss_tokens").to_numpy().sum()),
         "fill": float(tokens[not_last].sum() / capacity) if capacity else 0.0,
         "padding_fraction": float(1.0 - tokens.sum() / padded.sum()) if padded.sum() else 0.0,
-        "token_imbalance": imbalance.mean,
-        "token_imbalance_p99": imbalance.p99,
-        "token_imbalance_max": imbalance.max,
-        "token_imbalance_last_step": imbalance.last_step,
-        "cost_imbalance": None if cost_imbalance is None else cost_imbalance.mean,
-        "cost_imbalance_p99": None if cost_imbalance is None else cost_imbalance.p99,
-        "cost_imbalance_max": None if cost_imbalance is None else cost_imbalance.max,
-        "cost_imbalance_last_step": None if cost_imbalance is None else cost_imbalance.last_step,
+        **_imbalance_fields("token_imbalance", imbalance),
+        **_imbalance_fields("cost_imbalance", cost_imbalance),
         "hidden_size": meta.get("hidden_size"),
         "attention_coefficient": meta.get("attention_coefficient"),
         "balance": meta["config"].get("balance", "tokens"),
