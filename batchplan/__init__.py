@@ -1,8 +1,22 @@
 """batchplan: token-capped, rank-balanced, reproducible batch plans for LLM training.
 
-Importing this package is light (no numba, torch or typer); heavy modules are
-imported where they are used.
+```python
+import batchplan
+
+batchplan.build_plan_file("data.parquet", "plan.arrow", batchplan.PlanConfig(max_tokens=8192, world_size=8))
+plan = batchplan.open_plan("plan.arrow")            # memory-mapped; plan.metadata, plan.read_rank(epoch, rank)
+assert batchplan.validate_plan(plan, "data.parquet") == []
+```
+
+Training replays a plan with `batchplan.runtime` (``PlanSampler``, collators). Importing
+this package is light (no numba, torch or typer): the functions above load their
+modules when first used.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from batchplan.config import PlanConfig
 from batchplan.errors import (
@@ -13,14 +27,51 @@ from batchplan.errors import (
     PlanMismatchError,
 )
 
+if TYPE_CHECKING:
+    from batchplan.formats.lengths import read_lengths
+    from batchplan.formats.plan_file import PlanFile, open_plan
+    from batchplan.operations.build import build_plan_file
+    from batchplan.operations.reshard import reshard_plan_file
+    from batchplan.operations.validate import Violation, validate_plan
+
 __version__ = "0.1.0"
+
+# The top-level API, each name loaded from its module on first use.
+_LAZY = {
+    "PlanFile": "batchplan.formats.plan_file",
+    "Violation": "batchplan.operations.validate",
+    "build_plan_file": "batchplan.operations.build",
+    "open_plan": "batchplan.formats.plan_file",
+    "read_lengths": "batchplan.formats.lengths",
+    "reshard_plan_file": "batchplan.operations.reshard",
+    "validate_plan": "batchplan.operations.validate",
+}
 
 __all__ = [
     "BatchPlanError",
     "ConfigError",
     "DatasetError",
     "PlanConfig",
+    "PlanFile",
     "PlanFormatError",
     "PlanMismatchError",
+    "Violation",
     "__version__",
+    "build_plan_file",
+    "open_plan",
+    "read_lengths",
+    "reshard_plan_file",
+    "validate_plan",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'batchplan' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

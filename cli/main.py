@@ -232,9 +232,13 @@ def validate(
     ] = None,
 ) -> None:
     """Re-check every guarantee of a plan; exit 1 on any violation."""
-    from batchplan.operations.validate import validate_plan_file
+    from batchplan.formats.plan_file import open_plan
+    from batchplan.operations.validate import validate_plan
 
-    violations, checked = validate_plan_file(plan, dataset)
+    opened = open_plan(plan)
+    violations = validate_plan(opened, dataset)
+    checked = f"{opened.num_epochs} epoch(s), {opened.world_size} rank(s)"
+    checked += f", {opened.num_samples:,} samples" if dataset else ""
     if violations:
         for violation in violations:
             typer.echo(f"FAIL {violation}", err=True)

@@ -98,7 +98,7 @@ def main() -> None:
                 raise RuntimeError(f"batch has {count_loss_tokens(batch)} loss tokens, plan says {mb.loss_tokens}")
             with contextlib.nullcontext() if mb.is_last else ddp.no_sync():
                 micro_loss = token_loss_sum(ddp(**batch), batch)
-                (micro_loss * mb.loss_scale(world_size)).backward()
+                (micro_loss * mb.loss_scale()).backward()
             loss_sum += micro_loss.detach()
             if not mb.is_last:
                 continue
@@ -117,12 +117,11 @@ def main() -> None:
 
 
 def build_plan(args: argparse.Namespace, world_size: int) -> None:
-    from batchplan import PlanConfig  # building plans is not the runtime's job (it loads numba)
-    from batchplan.operations.build import build_plan_file
+    import batchplan  # building plans is not the runtime's job (it loads numba)
 
-    config = PlanConfig(max_tokens=args.max_tokens, mode=args.mode, world_size=world_size,
+    config = batchplan.PlanConfig(max_tokens=args.max_tokens, mode=args.mode, world_size=world_size,
                         micro_batches=args.micro_batches, oversize="split")  # fmt: skip
-    build_plan_file(args.data, args.plan, config)
+    batchplan.build_plan_file(args.data, args.plan, config)
     print(f"built {args.plan} for world_size {world_size}", flush=True)
 
 

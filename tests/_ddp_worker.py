@@ -85,7 +85,7 @@ def gradient_check(path: str, collator, attention: str, lengths=None) -> dict:
     for batch in loader:
         mb = batch.record
         with contextlib.nullcontext() if mb.is_last else ddp.no_sync():
-            (token_loss_sum(ddp(**batch), batch) * mb.loss_scale(world_size)).backward()
+            (token_loss_sum(ddp(**batch), batch) * mb.loss_scale()).backward()
         count += 1
         if mb.is_last:
             break
@@ -153,7 +153,7 @@ def train(path: str, *, num_workers: int, stop_after: int | None = None, checkpo
             if batch["input_ids"].shape[1] != max(mb.tokens, 1):
                 raise AssertionError(f"batch of {batch['input_ids'].shape[1]} tokens for record {mb}")
             with contextlib.nullcontext() if mb.is_last else ddp.no_sync():
-                (token_loss_sum(ddp(**batch), batch) * mb.loss_scale(world_size)).backward()
+                (token_loss_sum(ddp(**batch), batch) * mb.loss_scale()).backward()
             seen.append((mb.epoch, mb.step, mb.micro, tuple(mb.indices)))
             if mb.is_last:
                 optimizer.step()

@@ -128,7 +128,7 @@ def train_micro_batch(ddp, batch, optimizer) -> bool:
     """The plain loop's body for one micro-batch; True when it ended a step (optimizer stepped)."""
     mb = batch.record
     with contextlib.nullcontext() if mb.is_last else ddp.no_sync():
-        (token_loss_sum(ddp(**batch), batch) * mb.loss_scale(dist.get_world_size())).backward()
+        (token_loss_sum(ddp(**batch), batch) * mb.loss_scale()).backward()
     if mb.is_last:
         optimizer.step()
         optimizer.zero_grad()
@@ -255,7 +255,7 @@ def accelerate_loop(plan: str, lengths, out: str, *, stop_after: int | None = No
         for batch in loader:
             mb = batch.record
             with contextlib.nullcontext() if mb.is_last else accelerator.no_sync(model):
-                loss = token_loss_sum(model(**batch), batch) * mb.loss_scale(accelerator.num_processes)
+                loss = token_loss_sum(model(**batch), batch) * mb.loss_scale()
                 accelerator.backward(loss)
             seen.append(key(mb))
             if mb.is_last:

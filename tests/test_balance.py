@@ -21,7 +21,7 @@ from batchplan.formats.plan_file import open_plan
 from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.epochs import build_plan
 from batchplan.reports.summary import summarize_plan
-from batchplan.operations.validate import validate_plan
+from batchplan.operations.validate import check_plan
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 FILES = ["sharegpt_dialogues_cl100k", "sharegpt_segments_cl100k", "squad11_bert384", "wikipedia_bert512_1m"]
@@ -91,7 +91,7 @@ def test_cost_column_is_the_cost_model_and_validates(tmp_path, mode):
     offsets = samples.offsets.to_numpy().astype(np.int64)
     expected = micro_batch_costs(lengths[samples.values.to_numpy()], offsets, mode, 1 / (12 * 1024))
     np.testing.assert_allclose(rows.column("cost").to_numpy(), expected, rtol=1e-9)
-    assert validate_plan(plan, lengths) == []
+    assert check_plan(plan, lengths) == []
 
 
 def test_plans_without_hidden_size_have_no_cost_column(tmp_path):
@@ -128,7 +128,7 @@ def test_attention_coefficient_can_be_given_directly(tmp_path):
     plan = open_plan(path)
     assert plan.metadata["hidden_size"] is None
     assert plan.metadata["attention_coefficient"] == pytest.approx(1 / (12 * 1024))
-    assert validate_plan(plan, lengths) == []
+    assert check_plan(plan, lengths) == []
     with pytest.raises(ConfigError, match="both given"):
         PlanConfig(max_tokens=8, hidden_size=64, attention_coefficient=0.001)
     with pytest.raises(ConfigError, match="finite number >= 0"):

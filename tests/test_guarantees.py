@@ -9,7 +9,7 @@ turns, with empty samples) and the real files in data/. Edge cases add one sampl
 micro-batches than ranks, and drop_last emptying an epoch.
 
 Each plan is built and written once per session; every test reads the file. Every
-plan must pass both `validate_plan` and the independent `reference.check_guarantees`.
+plan must pass both `check_plan` and the independent `reference.check_guarantees`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from conftest import REAL_FILES, build_and_write, dataset_lengths
 from batchplan import DatasetError, PlanConfig
 from batchplan.formats.plan_file import open_plan
 from batchplan.planning.epochs import build_plan
-from batchplan.operations.validate import validate_plan
+from batchplan.operations.validate import check_plan
 
 # --------------------------------------------------------------------------- the matrix
 
@@ -172,7 +172,7 @@ class Built:
 
     @cached_property
     def violations(self) -> list:
-        return validate_plan(open_plan(self.path), self.lengths, self.loss_tokens)
+        return check_plan(open_plan(self.path), self.lengths, self.loss_tokens)
 
     @cached_property
     def metadata(self) -> dict:
@@ -543,7 +543,7 @@ def test_validate_accepts_split_with_drop_last_plans(tmp_path):
     lengths = dataset_lengths("lognormal")
     path = tmp_path / "plan.arrow"
     build_and_write(lengths, SPLIT_DROP_LAST, path)
-    assert validate_plan(open_plan(path), lengths) == []
+    assert check_plan(open_plan(path), lengths) == []
 
 
 def test_drop_last_refuses_to_empty_an_epoch():

@@ -134,7 +134,7 @@ def test_pack_plans_of_format_version_1_with_padded_tokens_still_read(tmp_path, 
     from batchplan.operations.reshard import reshard_plan_file
     from batchplan.runtime import PlanSampler
     from batchplan.reports.summary import summarize_plan
-    from batchplan.operations.validate import validate_plan
+    from batchplan.operations.validate import check_plan
 
     config = PlanConfig(max_tokens=256, world_size=3, epochs=2)
     current, earlier = tmp_path / "current.arrow", tmp_path / "earlier.arrow"
@@ -146,7 +146,7 @@ def test_pack_plans_of_format_version_1_with_padded_tokens_still_read(tmp_path, 
     plan = open_plan(earlier)
     assert "padded_tokens" in plan.schema.names and plan.metadata["format_version"] == 1
     plan.verify()
-    assert validate_plan(plan, LENGTHS) == []
+    assert check_plan(plan, LENGTHS) == []
     assert summarize_plan(plan) == summarize_plan(open_plan(current))
     sampler = PlanSampler(earlier, rank=1, world_size=3)
     assert [record.padded_tokens for record in sampler.schedule()] == [record.tokens for record in sampler.schedule()]

@@ -1,6 +1,6 @@
 """Batch-size ramp-up (``--rampup START:TOKENS``) and sequence-length warmup
 (``--seqlen-warmup MIN:TOKENS``): steps grow as specified, pieces tile samples under a
-growing cap, every DESIGN.md guarantee still holds (`validate_plan` and the independent
+growing cap, every DESIGN.md guarantee still holds (`check_plan` and the independent
 `reference.check_guarantees`), rebuilds are byte-identical, the LR helper follows the
 tokens, and bad options fail with one clear error.
 
@@ -24,7 +24,7 @@ from batchplan.errors import ConfigError, DatasetError
 from batchplan.formats.plan_file import open_plan
 from batchplan.runtime.schedule import read_step_tokens, token_lr_factor, token_lr_lambda
 from batchplan.reports.summary import summarize_plan
-from batchplan.operations.validate import validate_plan
+from batchplan.operations.validate import check_plan
 from batchplan_cli.main import app
 
 LENGTHS = dataset_lengths("lognormal")  # 3,000 samples, ~2.5 M tokens, some above 2,048
@@ -88,7 +88,7 @@ def ramp_goal(config: PlanConfig, done, full):
 @pytest.mark.parametrize("name", list(CASES))
 def test_every_guarantee_holds(built, name):
     path, _, config = built(name)
-    assert validate_plan(open_plan(path), LENGTHS) == []
+    assert check_plan(open_plan(path), LENGTHS) == []
     assert ref.check_guarantees(path, LENGTHS, config=config) == []
 
 
@@ -330,5 +330,5 @@ def test_resharding_a_warmup_plan_keeps_every_guarantee(built, tmp_path, inside_
     new = tmp_path / "new.arrow"
     from_step = 5 if inside_warmup_epoch else plan.epochs[0].num_steps + 5
     reshard_plan_file(path, new, world_size=3, from_step=from_step)
-    assert validate_plan(open_plan(new), LENGTHS) == []
+    assert check_plan(open_plan(new), LENGTHS) == []
     assert ref.check_guarantees(new, LENGTHS) == []

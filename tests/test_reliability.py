@@ -8,10 +8,10 @@
 2. Builds that would not fit in memory are refused before reading the dataset (from the
    sample count) or before planning (from the lengths), with the available memory monkeypatched.
 3. Property test: random lengths and options give a `BatchPlanError` with a message, or a
-   plan that passes `validate_plan` and the independent `reference.check_guarantees`.
+   plan that passes `check_plan` and the independent `reference.check_guarantees`.
    It found a known bug, pinned by a strict xfail (validate's cost tolerance).
 4. Fuzz test: mutated plan files (byte flips, truncations, insertions, deletions, fields set
-   to extreme values) raise only `BatchPlanError` from the reader, ``verify`` and ``validate_plan``.
+   to extreme values) raise only `BatchPlanError` from the reader, ``verify`` and ``check_plan``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from batchplan.formats.plan_file import METADATA_KEY, open_plan
 from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.epochs import build_plan
 from batchplan.runtime import PlanSampler
-from batchplan.operations.validate import validate_plan
+from batchplan.operations.validate import check_plan
 from batchplan_cli.main import app
 
 runner = CliRunner()
@@ -502,7 +502,7 @@ def test_random_lengths_and_options_give_a_sound_plan_or_a_clear_error(inputs):
             event(f"refused: {type(error).__name__}")
             return
         event("planned")
-        violations = validate_plan(open_plan(path), lengths, loss)
+        violations = check_plan(open_plan(path), lengths, loss)
         if violations and all(COST_MESSAGE in v.message for v in violations) and costs_within_rounding(path, lengths):
             event("validate's cost rounding false positive (known, see the xfail test)")
             violations = []
@@ -517,7 +517,7 @@ def test_validate_accepts_the_costs_the_planner_writes(tmp_path):
     write_plan(build_plan(lengths, PlanConfig(max_tokens=2**20, hidden_size=1)), path,
                lengths_fingerprint=fingerprint_lengths(lengths))  # fmt: skip
     assert costs_within_rounding(path, lengths)
-    assert validate_plan(open_plan(path), lengths) == []
+    assert check_plan(open_plan(path), lengths) == []
 
 
 # --------------------------------------------------------------------------- 4. fuzzing the reader
@@ -583,7 +583,7 @@ def read_everything(path: Path, lengths: np.ndarray) -> str:
         outcome = "opened, checksum holds"
     except BatchPlanError:
         outcome = "opened, checksum fails"
-    found = validate_plan(plan, lengths) + validate_plan(plan)
+    found = check_plan(plan, lengths) + check_plan(plan)
     for rank in range(plan.world_size):  # what each training rank reads
         sampler = PlanSampler(path, rank=rank, world_size=plan.world_size)
         for epoch in range(sampler.num_epochs):
@@ -628,16 +628,16 @@ def test_corrupt_list_offsets_are_a_format_error_for_every_reader(tmp_path, last
         open_plan(path).verify()
     with pytest.raises(PlanFormatError, match=message):
         open_plan(path).read_all()
-    assert {v.guarantee for v in validate_plan(open_plan(path), lengths)} == {"integrity"}
+    assert {v.guarantee for v in check_plan(open_plan(path), lengths)} == {"integrity"}
 
 
 def test_a_renamed_metadata_key_is_an_integrity_violation_not_a_key_error(tmp_path):
     """Found by fuzzing: a flipped byte renamed ``attention_coefficient`` in a plan with a cost
-    column, and `validate_plan` raised KeyError."""
+    column, and `check_plan` raised KeyError."""
     lengths = np.random.default_rng(3).integers(1, 90, 40).astype(np.int32)
     path = tmp_path / "plan.arrow"
     write_plan(build_plan(lengths, PlanConfig(max_tokens=128, world_size=2, hidden_size=64)), path)
     flip_byte(path, path.read_bytes().rindex(b'{"attention_coefficient":0') + 4)  # top level (config's is null)
-    found = validate_plan(open_plan(path), lengths)
+    found = check_plan(open_plan(path), lengths)
     assert [v.guarantee for v in found] == ["integrity", "integrity"]
     assert "content hash" in found[0].message and "KeyError('attention_coefficient')" in found[1].message

@@ -4,7 +4,7 @@ In process, over pack and pad, 2->3, 4->2, 8->1 and 1->8 ranks, split and trunca
 samples, drop_last, several epochs, a step inside an epoch and at an epoch boundary:
 - what the parent trained before step S, plus what the new plan holds, plus the drops
   it lists, is exactly each epoch's samples (pieces of split samples tile them);
-- `validate_plan` and the independent `reference.check_guarantees` accept the new plan;
+- `check_plan` and the independent `reference.check_guarantees` accept the new plan;
 - steps run on from S and ``tokens_before_step`` from the parent's count at S;
 - the default step size follows the documented rule; reruns are byte-identical;
 - a parent's sampler state at step S loads (any rank), any other is refused.
@@ -33,8 +33,9 @@ from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.epochs import build_plan
 from batchplan.formats.bitmap import decode_bitmap, encode_bitmap
 from batchplan.operations.reshard import default_step_sizing, reshard_plan, reshard_plan_file
-from batchplan.runtime import PlanSampler, token_lr_lambda
-from batchplan.operations.validate import validate_plan
+from batchplan.runtime import PlanSampler
+from batchplan.runtime.schedule import token_lr_lambda
+from batchplan.operations.validate import check_plan
 from batchplan_cli.main import app
 
 
@@ -172,8 +173,8 @@ def test_trained_before_plus_the_new_plan_is_every_sample_once_per_epoch(reshard
 def test_validate_and_the_reference_checker_accept_the_new_plan(resharded):
     _, child, _, lengths = resharded
     plan = open_plan(child)
-    assert validate_plan(plan, lengths) == []
-    assert validate_plan(plan) == []
+    assert check_plan(plan, lengths) == []
+    assert check_plan(plan) == []
     config = PlanConfig.from_dict(plan.metadata["config"])
     assert ref.check_guarantees(plan, lengths, config=config) == []
 
@@ -222,7 +223,7 @@ def test_a_loss_tokens_column_keeps_exact_counts(tmp_path):
                     loss_tokens=loss_tokens)  # fmt: skip
     child = tmp_path / "child.arrow"
     reshard_plan_file(parent, child, world_size=3, from_step=step_at(parent, 0, "middle"))
-    assert validate_plan(open_plan(child), lengths, loss_tokens) == []
+    assert check_plan(open_plan(child), lengths, loss_tokens) == []
     assert ref.check_guarantees(child, lengths, loss_tokens=loss_tokens) == []
 
 
@@ -273,7 +274,7 @@ def test_explicit_sizes_are_used(make_parent, tmp_path):
         reshard_plan_file(parent, child, world_size=3, from_step=2, **{name: size})
         config = open_plan(child).metadata["config"]
         assert config[name] == size and config["world_size"] == 3
-        assert validate_plan(open_plan(child), lengths) == []
+        assert check_plan(open_plan(child), lengths) == []
 
 
 # --------------------------------------------------------------------------- chains, bad input, forgeries
@@ -287,7 +288,7 @@ def test_a_resharded_plan_can_be_resharded_again(make_parent, tmp_path):
     second = first + 5
     reshard_plan_file(child, grandchild, world_size=2, from_step=second)
     plan = open_plan(grandchild)
-    assert validate_plan(plan, lengths) == []
+    assert check_plan(plan, lengths) == []
     assert ref.check_guarantees(plan, lengths) == []
     grandparent = plan.metadata["resharded_from"]["resharded_from"]
     assert grandparent["content_hash"] == open_plan(parent).metadata["content_hash"]
@@ -344,7 +345,7 @@ def test_drop_last_drops_a_resumed_rest_that_fills_no_step(make_parent, tmp_path
     reshard_plan_file(parent, child, world_size=8, from_step=last)
     plan = open_plan(child)
     assert plan.metadata["steps_per_epoch"][0] == 0 and plan.metadata["dropped"]["drop_last"]["0"]
-    assert validate_plan(plan, lengths) == [] and ref.check_guarantees(plan, lengths) == []
+    assert check_plan(plan, lengths) == [] and ref.check_guarantees(plan, lengths) == []
     assert_continues(parent, child, last, lengths)
 
 
@@ -358,7 +359,7 @@ def test_validate_catches_a_wrong_consumed_list(make_parent, tmp_path, forgery):
     lineage = {**resharded.lineage, "consumed": {**resharded.lineage["consumed"], "samples": encode_bitmap(consumed)}}
     forged = tmp_path / "forged.arrow"
     write_plan(resharded.plan, forged, lengths_fingerprint=resharded.lengths_fingerprint, lineage=lineage)
-    violations = validate_plan(open_plan(forged), lengths)
+    violations = check_plan(open_plan(forged), lengths)
     assert [v.guarantee for v in violations] == ["coverage"]
     assert ref.check_guarantees(forged, lengths) != []
 
@@ -374,8 +375,8 @@ def test_validate_catches_a_consumed_piece_planned_again(make_parent, tmp_path):
     lineage = {**resharded.lineage, "consumed": {**consumed, "spans": sorted(consumed["spans"] + [piece])}}
     forged = tmp_path / "forged.arrow"
     write_plan(resharded.plan, forged, lengths_fingerprint=resharded.lengths_fingerprint, lineage=lineage)
-    assert "coverage" in {v.guarantee for v in validate_plan(open_plan(forged), lengths)}
-    assert "coverage" in {v.guarantee for v in validate_plan(open_plan(forged))}
+    assert "coverage" in {v.guarantee for v in check_plan(open_plan(forged), lengths)}
+    assert "coverage" in {v.guarantee for v in check_plan(open_plan(forged))}
 
 
 def test_validate_catches_rows_in_an_epoch_the_parent_finished_and_a_malformed_lineage(tmp_path):
@@ -387,9 +388,9 @@ def test_validate_catches_rows_in_an_epoch_the_parent_finished_and_a_malformed_l
                "consumed": {"epoch": 1, "samples": "", "spans": []}}  # fmt: skip
     forged = tmp_path / "forged.arrow"
     write_plan(plan, forged, lineage=lineage)
-    assert any("trained on the parent plan" in v.message for v in validate_plan(open_plan(forged), lengths))
+    assert any("trained on the parent plan" in v.message for v in check_plan(open_plan(forged), lengths))
     write_plan(plan, forged, lineage={**lineage, "consumed": {"epoch": 1, "samples": "%%", "spans": []}})
-    assert any("malformed" in v.message for v in validate_plan(open_plan(forged)))
+    assert any("malformed" in v.message for v in check_plan(open_plan(forged)))
 
 
 def test_the_bitmap_round_trips_and_is_short():
@@ -514,7 +515,8 @@ def test_the_token_lr_schedule_continues_on_the_new_plan(make_parent, tmp_path):
 
 
 def test_token_lr_on_the_new_plan_equals_an_unresharded_run_at_the_same_tokens(make_parent, tmp_path):
-    from batchplan.runtime import read_step_tokens, token_lr_factor
+    from batchplan.runtime import read_step_tokens
+    from batchplan.runtime.schedule import token_lr_factor
 
     parent, _ = make_parent(max_tokens=256, world_size=2, epochs=2, micro_batches=2, oversize="split")
     child = tmp_path / "child.arrow"
@@ -541,7 +543,7 @@ def test_the_command_writes_a_valid_plan_and_fails_in_one_line(make_parent, tmp_
     result = runner.invoke(app, ["reshard", str(parent), "--world-size", "3", "--from-step", "4", "-o", str(child)])
     assert result.exit_code == 0, result.output
     assert "wrote" in result.stdout and "steps 4.. on 3 ranks (was 2)" in result.stdout
-    assert validate_plan(open_plan(child), lengths) == []
+    assert check_plan(open_plan(child), lengths) == []
     result = runner.invoke(app, ["reshard", str(parent), "--world-size", "3", "--from-step", "9999", "-o",
                                  str(tmp_path / "x.arrow")])  # fmt: skip
     assert result.exit_code == 1

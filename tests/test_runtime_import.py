@@ -11,7 +11,7 @@ def test_importing_the_runtime_loads_no_numba_and_no_typer():
     code = (
         "import sys\n"
         "import batchplan.runtime, batchplan.toy\n"
-        "from batchplan.runtime import PlanSampler, PackCollator, PadCollator, token_lr_lambda\n"
+        "from batchplan.runtime import PlanSampler, PackCollator, PadCollator, token_lr_scheduler\n"
         "banned = ('numba', 'typer', 'llvmlite', 'batchplan_cli', 'transformers', 'trl', 'accelerate', 'lightning',\n"
         "          'pytorch_lightning', 'torchdata', 'datasets', 'batchplan.integrations')\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in banned or m.startswith('batchplan.integrations'))\n"
@@ -25,7 +25,7 @@ def test_the_public_api_is_exported():
     import batchplan.runtime as runtime
 
     for name in ("PlanSampler", "PackCollator", "PadCollator", "PlanDataset", "MicroBatch", "PlanBatch",
-                 "with_record", "token_lr_lambda", "token_lr_scheduler", "token_loss_sum"):  # fmt: skip
+                 "with_record", "token_lr_scheduler", "token_loss_sum"):  # fmt: skip
         assert name in runtime.__all__
         assert getattr(runtime, name) is not None
 

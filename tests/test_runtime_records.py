@@ -193,3 +193,23 @@ def test_pack_batches_turn_the_kv_cache_off_unless_asked(plans):
     assert "use_cache" not in PackCollator(use_cache=None)(items)
     assert "use_cache" not in PadCollator()(items)
     assert len(sample_lengths()) == sampler.plan.num_samples
+
+
+def test_loss_scale_uses_the_plans_world_size_and_refuses_another(tmp_path):
+    """``mb.loss_scale()`` needs no argument: the record knows its plan's ranks; another world
+    size would scale every step's mean by the wrong ratio, so it is refused."""
+    from batchplan.errors import ConfigError
+    from batchplan.formats.plan_writer import write_plan
+    from batchplan.planning.epochs import build_plan
+    from batchplan.config import PlanConfig
+    from batchplan.runtime import PlanSampler
+
+    path = tmp_path / "plan.arrow"
+    write_plan(build_plan(np.arange(1, 200, dtype=np.int32), PlanConfig(max_tokens=512, world_size=4)), path)
+    record = next(iter(PlanSampler(path, rank=1, world_size=4))).record
+    assert record.world_size == 4
+    assert record.loss_scale() == record.loss_scale(4) == 4 / record.step_loss_tokens
+    with pytest.raises(ConfigError, match="plan of 4 ranks"):
+        record.loss_scale(2)
+    with pytest.raises(ConfigError, match="pass loss_scale"):
+        record._replace(world_size=None).loss_scale()

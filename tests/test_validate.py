@@ -1,4 +1,4 @@
-"""`validate_plan` catches corruption and names the guarantee it breaks.
+"""`check_plan` catches corruption and names the guarantee it breaks.
 
 Each test builds a good plan, rewrites it with one defect, and asserts exactly which
 guarantees are reported. "Forged" files get a fresh content checksum (so only the
@@ -19,7 +19,7 @@ import reference as ref
 
 from batchplan import BatchPlanError, PlanConfig, PlanFormatError
 from batchplan.formats.plan_file import METADATA_KEY, content_hash, open_plan
-from batchplan.operations.validate import validate_plan
+from batchplan.operations.validate import check_plan
 
 # --------------------------------------------------------------------------- rewriting plans
 
@@ -77,7 +77,7 @@ def recount(metadata: dict, batches: list[dict[str, list]], lengths: np.ndarray)
 
 
 def reported(path: Path, lengths: np.ndarray) -> set[str]:
-    return {v.guarantee for v in validate_plan(open_plan(path), lengths)}
+    return {v.guarantee for v in check_plan(open_plan(path), lengths)}
 
 
 def load(lengths: np.ndarray, samples: list[int], mode: str) -> int:
@@ -108,9 +108,9 @@ def forge(good, batches=None, metadata=None, *, rehash=True, count=True) -> Path
 
 
 def test_good_plan_and_its_rewrite_have_no_violations(good):
-    assert validate_plan(open_plan(good["path"]), good["lengths"]) == []
+    assert check_plan(open_plan(good["path"]), good["lengths"]) == []
     path = forge(good)  # the rewriting helpers alone break nothing
-    assert validate_plan(open_plan(path), good["lengths"]) == []
+    assert check_plan(open_plan(path), good["lengths"]) == []
     assert ref.check_guarantees(path, good["lengths"]) == []
 
 
@@ -326,6 +326,6 @@ def test_any_flipped_byte_is_a_plan_format_error_or_reported(good):
     for position in range(0, len(data), 37):
         path = flip(good["path"], position, good["broken"])
         try:
-            validate_plan(open_plan(path), good["lengths"])
+            check_plan(open_plan(path), good["lengths"])
         except BatchPlanError:
             pass

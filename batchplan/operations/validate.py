@@ -38,12 +38,12 @@ from batchplan.formats.lengths import fingerprint_lengths, read_lengths
 from batchplan.formats.plan_file import PlanFile, open_plan
 from batchplan.operations.epoch_checks import EpochChecker, Violation
 
-__all__ = ["Violation", "validate_plan", "validate_plan_file"]
+__all__ = ["Violation", "check_plan", "validate_plan"]
 
 PathLike = str | os.PathLike
 
 
-def validate_plan(
+def check_plan(
     plan: PlanFile,
     lengths: NDArray[np.integer] | None = None,
     loss_tokens: NDArray[np.integer] | None = None,
@@ -89,22 +89,19 @@ def validate_plan(
     return found
 
 
-def validate_plan_file(plan_path: PathLike, dataset: PathLike | Sequence[PathLike] | None = None):
-    """Open a plan and check every guarantee, against the dataset when given.
-
-    Returns:
-        ``(violations, description)``: the list of `Violation` and what was checked.
-    """
-    plan = open_plan(plan_path)
+def validate_plan(plan: PathLike | PlanFile, dataset: PathLike | Sequence[PathLike] | None = None) -> list[Violation]:
+    """Every violated guarantee of a plan file (an empty list when it is sound), checked
+    against the dataset's lengths when ``dataset`` (its files) is given; `check_plan` for
+    lengths already in memory."""
+    plan = plan if isinstance(plan, PlanFile) else open_plan(plan)
     if not dataset:
-        return validate_plan(plan), f"{plan.num_epochs} epoch(s), {plan.world_size} rank(s)"
+        return check_plan(plan)
     source = plan.metadata.get("dataset") or {}
     column = source.get("length_column", "length")  # the column actually used: integer or list
     lengths = read_lengths(
         dataset, length_column=column, tokens_column=column, loss_tokens_column=source.get("loss_tokens_column")
     )
-    violations = validate_plan(plan, lengths.lengths, lengths.loss_tokens)
-    return violations, f"{plan.num_epochs} epoch(s), {plan.world_size} rank(s), {lengths.num_samples:,} samples"
+    return check_plan(plan, lengths.lengths, lengths.loss_tokens)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,7 +6,7 @@ loader = DataLoader(PlanDataset(dataset), batch_sampler=sampler, collate_fn=Pack
 while not sampler.finished:                                # one pass of the loader = one epoch
     for batch in loader:
         mb = batch.record                                  # the micro-batch's plan record
-        loss = token_loss_sum(model(**batch), batch) * mb.loss_scale(world_size)
+        loss = token_loss_sum(model(**batch), batch) * mb.loss_scale()
         loss.backward()                                    # (DDP: no_sync() unless mb.is_last)
         if mb.is_last: optimizer.step(); scheduler.step(); optimizer.zero_grad()
 ```
@@ -22,7 +22,7 @@ from batchplan.runtime.dataset import PlanDataset
 from batchplan.runtime.loss import count_loss_tokens, token_loss_sum
 from batchplan.runtime.records import MicroBatch, PlannedItems, PlannedRows, SpanIndex, SpanItem
 from batchplan.runtime.sampler import PlanSampler
-from batchplan.runtime.schedule import read_step_tokens, token_lr_factor, token_lr_lambda, token_lr_scheduler
+from batchplan.runtime.schedule import read_step_tokens, token_lr_scheduler
 
 __all__ = [
     "IGNORE_INDEX",
@@ -42,8 +42,6 @@ __all__ = [
     "read_step_tokens",
     "record_of",
     "token_loss_sum",
-    "token_lr_factor",
-    "token_lr_lambda",
     "token_lr_scheduler",
     "with_record",
 ]

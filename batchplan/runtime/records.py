@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from batchplan.errors import ConfigError
+
 __all__ = ["MicroBatch", "PlannedItems", "PlannedRows", "SpanIndex", "SpanItem"]
 
 
@@ -38,6 +40,7 @@ class MicroBatch(NamedTuple):
         starts: first token of each entry within its sample, or None when every
             entry is a whole sample (the plan has no spans).
         lengths: tokens of each entry, or None like ``starts``.
+        world_size: the plan's data-parallel ranks (None on a record made by hand).
     """
 
     indices: list[int]
@@ -55,6 +58,7 @@ class MicroBatch(NamedTuple):
     position: int
     starts: list[int] | None = None
     lengths: list[int] | None = None
+    world_size: int | None = None
 
     @property
     def spans(self) -> list[tuple[int, int]] | None:
@@ -68,14 +72,29 @@ class MicroBatch(NamedTuple):
         """True for a planned empty micro-batch (run a zero-weight dummy forward)."""
         return not self.indices
 
-    def loss_scale(self, world_size: int) -> float:
+    def loss_scale(self, world_size: int | None = None) -> float:
         """Factor turning this micro-batch's loss *sum* into its share of the step's mean.
 
-        ``loss_sum * loss_scale(world_size)``, backpropagated on every micro-batch,
-        gives gradients of the mean token loss over the whole step once DDP/FSDP
-        average them over ``world_size`` ranks. A step without loss tokens (only
-        one-token samples) scales by ``world_size`` so its zero loss stays finite.
+        ``loss_sum * loss_scale()``, backpropagated on every micro-batch, gives
+        gradients of the mean token loss over the whole step once DDP/FSDP average
+        them over the plan's ranks: ``world_size / step_loss_tokens``. A step without
+        loss tokens (only one-token samples) scales by ``world_size`` so its zero loss
+        stays finite.
+
+        Args:
+            world_size: the ranks gradients are averaged over; default the plan's
+                (a record made by hand must pass it). Another value than the plan's
+                is an error: the step's mean would be off by their ratio.
         """
+        if world_size is None:
+            if self.world_size is None:
+                raise ConfigError("this record does not know its plan's world size: pass loss_scale(world_size)")
+            world_size = self.world_size
+        elif self.world_size is not None and world_size != self.world_size:
+            raise ConfigError(
+                f"loss_scale(world_size={world_size}) on a plan of {self.world_size} ranks: gradients averaged "
+                f"over {world_size} ranks would not be the step's mean; train on {self.world_size} ranks"
+            )
         return world_size / max(self.step_loss_tokens, 1)
 
 

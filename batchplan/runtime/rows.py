@@ -36,10 +36,12 @@ class RankRows:
         epoch: the epoch these rows belong to.
         num_rows: micro-batches of this rank in this epoch.
         has_spans: whether rows carry ``starts``/``lengths`` token spans.
+        world_size: the plan's ranks, put on every record (`MicroBatch.loss_scale`).
     """
 
-    def __init__(self, batch: pa.RecordBatch, epoch: int, path: object) -> None:
+    def __init__(self, batch: pa.RecordBatch, epoch: int, path: object, world_size: int | None = None) -> None:
         self.epoch = epoch
+        self.world_size = world_size
         self.num_rows = batch.num_rows
         self.has_spans = "starts" in batch.schema.names
         try:
@@ -57,7 +59,7 @@ class RankRows:
 
     def records(self, start: int = 0) -> Iterator[MicroBatch]:
         """One `MicroBatch` per row from row ``start``."""
-        epoch = self.epoch
+        epoch, world_size = self.epoch, self.world_size
         for first in range(start, self.num_rows, CHUNK_ROWS):
             stop = min(first + CHUNK_ROWS, self.num_rows)
             columns = [self._columns[name][first:stop].tolist() for name in _SCALARS]
@@ -65,7 +67,7 @@ class RankRows:
             for j, (step, micro, num_micro, *counts) in enumerate(zip(*columns)):
                 yield MicroBatch(
                     samples[j], epoch, step, micro, num_micro, micro == num_micro - 1, *counts,
-                    first + j, starts[j], lengths[j],
+                    first + j, starts[j], lengths[j], world_size,
                 )  # fmt: skip
 
     def planned_rows(self, start: int = 0) -> Iterator[PlannedRows]:

@@ -252,7 +252,7 @@ class PlanSampler(Sampler[list[int]]):
         """The records of the micro-batches the next iteration yields, without drawing them."""
         epoch, start = self._next_start()
         if epoch != self._epoch:
-            return iter(RankRows(self._read_rank(epoch), epoch, self.path).records(start))
+            return iter(RankRows(self._read_rank(epoch), epoch, self.path, self.world_size).records(start))
         return self._epoch_rows().records(start)
 
     def _next_start(self, strict: bool = False) -> tuple[int, int]:
@@ -272,7 +272,7 @@ class PlanSampler(Sampler[list[int]]):
 
     def _epoch_rows(self) -> RankRows:
         if self._rows is None or self._rows.epoch != self._epoch:
-            self._rows = RankRows(self._read_rank(self._epoch), self._epoch, self.path)
+            self._rows = RankRows(self._read_rank(self._epoch), self._epoch, self.path, self.world_size)
         return self._rows
 
     def _read_rank(self, epoch: int):
@@ -341,7 +341,7 @@ class PlanSampler(Sampler[list[int]]):
         while epoch < len(steps) - 1 and done >= steps[epoch]:
             done -= steps[epoch]
             epoch += 1
-        rows = self._epoch_rows() if epoch == self._epoch else RankRows(self._read_rank(epoch), epoch, self.path)
+        rows = self._epoch_rows() if epoch == self._epoch else RankRows(self._read_rank(epoch), epoch, self.path, self.world_size)
         position = int(np.searchsorted(rows.column("step"), step, side="left"))
         return make_state(self._identity, epoch, position)
 
