@@ -165,12 +165,12 @@ class PlanConfig:
             return
         _check_int("rampup_start", self.rampup_start, minimum=1, flag="--rampup START")
         _check_int("rampup_tokens", self.rampup_tokens, minimum=1, flag="--rampup TOKENS")
-        round = self.world_size * self.max_tokens  # the smallest step: one micro-batch per rank
-        if self.rampup_start < round:
+        smallest = self.world_size * self.max_tokens  # the smallest step: one micro-batch per rank
+        if self.rampup_start < smallest:
             raise ConfigError(
                 f"--rampup START {self.rampup_start:,} is smaller than one micro-batch per rank "
-                f"(world_size {self.world_size} x max_tokens {self.max_tokens:,} = {round:,}), the "
-                f"smallest step; raise START to at least {round:,}"
+                f"(world_size {self.world_size} x max_tokens {self.max_tokens:,} = {smallest:,}), the "
+                f"smallest step; raise START to at least {smallest:,}"
             )
         if self.tokens_per_step is not None:
             if self.rampup_start >= self.tokens_per_step:
@@ -185,11 +185,11 @@ class PlanConfig:
                 "--rampup needs a full step larger than one micro-batch per rank (the smallest "
                 "step): pass --tokens-per-step T (the ramp's target) or --micro-batches M > 1"
             )
-        full = round * per_step
+        full = smallest * per_step
         if self.rampup_start >= full:
             raise ConfigError(
                 f"--rampup START {self.rampup_start:,} must be below a full step of --micro-batches "
-                f"{per_step} (at most {per_step} x {round:,} = {full:,} tokens); lower START or raise "
+                f"{per_step} (at most {per_step} x {smallest:,} = {full:,} tokens); lower START or raise "
                 "--micro-batches"
             )
 

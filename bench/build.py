@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument(
         "--pause", type=float, default=0.0,
         help="sleep this many seconds before each timed build and permutation (then run in a new "
-        "process): memory the previous run freed is no longer at hand (see docs/benchmarks.md)",
+        "process): memory the previous run freed is not at hand (see docs/benchmarks.md)",
     )  # fmt: skip
     args = parser.parse_args()
     if args.pause < 0:

@@ -156,11 +156,11 @@ def steps_by_tokens(round_tokens: Sequence[int], target: int) -> list[int]:
     ``target``; it always takes at least one round. Returns step offsets over rounds."""
     offsets = [0]
     total = 0
-    for round, tokens in enumerate(round_tokens):
+    for index, tokens in enumerate(round_tokens):
         tokens = int(tokens)
-        step_is_empty = round == offsets[-1]
+        step_is_empty = index == offsets[-1]
         if not step_is_empty and not abs(total + tokens - target) < abs(total - target):
-            offsets.append(round)
+            offsets.append(index)
             total = 0
         total += tokens
     if len(round_tokens):
@@ -571,9 +571,9 @@ class _EpochCheck:
     def check_ramp_sizes(self, steps, per_step, step_tokens) -> None:
         start, ramp = self.cfg["rampup_start"], self.cfg["rampup_tokens"]
         fixed = self.cfg["micro_batches"] if self.cfg["tokens_per_step"] is None else None
-        round = self.world_size * self.max_tokens
+        round_size = self.world_size * self.max_tokens
         # With micro-batches the full step is the mean of M rounds: at most M x round.
-        full = self.cfg["tokens_per_step"] if fixed is None else fixed * round
+        full = self.cfg["tokens_per_step"] if fixed is None else fixed * round_size
         done = self.tokens_base
         for step in steps:
             tokens = step_tokens[step]
@@ -585,9 +585,9 @@ class _EpochCheck:
                              f"expected {fixed}")  # fmt: skip
             elif fixed is not None and per_step[step] > fixed:
                 self.add("step_size", f"step {step}: {per_step[step]} micro-batches per rank, above {fixed}")
-            if tokens > goal + round / 2 or (fixed is None and not last and tokens < goal - round / 2):
+            if tokens > goal + round_size / 2 or (fixed is None and not last and tokens < goal - round_size / 2):
                 self.add("step_size", f"step {step} holds {tokens} tokens after {done}, ramp target {goal:.0f} "
-                         f"+- {round / 2}")  # fmt: skip
+                         f"+- {round_size / 2}")  # fmt: skip
             done += tokens
 
     def check_seqlen_warmup(self, step_tokens) -> None:

@@ -1,4 +1,4 @@
-"""The command output the docs show is what the commands print now (``bench.docs --check``).
+"""The command output the docs show is what the commands print (``bench.docs --check``).
 
 Every ```text block that opens with ``$ batchplan ...`` and shows output is run again
 from the repository root; plans and comparisons are deterministic, so the output

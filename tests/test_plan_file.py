@@ -129,8 +129,8 @@ def test_padded_tokens_only_in_pad_mode(tmp_path):
 
 
 def test_pack_plans_of_format_version_1_with_padded_tokens_still_read(tmp_path, monkeypatch):
-    """Format version 1 wrote ``padded_tokens`` in pack mode too: such plans open, verify,
-    validate, summarize, replay and reshard as before."""
+    """Format version 1 has ``padded_tokens`` in pack mode too: such plans open, verify,
+    validate, summarize, replay and reshard like version 2 plans."""
     from batchplan.operations.reshard import reshard_plan_file
     from batchplan.runtime import PlanSampler
     from batchplan.reports.summary import summarize_plan

@@ -276,7 +276,7 @@ def test_bad_input_is_one_line_exit_1_and_nothing_written(tmp_path, row):
 
 
 def test_flipped_byte_in_the_rows_fails_validate_naming_integrity(tmp_path):
-    """A byte of the ``tokens`` values flipped: the checksum no longer matches. ``validate``
+    """A byte of the ``tokens`` values flipped: the checksum does not match. ``validate``
     prints one ``FAIL`` line per broken guarantee and a count, and exits 1."""
     path = good_plan(tmp_path)
     flip_byte(path, values_position(path, "tokens"))
@@ -608,9 +608,9 @@ def test_mutated_plan_files_raise_only_batchplan_errors(fuzz_seeds, seed, mutati
 
 @pytest.mark.parametrize("last_offset", [2**31 - 1, 100_000, -5])
 def test_corrupt_list_offsets_are_a_format_error_for_every_reader(tmp_path, last_offset):
-    """Found by fuzzing: pyarrow reads a record batch without checking its list offsets, so a
-    corrupt offset crashed ``verify`` (SystemError), or segfaulted the sampler, or let it
-    yield silently clipped rows. `PlanFile` now validates each batch it hands out."""
+    """pyarrow reads a record batch without checking its list offsets, so a corrupt offset
+    would crash ``verify`` (SystemError), segfault the sampler, or yield silently clipped
+    rows: `PlanFile` validates each batch it hands out."""
     lengths = np.random.default_rng(3).integers(1, 90, 40).astype(np.int32)
     path = tmp_path / "plan.arrow"
     write_plan(build_plan(lengths, PlanConfig(max_tokens=128, world_size=2)), path)

@@ -94,7 +94,7 @@ def _plan_epochs(entries: Entries, config: PlanConfig, warmup: SeqlenWarmup | No
                 on_epoch(len(epochs) - 1)
     first = len(epochs)
     # Past the ramp (or without drop_last, exactly) each later epoch starts at
-    # tokens_before + k * epoch_tokens; past the ramp the value no longer matters.
+    # tokens_before + k * epoch_tokens; past the ramp the value does not matter.
     count = config.epochs - first
     befores = [tokens_before + k * epoch_tokens for k in range(count)]
     at_once, threads = epoch_threads(count, num_threads())
