@@ -21,7 +21,7 @@ __all__ = ["Entries", "EpochPlan", "Plan", "index_dtype"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Entries:
-    """The units the planner places.
+    """What micro-batches hold: samples, or spans of samples (one entry per span).
 
     Attributes:
         length: tokens of each entry (int32).

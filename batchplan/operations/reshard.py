@@ -6,14 +6,14 @@ from global step ``S`` gets a new plan:
 1. The parent's micro-batches from step ``S`` on (the rest of ``S``'s epoch, then
    every later epoch) are read back from the file with their samples, spans and
    counts. A micro-batch does not depend on the world size (packs and padded batches
-   are formed before ranks are assigned), so each is kept whole, as one unit; empty
+   are formed before ranks are assigned), so each is kept whole, as one entry; empty
    fillers are discarded. In pack mode the micro-batches of each epoch's last step,
    which the parent split so that every rank had one, are packed again (the
    planner's best fit decreasing within ``max_tokens``; counts and costs are sums of the pieces').
 2. Each epoch's micro-batches are scheduled again for ``W2`` ranks by
    `batchplan.planning.schedule.schedule_epoch`: seeded shuffle, an incomplete last round
-   completed with empty micro-batches (units are never split) or dropped under
-   ``drop_last``, balanced steps, rank assignment. Each unit is balanced by its
+   completed with empty micro-batches (these entries are never split) or dropped under
+   ``drop_last``, balanced steps, rank assignment. Each entry is balanced by its
    micro-batch's exact ``cost`` (the parent's column), so ``balance=compute`` keeps
    ranks as balanced as a fresh build for the new world size.
 3. Steps are numbered on from ``S`` and ``tokens_before_step`` runs on from the
@@ -238,7 +238,7 @@ def _parent_record(plan: PlanFile, from_step: int, epoch: int, position: int) ->
 
 
 def _schedule(part: ParentRows, entry_ids, dropped_ids, config: PlanConfig, epoch: int, *, resumed: bool) -> EpochPlan:
-    """Schedule one epoch's micro-batches for the new world size, each as one unit."""
+    """Schedule one epoch's micro-batches for the new world size, each as one entry."""
     count = part.num_rows
     per_step = config.micro_batches_per_step
     fills_a_step = count >= config.world_size * (per_step or 1)
@@ -251,33 +251,33 @@ def _schedule(part: ParentRows, entry_ids, dropped_ids, config: PlanConfig, epoc
             )
         # The rest of the resumed epoch is an incomplete final step: drop_last drops it.
         return _empty_epoch(epoch, config, np.concatenate([entry_ids, dropped_ids]).astype(np.int64))
-    # One unit per parent micro-batch: its length is the micro-batch's tokens.
+    # One entry per parent micro-batch: its length is the micro-batch's tokens.
     starts = np.arange(count, dtype=np.int64)
     length = part.tokens.astype(np.int32)
-    units = Entries(sample=starts, start=None, length=length, loss_tokens=part.loss_tokens.astype(np.int32), dropped={})
+    parents = Entries(sample=starts, start=None, length=length, loss_tokens=part.loss_tokens.astype(np.int32), dropped={})
     batches = MicroBatches(members=starts.astype(index_dtype(count)), lengths=length, starts=starts, ends=starts + 1)
-    scheduled = schedule_epoch(units, batches, config, epoch, costs=part.cost)
+    scheduled = schedule_epoch(parents, batches, config, epoch, costs=part.cost)
     return _expand(scheduled, part, entry_ids, dropped_ids)
 
 
 def _expand(scheduled: EpochPlan, part: ParentRows, entry_ids, dropped_ids) -> EpochPlan:
-    """Replace each scheduled unit by the parent micro-batch it stands for: its entries and counts."""
-    has_unit = np.diff(scheduled.offsets) > 0  # False for an empty micro-batch added as filler
-    unit = scheduled.members[scheduled.offsets[:-1][has_unit]].astype(np.int64)
+    """Replace each scheduled entry by the parent micro-batch it stands for: its entries and counts."""
+    has_parent = np.diff(scheduled.offsets) > 0  # False for an empty micro-batch added as filler
+    parent = scheduled.members[scheduled.offsets[:-1][has_parent]].astype(np.int64)
     counts = np.zeros(scheduled.num_rows, dtype=np.int64)
-    counts[has_unit] = np.diff(part.offsets)[unit]
+    counts[has_parent] = np.diff(part.offsets)[parent]
 
     def per_row(values):
         out = np.zeros(scheduled.num_rows, dtype=values.dtype)
-        out[has_unit] = values[unit]
+        out[has_parent] = values[parent]
         return out
 
     tokens, loss_tokens = per_row(part.tokens), per_row(part.loss_tokens)
-    gone = scheduled.dropped_entries.astype(np.int64)  # units dropped by drop_last
+    gone = scheduled.dropped_entries.astype(np.int64)  # parent micro-batches dropped by drop_last
     return dataclasses.replace(
         scheduled,
         offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-        members=entry_ids[segment_positions(part.offsets, unit)],
+        members=entry_ids[segment_positions(part.offsets, parent)],
         tokens=tokens,
         loss_tokens=loss_tokens,
         padded_tokens=per_row(part.padded_tokens),
