@@ -1,6 +1,9 @@
 """An epoch's micro-batches, held as (start, end) ranges over their entries.
 
-Formed by `batchplan.planning.forming`, scheduled by `batchplan.planning.schedule`.
+The entries themselves have one of two layouts with the same methods: `LaidOut` (members
+and lengths in memory: pad mode, a warmup, a reshard) or `batchplan.planning.bins.PackedBins`
+(best fit's bins, members laid out only when needed). Formed by
+`batchplan.planning.forming`, scheduled by `batchplan.planning.schedule`.
 """
 
 from __future__ import annotations
@@ -10,13 +13,38 @@ from collections.abc import Callable
 import numpy as np
 from numpy.typing import NDArray
 
-from batchplan.kernels.pack import bin_destinations, scatter_bins
 from batchplan.kernels.segments import lay_out_segments, range_sums
-from batchplan.planning.bins import PackedBins
-from batchplan.planning.buffers import new_buffer, scratch_or_new
-from batchplan.planning.threads import run_in_parts
+from batchplan.planning.bins import PackedBins, check_written
+from batchplan.planning.buffers import scratch_or_new
 
-__all__ = ["MicroBatches"]
+__all__ = ["LaidOut", "MicroBatches"]
+
+
+class LaidOut:
+    """Entries in memory: ``members`` (entry ids) and their ``lengths``, micro-batch after
+    micro-batch; a micro-batch is a (start, end) range of them."""
+
+    def __init__(self, members: NDArray[np.integer], lengths: NDArray[np.int32]) -> None:
+        self.members, self.lengths = members, lengths
+
+    def formed_tokens(self, starts: NDArray[np.int64], ends: NDArray[np.int64]) -> NDArray[np.int64]:
+        return range_sums(self.lengths, starts, ends, np.zeros(starts.shape[0], dtype=np.int64))
+
+    def ranges(self, starts: NDArray[np.int64], ends: NDArray[np.int64]) -> list[tuple[NDArray, NDArray]]:
+        return [(self.members[s:e], self.lengths[s:e]) for s, e in zip(starts, ends)]
+
+    def length_sums(self, value: Callable, batches: MicroBatches) -> NDArray[np.float64]:
+        return batches.range_sums(value(self.lengths.astype(np.float64)))
+
+    def entry_sums(self, values: NDArray[np.integer], batches: MicroBatches) -> NDArray[np.int64]:
+        return batches.range_sums(values[self.members])
+
+    def gather(self, batches: MicroBatches, order, sizes, threads: int, scratch) -> tuple[NDArray[np.int64], NDArray]:
+        destination = scratch_or_new(scratch, batches.count)
+        members = np.empty(int(sizes.sum()), dtype=self.members.dtype)
+        offsets, written = lay_out_segments(self.members, batches.starts, batches.ends, order, destination, members)
+        check_written(written, members)
+        return offsets, members
 
 
 class MicroBatches:
@@ -28,9 +56,9 @@ class MicroBatches:
     and let the final (rank, step, micro) order be gathered in one pass.
 
     Packed micro-batches come as `PackedBins` (micro-batch ``k < num_bins`` is bin ``k``;
-    later ones are pieces of bins, or empty), and ``members``/``lengths`` are made only
-    when asked for: the hot path (`tokens`, `entry_sums`, `length_sums`, `gather`) never
-    needs them.
+    later ones are pieces of bins, or empty): the hot path (`tokens`, `entry_sums`,
+    `length_sums`, `gather`) never lays their members out; asking for ``members`` or
+    ``lengths`` does, once, and the micro-batches continue on that layout.
     """
 
     def __init__(
@@ -44,8 +72,7 @@ class MicroBatches:
     ) -> None:
         if (members is None) != (packed is not None):
             raise ValueError("give either members and lengths, or packed bins")
-        self._members, self._lengths = members, lengths
-        self.packed = packed
+        self.layout: LaidOut | PackedBins = packed if packed is not None else LaidOut(members, lengths)
         # The micro-batches as formed, then the few `extend` adds (kept apart: no copy of the many).
         self._base = (starts, ends)
         self._base_tokens = None if packed is None else packed.tokens
@@ -89,25 +116,20 @@ class MicroBatches:
 
     @property
     def members(self) -> NDArray[np.integer]:
-        self._materialise()
-        return self._members
+        return self._laid_out().members
 
     @property
     def lengths(self) -> NDArray[np.int32]:
-        self._materialise()
-        return self._lengths
+        return self._laid_out().lengths
 
-    def _materialise(self) -> None:
-        if self._members is None:
-            self._members, self._lengths = self.packed.members()
+    def _laid_out(self) -> LaidOut:
+        if isinstance(self.layout, PackedBins):
+            self.layout = LaidOut(*self.layout.members())
+        return self.layout
 
     @property
     def count(self) -> int:
         return int(self._base[0].shape[0] + self._extra.shape[0])
-
-    @property
-    def _lazy(self) -> bool:
-        return self._members is None
 
     def range_sums(self, values: NDArray) -> NDArray:
         """Sum of ``values[starts[k]:ends[k]]`` (values aligned with members) for each k:
@@ -118,55 +140,32 @@ class MicroBatches:
 
     def tokens(self) -> NDArray[np.int64]:
         """Tokens of each micro-batch."""
-        return self._joined(self._formed_tokens(), self._extra[:, 2])
-
-    def _formed_tokens(self) -> NDArray[np.int64]:
-        """Tokens of the micro-batches as formed (before `extend`), summed once."""
-        if self._base_tokens is None:
-            starts, ends = self._base
-            self._base_tokens = range_sums(self.lengths, starts, ends, np.zeros(starts.shape[0], dtype=np.int64))
-        return self._base_tokens
+        if self._base_tokens is None:  # the micro-batches as formed (before `extend`), summed once
+            self._base_tokens = self.layout.formed_tokens(*self._base)
+        return self._joined(self._base_tokens, self._extra[:, 2])
 
     def token_table(self) -> NDArray[np.int64]:
         """Shape (count, 2): tokens and entries of each micro-batch, side by side (one cache
         line per micro-batch for kernels that read them at random)."""
         (starts, ends), formed = self._base, self._base[0].shape[0]
         table = np.empty((self.count, 2), dtype=np.int64)
-        table[:formed, 0] = self._formed_tokens()
+        table[:, 0] = self.tokens()
         np.subtract(ends, starts, out=table[:formed, 1])
-        table[formed:, 0] = self._extra[:, 2]
         table[formed:, 1] = self._extra[:, 1] - self._extra[:, 0]
         return table
 
     def length_sums(self, value: Callable[[NDArray[np.float64]], NDArray[np.float64]]) -> NDArray[np.float64]:
         """``sum(value(length))`` over each micro-batch's entries (float64, range by range);
         ``value`` works elementwise on float64 lengths."""
-        if self._lazy:
-            table = value(np.arange(self.packed.capacity + 1, dtype=np.float64))
-            return self._with_pieces(self.packed.length_sums(table), lambda _, lengths: _float_sum(table[lengths]))
-        return self.range_sums(value(self.lengths.astype(np.float64)))
+        return self.layout.length_sums(value, self)
 
     def entry_sums(self, values: NDArray[np.integer]) -> NDArray[np.int64]:
         """``sum(values[entry])`` over each micro-batch's entries (int64)."""
-        if self._lazy:
-            per_bin = self.packed.item_sums(values)
-            return self._with_pieces(per_bin, lambda members, _: values[members].sum(dtype=np.int64))
-        return self.range_sums(values[self.members])
-
-    def _with_pieces(self, per_bin: NDArray, reduce: Callable[[NDArray, NDArray], float | int]) -> NDArray:
-        """Per-bin values for the bins, then ``reduce(members, lengths)`` for the later pieces."""
-        bins = self.packed.num_bins
-        if self.count == bins:
-            return per_bin
-        pieces = self.ranges(np.arange(bins, self.count))
-        return np.concatenate([per_bin, np.array([reduce(*piece) for piece in pieces], dtype=per_bin.dtype)])
+        return self.layout.entry_sums(values, self)
 
     def ranges(self, which: NDArray[np.int64]) -> list[tuple[NDArray, NDArray]]:
         """``(members, lengths)`` of a few micro-batches."""
-        starts, ends = self.bounds(which)
-        if self._lazy:
-            return self.packed.ranges(starts, ends)
-        return [(self.members[s:e], self.lengths[s:e]) for s, e in zip(starts, ends)]
+        return self.layout.ranges(*self.bounds(which))
 
     def members_of(self, which: NDArray[np.int64]) -> NDArray[np.int64]:
         """The entries of the given micro-batches, concatenated (int64)."""
@@ -197,39 +196,4 @@ class MicroBatches:
         Packed bins are laid out on ``threads`` threads (the same result for any number).
         ``scratch``: an int64 array free to overwrite, used for the per-micro-batch
         destinations when long enough (`batchplan.planning.buffers`)."""
-        if not self._lazy:
-            destination = scratch_or_new(scratch, self.count)
-            members = np.empty(int(sizes.sum()), dtype=self.members.dtype)
-            offsets, written = lay_out_segments(self.members, self.starts, self.ends, order, destination, members)
-            _check_written(written, members)
-            return offsets, members
-        packed = self.packed
-        offsets = np.empty(order.shape[0] + 1, dtype=np.int64)
-        destination = scratch_or_new(scratch, packed.num_bins)
-        destination.fill(-1)
-        run_in_parts(bin_destinations, threads, order, sizes, offsets, destination)
-        pieces = np.flatnonzero(order >= packed.num_bins)
-        pieces = pieces[sizes[pieces] > 0]
-        piece_starts, piece_ends = self.bounds(order[pieces])
-        by_start = np.argsort(piece_starts, kind="stable")
-        members = new_buffer(offsets[-1], packed.items.dtype)
-        written = run_in_parts(
-            scatter_bins, threads,
-            packed.items, packed.start, packed.slot_bin, packed.offsets, destination, piece_starts[by_start],
-            piece_ends[by_start], offsets[pieces][by_start], packed.capacity, members,
-        )  # fmt: skip
-        _check_written(sum(written), members)
-        return offsets, members
-
-
-def _check_written(written: int, members: NDArray) -> None:
-    if written != members.shape[0]:
-        raise AssertionError(f"laid out {written:,} of {members.shape[0]:,} members: overlapping micro-batches")
-
-
-def _float_sum(values: NDArray[np.float64]) -> float:
-    """Left-to-right float sum, as the kernels add."""
-    total = 0.0
-    for value in values.tolist():
-        total += value
-    return total
+        return self.layout.gather(self, order, sizes, threads, scratch)
