@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
 
-__all__ = ["Entries", "EpochPlan", "Plan", "index_dtype"]
+__all__ = ["Entries", "EpochPlan", "PackingBound", "Plan", "index_dtype"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,6 +93,7 @@ class EpochPlan:
     step_tokens: NDArray[np.int64]  # per epoch-local step, all ranks
     step_loss_tokens: NDArray[np.int64]
     dropped_entries: NDArray[np.int64]  # entries left out by drop_last
+    packing: PackingBound | None = None  # pack mode: the micro-batches as packed, and their bound
 
     @property
     def num_rows(self) -> int:
@@ -123,6 +124,27 @@ class EpochPlan:
     @functools.cached_property
     def num_micro(self) -> NDArray[np.int32]:
         return _broadcast(self.rank_num_micro, (self.world_size, self.rows_per_rank))
+
+
+@dataclasses.dataclass(frozen=True)
+class PackingBound:
+    """An epoch's micro-batches as packed (before its end is completed or dropped), and a
+    lower bound on the micro-batches of any packing of the same entries
+    (`batchplan.planning.cutting_stock`)."""
+
+    micro_batches: int
+    tokens: int
+    bound: int
+    kind: str  # which bound: "lp", "l2" or "volume"
+
+    def __add__(self, other: PackingBound) -> PackingBound:
+        """Two packings side by side (a warmup's stages): their counts and bounds add up."""
+        kind = self.kind if self.kind == other.kind else "mixed"
+        return PackingBound(self.micro_batches + other.micro_batches, self.tokens + other.tokens,
+                            self.bound + other.bound, kind)  # fmt: skip
+
+    def as_dict(self) -> dict[str, int | str]:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True)

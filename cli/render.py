@@ -28,6 +28,7 @@ def print_summary(summary: dict[str, Any], *, title: str) -> None:
         ("tokens", f"{summary['tokens']:,} ({summary['loss_tokens']:,} with a label)"),
         ("tokens per step", f"{per_step['mean']:,.0f} (min {per_step['min']:,}, max {per_step['max']:,})"),
         ("fill", f"{summary['fill']:.3%} (steps but each epoch's last)"),
+        *_packing(summary),
         ("padding", f"{summary['padding_fraction']:.3%}"),
         ("token imbalance", f"{summary['token_imbalance']:.3%} mean, {summary['token_imbalance_p99']:.3%} p99, "
                             f"{summary['token_imbalance_max']:.3%} max (steps but each epoch's last)"),  # fmt: skip
@@ -43,6 +44,15 @@ def print_summary(summary: dict[str, Any], *, title: str) -> None:
     console = Console()
     console.print(title, highlight=False, soft_wrap=True)
     console.print(table)
+
+
+def _packing(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """Pack plans: the micro-batches as packed against the bound on any packing."""
+    packing = summary.get("packing")
+    if packing is None:
+        return []
+    return [("packing bound", f"{packing['bound_fill']:.3%} fill ({packing['kind']}): >= {packing['bound']:,} "
+                              f"micro-batches; packed {packing['micro_batches']:,} ({packing['fill']:.3%})")]
 
 
 def _last_step(summary: dict[str, Any]) -> str:
@@ -164,4 +174,12 @@ def _comparison_notes(c: dict[str, Any], hidden_size_given: bool) -> str:
         "Epoch time: sum over steps of the slowest rank's cost (computed tokens + L^2 / (12 h) per sequence, "
         f"h = {hidden}), relative to 1.",
         f"Oversize: {c['oversize_samples']:,} sample(s) above max_tokens, --oversize {c['oversize']}{dropped}.",
+        *_bound_note(c.get("packing_bound")),
     ])  # fmt: skip
+
+
+def _bound_note(bound: dict[str, Any] | None) -> list[str]:
+    if bound is None:
+        return []
+    return [f"Packing bound ({bound['kind']}): any packing of these entries needs >= {bound['micro_batches']:,} "
+            f"micro-batches, at most {bound['fill']:.3%} fill."]  # fmt: skip

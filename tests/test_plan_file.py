@@ -43,7 +43,7 @@ def test_metadata_records_how_the_plan_was_made(plan_path):
     meta = open_plan(plan_path).metadata
     assert meta["format_version"] == plan_file.FORMAT_VERSION
     assert PlanConfig.from_dict(meta["config"]) == PlanConfig(max_tokens=256, world_size=3, epochs=2)
-    assert set(meta["versions"]) == {"batchplan", "numpy", "numba", "pyarrow"}
+    assert set(meta["versions"]) == {"batchplan", "numpy", "numba", "pyarrow", "highspy"}
     assert meta["num_samples"] == 500 and meta["dropped"] == {}
 
 

@@ -33,7 +33,7 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def squad_plan(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("plans") / "squad.arrow"
-    build_plan_file(SQUAD, path, PlanConfig(max_tokens=4096, world_size=4, micro_batches=2, epochs=2))
+    build_plan_file(SQUAD, path, PlanConfig(max_tokens=4096, world_size=4, micro_batches=2, epochs=2, drop_last=True))
     return path
 
 

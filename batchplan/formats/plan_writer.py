@@ -17,7 +17,7 @@ from numpy.typing import NDArray
 
 from batchplan.errors import PlanFormatError
 from batchplan.formats.atomic import atomic_path
-from batchplan.formats.plan_file import INT32_LIMIT, FORMAT_VERSION, content_hash, dump_json, plan_schema
+from batchplan.formats.plan_file import FORMAT_VERSION, INT32_LIMIT, content_hash, dump_json, plan_schema
 
 if TYPE_CHECKING:
     from batchplan.plan import EpochPlan, Plan
@@ -128,11 +128,13 @@ def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None, lineage
         "steps_per_epoch": [e.num_steps for e in plan.epochs],
         "rows_per_rank": [e.rows_per_rank for e in plan.epochs],
         "dropped": dropped,
+        "packing": [None if e.packing is None else e.packing.as_dict() for e in plan.epochs],
         "versions": {
             "batchplan": __version__,
             "numpy": np.__version__,
             "numba": version("numba"),  # from the installed metadata: numba itself is not loaded
             "pyarrow": pa.__version__,
+            "highspy": version("highspy"),  # the packer's LP solver
         },
     }
     return {**metadata, **(lineage or {})}

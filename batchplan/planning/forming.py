@@ -8,11 +8,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
-from batchplan.kernels.pack import most_bins, pack_bins
+from batchplan.kernels.pack import most_bins
 from batchplan.kernels.pad import cut_padded
-from batchplan.plan import Entries, index_dtype
+from batchplan.plan import Entries, PackingBound, index_dtype
 from batchplan.planning.bins import PackedBins
 from batchplan.planning.buffers import new_buffer
+from batchplan.planning.cutting_stock import pack_histogram
 from batchplan.planning.micro_batches import MicroBatches
 from batchplan.planning.randomness import permute, shuffle_by_group
 from batchplan.planning.warmup import SeqlenWarmup
@@ -24,7 +25,10 @@ def form_micro_batches(
     lengths: NDArray[np.int32], config: PlanConfig, rng: np.random.Generator, threads: int = 1
 ) -> MicroBatches:
     """Micro-batches over entries ``0..len(lengths)-1`` (members index ``lengths``); the
-    shuffles run on ``threads`` threads (the same result for any number)."""
+    shuffles run on ``threads`` threads (the same result for any number). Packing runs on the
+    length histogram (`batchplan.planning.cutting_stock.pack_histogram`, near its lower
+    bound, recorded as ``packing``); the seeded shuffle within each length decides which
+    entry takes each place, so packs differ between epochs."""
     count = lengths.shape[0]
     if config.mode == "pack":
         # The kernels' memory grows with the capacity; a capacity above all the tokens
@@ -34,12 +38,16 @@ def form_micro_batches(
         items = np.empty(count, dtype=index_dtype(count))
         start = shuffle_by_group(lengths, capacity + 1, keys, items, threads=threads)
         del keys  # 4 bytes per entry, free before packing
+        histogram = np.diff(start)[: capacity + 1]
         # Best fit's arrays, sized for the most bins it can open (`batchplan.planning.buffers`).
-        bound = most_bins(np.diff(start)[: capacity + 1], capacity)
+        bound = most_bins(histogram, capacity)
         buffers = (new_buffer(count, items.dtype), np.zeros(bound + 1, dtype=np.int64),
                    new_buffer(bound, items.dtype), new_buffer(bound, np.int64))  # fmt: skip
-        slot_bin, offsets, tokens = pack_bins(items, start, capacity, *buffers)
-        return MicroBatches.of_bins(PackedBins(items, start, slot_bin, offsets, tokens, capacity))
+        packed = pack_histogram(histogram, capacity, buffers=buffers)
+        batches = MicroBatches.of_bins(PackedBins(items, start, packed.slot_bin, packed.offsets, packed.tokens, capacity))
+        tokens = int(packed.tokens.sum())
+        batches.packing = PackingBound(batches.count, tokens, packed.bound.bins, packed.bound.kind)
+        return batches
     else:
         # The shuffle carries each entry's length along: the cut then reads them in order.
         members = np.empty(count, dtype=index_dtype(count))
@@ -82,7 +90,11 @@ def _concatenate(parts, num_entries: int) -> MicroBatches:
         starts.append(base + batches.starts[order])
         ends.append(base + batches.ends[order])
         base += batches.members.shape[0]
-    return MicroBatches(np.concatenate(members), np.concatenate(lengths), np.concatenate(starts), np.concatenate(ends))
+    joined = MicroBatches(np.concatenate(members), np.concatenate(lengths), np.concatenate(starts), np.concatenate(ends))
+    packings = [batches.packing for batches, _, _ in parts]
+    if packings and None not in packings:
+        joined.packing = sum(packings[1:], packings[0])
+    return joined
 
 
 def compute_costs(batches: MicroBatches, config: PlanConfig) -> NDArray[np.float64]:

@@ -14,6 +14,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.kernels.segments import lay_out_segments, range_sums
+from batchplan.plan import PackingBound
 from batchplan.planning.bins import PackedBins, check_written
 from batchplan.planning.buffers import scratch_or_new
 
@@ -78,6 +79,7 @@ class MicroBatches:
         self._base_tokens = None if packed is None else packed.tokens
         self._extra = np.zeros((0, 3), dtype=np.int64)  # rows (start, end, tokens)
         self._joined_cache: tuple[NDArray[np.int64], NDArray[np.int64]] | None = None
+        self.packing: PackingBound | None = None  # pack mode: as packed, and the bound
 
     @classmethod
     def of_bins(cls, packed: PackedBins) -> MicroBatches:

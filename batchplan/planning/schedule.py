@@ -181,4 +181,5 @@ def _assemble(
         step_tokens=step_tokens,
         step_loss_tokens=step_loss_tokens,
         dropped_entries=dropped,
+        packing=batches.packing,
     )

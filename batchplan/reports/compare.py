@@ -113,6 +113,7 @@ class Comparison:
     longest: int
     baseline_batch_size: int
     strategies: tuple[StrategyResult, ...]
+    packing_bound: dict[str, Any] | None = None  # the fewest micro-batches any packing of the entries needs
 
     def to_dict(self) -> dict[str, Any]:
         """All fields as plain JSON-able values."""
@@ -151,8 +152,11 @@ def compare_strategies(
     batch_size = max(1, max_tokens // longest)
     coefficient = attention_coefficient(hidden_size)
     results = _measure_baselines(entry_lengths, batch_size, config, coefficient)
+    bound = None
     for mode in ("pad", "pack"):
-        results.append(_measure_batchplan(lengths, config, mode, coefficient))
+        result, packing = _measure_batchplan(lengths, config, mode, coefficient)
+        results.append(result)
+        bound = packing or bound
     reference = results[0].epoch_cost
     results = [dataclasses.replace(r, relative_time=r.epoch_cost / reference if reference else 0.0) for r in results]
     return Comparison(
@@ -169,6 +173,9 @@ def compare_strategies(
         longest=longest,
         baseline_batch_size=batch_size,
         strategies=tuple(results),
+        packing_bound=None if bound is None else {
+            "micro_batches": bound.bound, "kind": bound.kind, "fill": bound.tokens / (bound.bound * max_tokens)
+        },
     )
 
 
@@ -340,12 +347,14 @@ def measure_strategy(
     )
 
 
-def _measure_batchplan(lengths, config: PlanConfig, mode: str, coefficient: float) -> StrategyResult:
+def _measure_batchplan(lengths, config: PlanConfig, mode: str, coefficient: float):
+    """batchplan's result in ``mode``, and the epoch's packing bound (pack; None for pad)."""
     from batchplan.planning.epochs import build_plan
 
     plan = build_plan(lengths, dataclasses.replace(config, mode=mode))
     epoch = plan.epochs[0]
-    return measure_strategy(
+    result = measure_strategy(
         f"batchplan_{mode}", plan.entries.length[epoch.members], epoch.offsets, epoch.step, epoch.rank,
         mode=mode, max_tokens=config.max_tokens, world_size=config.world_size, coefficient=coefficient,
     )  # fmt: skip
+    return result, epoch.packing

@@ -4,6 +4,11 @@ All numbers come from the plan file alone (no dataset needed); each statistic is
 defined once, in `batchplan.reports.statistics`:
 - ``fill``: real tokens / (micro-batches x max_tokens) over the regular steps (all
   but each epoch's last): packing efficiency.
+- ``packing`` (pack plans): the micro-batches as packed, summed over epochs (before each
+  epoch's end is completed or dropped), against the lower bound on any packing of the same
+  entries (`batchplan.planning.cutting_stock`): ``fill`` = tokens / (micro-batches x
+  max_tokens) and ``bound_fill`` = tokens / (bound x max_tokens), the most any packing
+  reaches; ``kind`` says which bound (``lp``, ``l2``, ``volume``).
 - ``padding_fraction``: padding / (count x longest) over all micro-batches (pad mode;
   0 in pack mode).
 - ``token_imbalance`` / ``_p99`` / ``_max``: mean, p99 and max over the regular steps
@@ -91,6 +96,7 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
         "tokens_per_step": _spread(step_tokens),
         "micro_batches_per_rank_per_step": _spread(micro_per_step),
         "steps_per_epoch": meta["steps_per_epoch"],
+        "packing": _packing(meta),
         "rampup": _rampup(meta["config"], step_tokens.astype(np.int64), tokens_before, first_step),
         "seqlen_warmup": _seqlen_warmup(meta["config"], table, step, tokens_before, first_step),
         "first_step": first_step,
@@ -166,6 +172,27 @@ def _spread(values: np.ndarray) -> dict[str, float]:
         "min": int(values.min()),
         "max": int(values.max()),
         "std": float(values.std()),
+    }
+
+
+def _packing(meta: dict[str, Any]) -> dict[str, Any] | None:
+    """The epochs' packings against their bound (`summarize_plan`), over the epochs that
+    record one (a resharded plan's own epochs do not)."""
+    epochs = [p for p in meta.get("packing") or [] if p is not None]
+    if not epochs:
+        return None
+    micro_batches = sum(p["micro_batches"] for p in epochs)
+    bound = sum(p["bound"] for p in epochs)
+    tokens = sum(p["tokens"] for p in epochs)
+    capacity = meta["max_tokens"]
+    kinds = sorted({p["kind"] for p in epochs})
+    return {
+        "micro_batches": micro_batches,
+        "bound": bound,
+        "kind": kinds[0] if len(kinds) == 1 else "mixed",
+        "fill": tokens / (micro_batches * capacity) if micro_batches else 1.0,
+        "bound_fill": tokens / (bound * capacity) if bound else 1.0,
+        "epochs": len(epochs),
     }
 
 
