@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 
-def loaded_after(statement: str) -> set[str]:
-    code = f"import sys; {statement}; print(' '.join(sorted(m for m in ('numba', 'torch', 'typer') if m in sys.modules)))"
+def loaded_after(statement: str, watch: tuple[str, ...] = ("numba", "torch", "typer")) -> set[str]:
+    code = f"import sys; {statement}; print(' '.join(sorted(m for m in {watch!r} if m in sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return set(result.stdout.split())
 
@@ -76,3 +76,21 @@ def test_each_layer_imports_only_the_layers_below_it():
             if target is not None and target not in ALLOWED[layer]:
                 wrong.append(f"{module} ({layer}) imports {name} ({target})")
     assert wrong == []
+
+
+def test_a_build_leaves_pandas_out(tmp_path):
+    """Training images carry pandas; pyarrow imports it (0.35 s and more) for ``pa.array`` and
+    ``to_numpy``, which the build path does not call (`batchplan.formats.arrow`)."""
+    pytest.importorskip("pandas")  # the check means something only where pandas is installed
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"length": np.random.default_rng(0).integers(1, 900, 2_000)}), data)
+    build = (
+        "import batchplan; "
+        f"batchplan.build_plan_file({str(data)!r}, {str(tmp_path / 'plan.arrow')!r}, "
+        "batchplan.PlanConfig(max_tokens=1024, world_size=2, epochs=2, hidden_size=512))"
+    )
+    assert "pandas" not in loaded_after(build, watch=("pandas",))

@@ -109,15 +109,15 @@ def test_nulls_slices_and_fixed_size_lists(tmp_path):
     assert read_lengths(folder, length_column="n").lengths.tolist() == [3, 2**31 - 1, 0, 0]
 
 
-@pytest.mark.parametrize("type_", [pa.int8(), pa.uint16(), pa.int32(), pa.int64(), pa.uint64()])
-def test_integer_values_without_pyarrow_to_numpy(type_):
-    from batchplan.formats.lengths import _numpy_of
+@pytest.mark.parametrize("type_", [pa.int8(), pa.uint16(), pa.int32(), pa.int64(), pa.uint64(), pa.float64()])
+def test_numeric_values_without_pyarrow_to_numpy(type_):
+    from batchplan.formats.arrow import numpy_of
 
     array = pa.array([5, None, 7, 0, None, 3, 9, 1, 2, 4, None], type_)
     for start, stop in ((0, 11), (1, 11), (3, 9), (9, 11), (4, 4)):
         part = array.slice(start, stop - start)
         expected = [0 if value is None else value for value in part.to_pylist()]
-        assert _numpy_of(part).tolist() == expected
+        assert numpy_of(part).tolist() == expected
 
 
 def test_length_column_wins_over_token_ids(tmp_path):

@@ -203,3 +203,14 @@ def test_worked_example_of_the_format_doc(tmp_path):
     ]
     docs = (Path(__file__).resolve().parent.parent / "docs" / "plan-format.md").read_text()
     assert "| 0 | 0 | 1 | 1 | 2 | [8, 2, 6] | [0, 0, 0] | [4, 3, 2] | 9 | 6 | 57 | 50 | 0 |" in docs
+
+
+@pytest.mark.parametrize("arrow_type", [pa.int32(), pa.int64(), pa.float64()])
+def test_arrow_arrays_over_numpy_buffers_equal_pa_array(arrow_type):
+    from batchplan.formats.arrow import arrow_array, numpy_of
+
+    values = np.arange(-5, 20)[::2]  # strided: copied to contiguous
+    array = arrow_array(values, arrow_type)
+    assert array.equals(pa.array(values, type=arrow_type))
+    assert numpy_of(array).tolist() == numpy_of(array.slice(0)).tolist() == values.tolist()
+    assert numpy_of(array.slice(3, 4)).tolist() == values[3:7].tolist()

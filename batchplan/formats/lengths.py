@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
 from batchplan.errors import DatasetError
+from batchplan.formats.arrow import numpy_of, valid
 from batchplan.formats.datasets_folder import StreamFile, is_datasets_folder, list_arrow_files
 
 __all__ = [
@@ -271,7 +272,7 @@ def _lengths_of(where: _Rows, array: pa.Array, column: str) -> np.ndarray:
 
         array = pc.list_value_length(array)
     elif pa.types.is_fixed_size_list(array.type):
-        return np.where(_valid(array), np.int32(array.type.list_size), np.int32(0))
+        return np.where(valid(array), np.int32(array.type.list_size), np.int32(0))
     return _integers_of(where, array, column)
 
 
@@ -282,7 +283,7 @@ def _integers_of(where: _Rows, array: pa.Array, column: str) -> np.ndarray:
             "or a list of token ids; cast the column to an integer type or pick another with "
             "--length-column / --tokens-column"
         )
-    values = _numpy_of(array)
+    values = numpy_of(array)
     if values.size and values.min() < 0:
         bad = np.flatnonzero(values < 0)
         raise DatasetError(
@@ -297,27 +298,6 @@ def _integers_of(where: _Rows, array: pa.Array, column: str) -> np.ndarray:
             "token counts must fit in int32, fix the column"
         )
     return values.astype(np.int32, copy=False)
-
-
-def _numpy_of(array: pa.Array) -> np.ndarray:
-    """An integer array's values (a null reads as 0), viewed from its data buffer.
-
-    Not ``Array.to_numpy`` or ``fill_null``: pyarrow imports pandas for them when pandas
-    is installed (~0.7 s), and reading lengths needs none of it.
-    """
-    dtype = np.dtype(str(array.type))  # pyarrow's integer names are numpy's: int8 ... uint64
-    if len(array) == 0:
-        return np.empty(0, dtype=dtype)
-    values = np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
-    return np.where(_valid(array), values, 0) if array.null_count else values
-
-
-def _valid(array: pa.Array) -> np.ndarray:
-    """Which entries are not null (bool per entry), from the validity bitmap."""
-    if array.null_count == 0:
-        return np.ones(len(array), dtype=bool)
-    bits = np.unpackbits(np.frombuffer(array.buffers()[0], dtype=np.uint8), bitorder="little")
-    return bits[array.offset : array.offset + len(array)].astype(bool)
 
 
 def _check_loss_tokens(counts, lengths, loss, loss_column) -> None:

@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from batchplan.errors import PlanFormatError
+from batchplan.formats.arrow import numpy_of
 
 if TYPE_CHECKING:
     pass
@@ -55,12 +56,12 @@ def content_hash(metadata: dict[str, Any], batches) -> str:
     for batch in batches:
         for column in batch.columns:
             if pa.types.is_list(column.type):
-                offsets = column.offsets.to_numpy()
+                offsets = numpy_of(column.offsets)
                 crc = zlib.crc32((offsets - offsets[0]).astype("<i8").data, crc)
                 values = column.values.slice(offsets[0], offsets[-1] - offsets[0])
-                crc = zlib.crc32(np.ascontiguousarray(values.to_numpy()).data, crc)
+                crc = zlib.crc32(np.ascontiguousarray(numpy_of(values)).data, crc)
             else:
-                crc = zlib.crc32(np.ascontiguousarray(column.to_numpy()).data, crc)
+                crc = zlib.crc32(np.ascontiguousarray(numpy_of(column)).data, crc)
     return f"crc32:{crc:08x}"
 
 

@@ -16,6 +16,7 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 from batchplan.errors import PlanFormatError
+from batchplan.formats.arrow import arrow_array
 from batchplan.formats.atomic import atomic_path
 from batchplan.formats.plan_file import FORMAT_VERSION, INT32_LIMIT, content_hash, dump_json, plan_schema
 
@@ -145,7 +146,7 @@ def _shift_columns(batch: pa.RecordBatch, shifts: dict[str, int]) -> pa.RecordBa
     for name, shift in shifts.items():
         if shift:
             index = batch.schema.get_field_index(name)
-            shifted = pa.array(batch.column(index).to_numpy() + np.int64(shift), type=pa.int64())
+            shifted = arrow_array(batch.column(index).to_numpy() + np.int64(shift), pa.int64())
             batch = batch.set_column(index, batch.schema.field(index), shifted)
     return batch
 
@@ -200,7 +201,7 @@ def _shared_columns(schema, epoch: EpochPlan, step_base: int, before) -> dict[st
         "step_loss_tokens": epoch.step_loss_tokens[local_step],
         "tokens_before_step": before[local_step],
     }
-    return {name: pa.array(values, type=schema.field(name).type) for name, values in columns.items()}
+    return {name: arrow_array(values, schema.field(name).type) for name, values in columns.items()}
 
 
 def _rank_batch(schema, plan, epoch: EpochPlan, rank: int, rows: slice, shared) -> pa.RecordBatch:
@@ -209,7 +210,7 @@ def _rank_batch(schema, plan, epoch: EpochPlan, rank: int, rows: slice, shared) 
     list_offsets = offsets - offsets[0]
     if list_offsets[-1] >= INT32_LIMIT:
         raise PlanFormatError("one rank's epoch holds more than 2^31 entries; raise world_size")
-    list_offsets = pa.array(list_offsets.astype(np.int32))
+    list_offsets = arrow_array(list_offsets, pa.int32())
     columns = {
         "rank": np.full(rows.stop - rows.start, rank, dtype=np.int32),
         "samples": _list_array(list_offsets, plan.entries.samples_of(members), schema.field("samples").type),
@@ -225,7 +226,7 @@ def _rank_batch(schema, plan, epoch: EpochPlan, rank: int, rows: slice, shared) 
         columns["lengths"] = _list_array(list_offsets, plan.entries.length[members], schema.field("lengths").type)
     arrays = [
         shared[f.name] if f.name in shared else columns[f.name] if pa.types.is_list(f.type)
-        else pa.array(columns[f.name], type=f.type) for f in schema
+        else arrow_array(columns[f.name], f.type) for f in schema
     ]  # fmt: skip
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
@@ -233,7 +234,7 @@ def _rank_batch(schema, plan, epoch: EpochPlan, rank: int, rows: slice, shared) 
 def _list_array(offsets: pa.Array, values: NDArray, list_type: pa.ListType) -> pa.ListArray:
     """Of exactly the schema's type (non-null items): a `RecordBatch` of other types would be
     cast, which imports ``pyarrow.compute`` (~45 ms)."""
-    return pa.ListArray.from_arrays(offsets, pa.array(values, type=list_type.value_type), type=list_type)
+    return pa.ListArray.from_arrays(offsets, arrow_array(values, list_type.value_type), type=list_type)
 
 
 # Not a possible CRC (not hex), as long as one: found only where it was put.
