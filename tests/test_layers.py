@@ -94,3 +94,25 @@ def test_a_build_leaves_pandas_out(tmp_path):
         "batchplan.PlanConfig(max_tokens=1024, world_size=2, epochs=2, hidden_size=512))"
     )
     assert "pandas" not in loaded_after(build, watch=("pandas",))
+
+
+def test_replaying_a_plan_leaves_pandas_out(tmp_path):
+    """The runtime reads plan columns over their buffers too: a training process that has
+    pandas installed does not import it for the sampler or the LR schedule."""
+    pytest.importorskip("pandas")
+    pytest.importorskip("torch")
+    import numpy as np
+
+    from batchplan import PlanConfig
+    from batchplan.formats.plan_writer import write_plan
+    from batchplan.planning.epochs import build_plan
+
+    path = tmp_path / "plan.arrow"
+    write_plan(build_plan(np.arange(1, 400, dtype=np.int32), PlanConfig(max_tokens=512, world_size=2, epochs=2)), path)
+    replay = (
+        "import torch; from batchplan.runtime import PlanSampler, token_lr_scheduler; "
+        f"s = PlanSampler({str(path)!r}, rank=1, world_size=2); "
+        "assert sum(1 for _ in s) > 0 and s.state_at_step(2)['position'] >= 0; "
+        "token_lr_scheduler(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), s, warmup_tokens=10)"
+    )
+    assert "pandas" not in loaded_after(replay, watch=("pandas",))

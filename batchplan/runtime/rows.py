@@ -15,6 +15,7 @@ import pyarrow as pa
 from numpy.typing import NDArray
 
 from batchplan.errors import PlanFormatError
+from batchplan.formats.arrow import numpy_of
 from batchplan.formats.plan_file import padded_tokens_column
 from batchplan.runtime.records import MicroBatch, PlannedRows, SpanIndex
 
@@ -92,13 +93,21 @@ class RankRows:
 
 def _scalar_column(batch: pa.RecordBatch, name: str) -> NDArray[np.int64]:
     column = padded_tokens_column(batch) if name == "padded_tokens" else batch.column(name)
-    return column.to_numpy(zero_copy_only=True)
+    return _values(column)
 
 
 def _list_column(batch: pa.RecordBatch, name: str) -> tuple[NDArray[np.int64], NDArray]:
     """``(offsets, values)``: row ``i`` is ``values[offsets[i]:offsets[i + 1]]``."""
     column = batch.column(name)
-    return column.offsets.to_numpy(), column.values.to_numpy(zero_copy_only=True)
+    return _values(column.offsets), _values(column.values)
+
+
+def _values(array: pa.Array) -> NDArray:
+    """A read-only view of a plan column's values; a null (a damaged file: plans have none)
+    is an error, not a 0."""
+    if array.null_count:
+        raise pa.ArrowInvalid(f"{array.null_count} null value(s) in a plan column")
+    return numpy_of(array)
 
 
 def _split(values: NDArray, offsets: NDArray, first: int, stop: int) -> list[list[int]]:
