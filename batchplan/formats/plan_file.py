@@ -229,7 +229,7 @@ class PlanFile:
             raise PlanFormatError(f"{self.path}: required column(s) {missing} missing; not a valid plan")
         # Every column of this format version, with its type; more columns are allowed.
         has_cost = self.metadata.get("attention_coefficient") is not None
-        has_padded = self.metadata["mode"] == "pad"  # pack plans of earlier versions have it too: allowed
+        has_padded = self.metadata["mode"] == "pad"  # format-version-1 pack plans have it too: allowed
         expected = plan_schema(
             self.num_samples, bool(self.metadata.get("has_spans")), has_cost=has_cost, has_padded=has_padded
         )
