@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
 
-__all__ = ["Entries", "EpochPlan", "PackingBound", "Plan", "index_dtype"]
+__all__ = ["Entries", "EpochPlan", "PackingBound", "Plan", "index_dtype", "packing_fill"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -143,8 +143,21 @@ class PackingBound:
         return PackingBound(self.micro_batches + other.micro_batches, self.tokens + other.tokens,
                             self.bound + other.bound, kind)  # fmt: skip
 
+    def fill(self, max_tokens: int) -> float:
+        """Tokens / (micro-batches x max_tokens) of the packing."""
+        return packing_fill(self.tokens, self.micro_batches, max_tokens)
+
+    def bound_fill(self, max_tokens: int) -> float:
+        """The most any packing of these entries fills: tokens / (bound x max_tokens)."""
+        return packing_fill(self.tokens, self.bound, max_tokens)
+
     def as_dict(self) -> dict[str, int | str]:
         return dataclasses.asdict(self)
+
+
+def packing_fill(tokens: int, micro_batches: int, max_tokens: int) -> float:
+    """tokens / (micro_batches x max_tokens): how full packed micro-batches are (1.0 for none)."""
+    return tokens / (micro_batches * max_tokens) if micro_batches else 1.0
 
 
 @dataclasses.dataclass(frozen=True)

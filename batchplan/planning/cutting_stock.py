@@ -42,7 +42,7 @@ from batchplan.kernels.patterns import (
     price_patterns,
     take_patterns,
 )
-from batchplan.plan import index_dtype
+from batchplan.plan import index_dtype, packing_fill
 
 __all__ = ["Bound", "HistogramPacking", "lower_bound", "pack_histogram", "slack"]
 
@@ -89,7 +89,7 @@ def slack(bins: int) -> int:
 
 def _make_bound(bins: int, kind: str, histogram: NDArray, max_tokens: int) -> Bound:
     tokens = int(np.dot(np.arange(max_tokens + 1, dtype=np.int64), histogram[: max_tokens + 1]))
-    return Bound(bins=bins, kind=kind, fill=tokens / (bins * max_tokens) if bins else 1.0)
+    return Bound(bins=bins, kind=kind, fill=packing_fill(tokens, bins, max_tokens))
 
 
 def _cheap_bound(histogram: NDArray[np.int64], max_tokens: int) -> tuple[int, str]:

@@ -174,7 +174,7 @@ def compare_strategies(
         baseline_batch_size=batch_size,
         strategies=tuple(results),
         packing_bound=None if bound is None else {
-            "micro_batches": bound.bound, "kind": bound.kind, "fill": bound.tokens / (bound.bound * max_tokens)
+            "micro_batches": bound.bound, "kind": bound.kind, "fill": bound.bound_fill(max_tokens)
         },
     )
 

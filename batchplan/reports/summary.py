@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from batchplan.formats.plan_file import PlanFile, padded_tokens_column
+from batchplan.plan import PackingBound
 from batchplan.reports.statistics import last_steps_of, rank_imbalance, regular_steps
 
 __all__ = ["per_step_and_rank", "samples_per_row", "summarize_plan"]
@@ -178,20 +179,16 @@ def _spread(values: np.ndarray) -> dict[str, float]:
 def _packing(meta: dict[str, Any]) -> dict[str, Any] | None:
     """The epochs' packings against their bound (`summarize_plan`), over the epochs that
     record one (a resharded plan's own epochs do not)."""
-    epochs = [p for p in meta.get("packing") or [] if p is not None]
+    epochs = [PackingBound(**p) for p in meta.get("packing") or [] if p is not None]
     if not epochs:
         return None
-    micro_batches = sum(p["micro_batches"] for p in epochs)
-    bound = sum(p["bound"] for p in epochs)
-    tokens = sum(p["tokens"] for p in epochs)
-    capacity = meta["max_tokens"]
-    kinds = sorted({p["kind"] for p in epochs})
+    total = sum(epochs[1:], epochs[0])
     return {
-        "micro_batches": micro_batches,
-        "bound": bound,
-        "kind": kinds[0] if len(kinds) == 1 else "mixed",
-        "fill": tokens / (micro_batches * capacity) if micro_batches else 1.0,
-        "bound_fill": tokens / (bound * capacity) if bound else 1.0,
+        "micro_batches": total.micro_batches,
+        "bound": total.bound,
+        "kind": total.kind,
+        "fill": total.fill(meta["max_tokens"]),
+        "bound_fill": total.bound_fill(meta["max_tokens"]),
         "epochs": len(epochs),
     }
 
