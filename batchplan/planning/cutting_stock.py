@@ -92,9 +92,13 @@ def _make_bound(bins: int, kind: str, histogram: NDArray, max_tokens: int) -> Bo
     return Bound(bins=bins, kind=kind, fill=packing_fill(tokens, bins, max_tokens))
 
 
-def _cheap_bound(histogram: NDArray[np.int64], max_tokens: int) -> tuple[int, str]:
+def _prepared(histogram, max_tokens: int) -> tuple[NDArray[np.int64], int, str]:
+    """A checked int64 copy of the histogram without length 0, and its cheap bound and kind."""
+    histogram = _checked(histogram, max_tokens).copy()
+    histogram[0] = 0
     volume, l2 = histogram_bounds(histogram, max_tokens)
-    return (int(l2), "l2") if l2 > volume else (int(volume), "volume")
+    known, kind = (int(l2), "l2") if l2 > volume else (int(volume), "volume")
+    return histogram, known, kind
 
 
 def _checked(histogram, max_tokens: int) -> NDArray[np.int64]:
@@ -202,13 +206,14 @@ def _best_fit(histogram: NDArray[np.int64], max_tokens: int):
     return _best_fit_decreasing(histogram, max_tokens, index, None, None, None, None)
 
 
-def _pack_greedily(histogram: NDArray[np.int64], max_tokens: int):
-    """The patterns of `fill_exact` or of best fit decreasing, whichever has fewer bins."""
+def _pack_greedily(histogram: NDArray[np.int64], max_tokens: int, best=None):
+    """The patterns of `fill_exact` where they need fewer bins than best fit decreasing's
+    (``best``, its packing when already made), else best fit's."""
     greedy = fill_exact(histogram, max_tokens)
-    slot_bin, offsets, _ = _best_fit(histogram, max_tokens)
-    if offsets.shape[0] - 1 < greedy[3].sum():
-        return patterns_of_bins(slot_bin, offsets, histogram, max_tokens)
-    return greedy
+    slot_bin, offsets, _ = _best_fit(histogram, max_tokens) if best is None else best
+    if greedy[3].sum() < offsets.shape[0] - 1:
+        return greedy
+    return patterns_of_bins(slot_bin, offsets, histogram, max_tokens)
 
 
 def _round_lp(master: _Master, lengths, histogram: NDArray[np.int64], max_tokens: int):
@@ -258,19 +263,15 @@ def pack_histogram(
         and the best lower bound found on the way. Never more bins than best fit
         decreasing; the same histogram gives the same arrays.
     """
-    histogram = _checked(histogram, max_tokens).copy()
-    histogram[0] = 0
-    known, kind = _cheap_bound(histogram, max_tokens)
+    histogram, known, kind = _prepared(histogram, max_tokens)
     slot_bin, counts, below, tokens = buffers or (None, None, None, None)
     index = slot_bin if slot_bin is not None else np.empty(0, dtype=index_dtype(int(histogram.sum())))
     best = _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts, below, tokens)
     bins = best[1].shape[0] - 1
     if bins <= slack(known):
         return HistogramPacking(*best, _make_bound(known, kind, histogram, max_tokens))
-    patterns = patterns_of_bins(best[0], best[1], histogram, max_tokens)
-    greedy = fill_exact(histogram, max_tokens)
-    if greedy[3].sum() < bins:
-        patterns, bins = greedy, int(greedy[3].sum())
+    patterns = _pack_greedily(histogram, max_tokens, best)
+    bins = int(patterns[3].sum())
     if bins > slack(known) and np.count_nonzero(histogram) <= max_lp_lengths:
         lp_bins, master, lengths = _solve_lp(histogram, max_tokens, known, patterns)
         if lp_bins > known:
@@ -289,9 +290,7 @@ def lower_bound(histogram, max_tokens: int, *, max_lp_lengths: int = MAX_LP_LENG
     The LP starts from a greedy packing's patterns and is skipped when that packing already
     meets the cheap bounds (no bound can then be higher).
     """
-    histogram = _checked(histogram, max_tokens).copy()
-    histogram[0] = 0
-    known, kind = _cheap_bound(histogram, max_tokens)
+    histogram, known, kind = _prepared(histogram, max_tokens)
     if 0 < np.count_nonzero(histogram) <= max_lp_lengths:
         patterns = _pack_greedily(histogram, max_tokens)
         if patterns[3].sum() > known:
