@@ -56,24 +56,25 @@ def test_plan_data_module_trains_exactly_the_plan_like_the_plain_loop(lightning_
             assert_same_params(runs["full"]["params"], runs["plain"]["params"])
 
 
-@slow
-def test_plan_data_module_resumes_inside_epoch_two_from_a_lightning_checkpoint(lightning_runs):
+def check_resumed(lightning_runs, first: str, rest: str, stopped_at: str) -> None:
+    """Every rank and plan: the first run stopped at ``stopped_at``'s step, and the run resumed
+    from its checkpoint trained the rest exactly."""
     results, plans = lightning_runs
     for rank, result in enumerate(results):
         for name, path in plans.items():
             runs = result[name]
-            assert runs["first"]["global_step"] == runs["stop"]
-            assert_resumed(runs["first"], runs["rest"], runs["full"], path, rank)
+            assert runs[first]["global_step"] == runs[stopped_at]
+            assert_resumed(runs[first], runs[rest], runs["full"], path, rank)
+
+
+@slow
+def test_plan_data_module_resumes_inside_epoch_two_from_a_lightning_checkpoint(lightning_runs):
+    check_resumed(lightning_runs, "first", "rest", "stop")
 
 
 @slow
 def test_plan_data_module_resumes_from_a_checkpoint_at_the_end_of_epoch_one(lightning_runs):
-    results, plans = lightning_runs
-    for rank, result in enumerate(results):
-        for name, path in plans.items():
-            runs = result[name]
-            assert runs["first_at_end"]["global_step"] == runs["end"]
-            assert_resumed(runs["first_at_end"], runs["rest_after_end"], runs["full"], path, rank)
+    check_resumed(lightning_runs, "first_at_end", "rest_after_end", "end")
 
 
 @slow
