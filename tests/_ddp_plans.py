@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 from datetime import timedelta
 from pathlib import Path
@@ -75,9 +76,18 @@ def make_model(seed: int = 0, attention: str = "documents"):
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now, below Linux's ephemeral range (32768-60999): a port the kernel hands
+    out (bind to 0) may be handed again to a client socket of another test before rank 0
+    listens on it (EADDRINUSE); a random one below that range is not."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20_000, 32_768)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 @contextlib.contextmanager
