@@ -31,7 +31,10 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-_DATASET_HELP = "Parquet file(s) or directories of them, or one folder written by datasets' save_to_disk."
+_DATASET_HELP = (
+    "Parquet file(s) or directories of them, s3:// or gs:// URIs of objects or prefixes, "
+    "or one folder written by datasets' save_to_disk."
+)
 
 
 def _unwind_on_sigterm() -> None:
@@ -63,7 +66,7 @@ def _fail_cleanly(command):
 @app.command()
 @_fail_cleanly
 def build(
-    dataset: Annotated[list[Path], typer.Argument(help=_DATASET_HELP)],
+    dataset: Annotated[list[str], typer.Argument(help=_DATASET_HELP)],
     output: Annotated[Path, typer.Option("--output", "-o", help="Plan file to write (.arrow).")],
     max_tokens: Annotated[int, typer.Option(help="Token cap per micro-batch (pad: count x longest).")],
     mode: Annotated[
@@ -145,7 +148,7 @@ def inspect(
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     plot: Annotated[Optional[Path], typer.Option(help="Also draw the plan into this image (.png/.svg/.pdf).")] = None,
     dataset: Annotated[
-        Optional[list[Path]], typer.Option("--dataset", "-d", help="With --plot: draw the dataset's sample lengths.")
+        Optional[list[str]], typer.Option("--dataset", "-d", help="With --plot: draw the dataset's sample lengths.")
     ] = None,
 ) -> None:
     """Summarise a plan: steps, fill, padding, rank imbalance, drops; --plot draws it."""
@@ -178,7 +181,7 @@ def inspect(
 @app.command(short_help="Compare with PyTorch, Hugging Face and fairseq batching.")
 @_fail_cleanly
 def compare(
-    dataset: Annotated[list[Path], typer.Argument(help=_DATASET_HELP)],
+    dataset: Annotated[list[str], typer.Argument(help=_DATASET_HELP)],
     max_tokens: Annotated[int, typer.Option(help="Memory budget of one micro-batch, in tokens, for every strategy.")],
     world_size: Annotated[int, typer.Option(help="Data-parallel ranks.")],
     micro_batches: Annotated[int, typer.Option(help="Micro-batches per rank per step.")] = 1,
@@ -228,7 +231,7 @@ def compare(
 def validate(
     plan: Annotated[Path, typer.Argument(help="Plan file.")],
     dataset: Annotated[
-        Optional[list[Path]], typer.Option("--dataset", "-d", help="The dataset the plan was built for.")
+        Optional[list[str]], typer.Option("--dataset", "-d", help="The dataset the plan was built for.")
     ] = None,
 ) -> None:
     """Re-check every guarantee of a plan; exit 1 on any violation."""

@@ -254,7 +254,7 @@ def test_find_dataset_files_keeps_parquet_as_it_was(tmp_path):
     pq.write_table(pa.table({"length": [1]}), tmp_path / "b.parquet")
     pq.write_table(pa.table({"length": [2]}), tmp_path / "a.parquet")
     found = find_dataset_files(tmp_path)
-    assert found == DatasetFiles((tmp_path / "a.parquet", tmp_path / "b.parquet"))
+    assert found == DatasetFiles((str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")))
     assert count_samples(found) == 2
 
 

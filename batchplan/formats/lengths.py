@@ -1,31 +1,37 @@
-"""Read per-sample token lengths from Parquet or a ``datasets`` folder, column-only and batch by batch.
+"""Read per-sample token lengths from Parquet or a ``datasets`` folder, column-only, files in parallel.
 
-A dataset is Parquet files and directories of them (sample ``i`` is global row ``i``
-over the files in sorted path order), or one folder written by Hugging Face
+A dataset is Parquet files and directories of them, on local disk or in object storage
+(``s3://`` and ``gs://`` URIs naming an object or a prefix; `batchplan.formats.storage`):
+sample ``i`` is global row ``i`` over the files in sorted path order, the same for a prefix
+and a local copy of it. Or it is one local folder written by Hugging Face
 ``Dataset.save_to_disk`` (sample ``i`` is row ``i`` of the dataset: its Arrow files in
 ``state.json`` order; `batchplan.formats.datasets_folder`). A length comes from an integer column
 (``length_column``) or, when that column is absent, from a list column of token ids
 (``tokens_column``), whose list offsets give the lengths; no other column is read.
-Memory: 4 bytes per sample for lengths (+4 with a loss-token column), plus one batch
-in flight. Neither ``datasets`` nor pandas is imported.
+Two passes over the files, each on up to 16 threads (object storage is latency-bound): the
+row counts (Parquet footers), then each file's column(s) into its slice of the result.
+Memory: 4 bytes per sample for lengths (+4 with a loss-token column), plus one batch per
+file in flight (at most 16). ``datasets`` is never imported, nor pandas for local files
+(objects are opened through ``pyarrow.dataset``, which imports pandas when it is installed).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 from numpy.typing import NDArray
 
 from batchplan.errors import DatasetError
 from batchplan.formats.arrow import numpy_of, valid
 from batchplan.formats.datasets_folder import StreamFile, is_datasets_folder, list_arrow_files
+from batchplan.formats.storage import Storage, for_each_file, is_uri, names_of, order_key, storage_error, uri_hint
 
 __all__ = [
     "DatasetFiles",
@@ -86,43 +92,54 @@ class DatasetFiles:
     """The files of one dataset, in sample order.
 
     Attributes:
-        paths: Parquet files, or the Arrow stream files of ``folder``.
+        paths: Parquet files (local paths, or ``s3://bucket/key`` and ``gs://bucket/key``
+            URIs), or the Arrow stream files of ``folder``.
         folder: the Hugging Face datasets folder the files belong to, or None for Parquet.
+        storage: the filesystems that open the URIs among ``paths``.
     """
 
-    paths: tuple[Path, ...]
+    paths: tuple[str, ...]
     folder: Path | None = None
+    storage: Storage = dataclasses.field(default_factory=Storage, compare=False, repr=False)
 
 
 def find_dataset_files(paths: PathLike | Sequence[PathLike]) -> DatasetFiles:
-    """Expand the dataset paths of a command: Parquet files and directories, or one datasets folder.
+    """Expand the dataset paths of a command: Parquet files, directories and URIs, or one datasets folder.
 
     Raises:
-        DatasetError: a missing path, a DatasetDict folder, a datasets folder given with
-            other paths, a damaged ``state.json``, a directory with no dataset files.
+        DatasetError: a missing path, bucket, object or prefix, a DatasetDict folder, a
+            datasets folder given with other paths, a damaged ``state.json``, a directory or
+            prefix with no dataset files, an object store that cannot be reached.
     """
-    paths = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(raw) for raw in paths]
-    folders = [path for path in paths if is_datasets_folder(path)]
+    names = names_of(paths)
+    folders = [Path(name) for name in names if not is_uri(name) and is_datasets_folder(Path(name))]
     if not folders:
-        return DatasetFiles(tuple(find_parquet_files(paths)))
-    if len(paths) > 1:
-        others = [str(path) for path in paths]
+        storage = Storage()
+        return DatasetFiles(tuple(find_parquet_files(names, storage=storage)), storage=storage)
+    if len(names) > 1:
+        others = list(names)
         others.remove(str(folders[0]))
         raise DatasetError(
             f"{folders[0]}: a Hugging Face datasets folder given with {len(others)} other path(s) "
             f"{others}; expected it alone (it is a whole dataset): pass one datasets folder, or combine "
             "them with datasets.concatenate_datasets(...).save_to_disk(PATH) and pass PATH"
         )
-    return DatasetFiles(tuple(list_arrow_files(folders[0])), folder=folders[0])
+    return DatasetFiles(tuple(str(path) for path in list_arrow_files(folders[0])), folder=folders[0])
 
 
-def find_parquet_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
-    """Expand files and directories (all ``*.parquet`` below them) into sorted file paths."""
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    found: list[Path] = []
-    for raw in paths:
-        path = Path(raw)
+def find_parquet_files(paths: PathLike | Sequence[PathLike], *, storage: Storage | None = None) -> list[str]:
+    """Expand files, directories and URIs (all ``*.parquet`` below them) into sorted file names.
+
+    Local paths come out as ``str(Path(path))``; URIs as ``scheme://bucket/key``, opened by
+    ``storage`` (a new one when None).
+    """
+    storage = Storage() if storage is None else storage
+    found: list[str] = []
+    for name in names_of(paths):
+        if is_uri(name):
+            found.extend(storage.expand(name))
+            continue
+        path = Path(name)
         if path.is_dir():
             inside = sorted(p for p in path.rglob("*.parquet") if p.is_file())
             if not inside:
@@ -130,14 +147,14 @@ def find_parquet_files(paths: PathLike | Sequence[PathLike]) -> list[Path]:
                     f"{path}: directory holds no *.parquet files and no state.json; expected Parquet "
                     "files or a folder written by Hugging Face Dataset.save_to_disk"
                 )
-            found.extend(inside)
+            found.extend(str(p) for p in inside)
         elif path.is_file():
-            found.append(path)
+            found.append(name)
         else:
-            raise DatasetError(f"{path}: no such file or directory")
+            raise DatasetError(f"{path}: no such file or directory{uri_hint(name)}")
     if not found:
         raise DatasetError("no dataset files given")
-    files = sorted(found)
+    files = sorted(found, key=order_key)
     for before, after in zip(files, files[1:]):
         if before == after:
             raise DatasetError(f"{after}: file given twice; each sample must be read once")
@@ -148,7 +165,7 @@ def count_samples(files: DatasetFiles) -> int | None:
     """Samples of the dataset before reading it: Parquet footers, or the streams' batch
     headers; None if a file is unreadable (`read_lengths` then reports it)."""
     try:
-        return sum(source.count_rows(source.schema.names[:1]) for source in _open_sources(files))
+        return sum(_count_rows(files, None))
     except DatasetError:
         return None
 
@@ -159,60 +176,93 @@ def read_lengths(
     length_column: str = "length",
     tokens_column: str = "input_ids",
     loss_tokens_column: str | None = None,
+    on_file: Callable[[str], None] | None = None,
 ) -> SampleLengths:
     """Read the token length of every sample.
 
     Args:
-        paths: a Parquet file, several files, directories of them, or one folder
-            written by ``datasets.Dataset.save_to_disk`` (`find_dataset_files`).
+        paths: a Parquet file, several files, directories of them, ``s3://`` or ``gs://``
+            URIs of objects or prefixes, or one folder written by
+            ``datasets.Dataset.save_to_disk`` (`find_dataset_files`).
         length_column: integer column holding each sample's token count.
         tokens_column: list column of token ids, used when ``length_column`` is absent.
         loss_tokens_column: optional integer column: tokens carrying a label.
+        on_file: called with each file's name as its lengths are read, in the calling thread.
 
     Raises:
         DatasetError: unreadable file, missing or mistyped column, negative values,
-            loss tokens above the length.
+            loss tokens above the length, an object store that cannot be reached.
     """
     files = paths if isinstance(paths, DatasetFiles) else find_dataset_files(paths)
-    sources = _open_sources(files)
-    column = _pick_length_column(sources[0], length_column, tokens_column)
-    for source in sources:
-        _check_columns(source.path, source.schema, column, loss_tokens_column)
+    column = _pick_length_column(_open_source(files, 0), length_column, tokens_column)
     columns = [column] if loss_tokens_column is None else [column, loss_tokens_column]
-    total = sum(source.count_rows(columns) for source in sources)
+    counts = _count_rows(files, columns)
+    total = sum(counts)
     if total == 0:
-        raise DatasetError(f"{files.folder or ', '.join(map(str, files.paths))}: dataset has 0 rows; nothing to plan")
-    # Filled batch by batch: memory is the result plus one batch, never a list of parts.
+        raise DatasetError(f"{files.folder or ', '.join(files.paths)}: dataset has 0 rows; nothing to plan")
+    # Each file fills its own slice: memory is the result plus the batches in flight, never a list of parts.
     lengths = np.empty(total, dtype=np.int32)
     loss = None if loss_tokens_column is None else np.empty(total, dtype=np.int32)
-    counts: list[tuple[str, int]] = []
-    row = 0
-    for source in sources:
-        first = row
-        for batch in source.iter_batches(columns):
-            end = row + batch.num_rows
-            where = _Rows(source.path, file_row=row - first, sample=row)
-            lengths[row:end] = _lengths_of(where, batch.column(column), column)
-            if loss is not None:
-                loss[row:end] = _integers_of(where, batch.column(loss_tokens_column), loss_tokens_column)
-            row = end
-        counts.append((str(source.path), row - first))
+    starts = [0, *itertools.accumulate(counts)]
+
+    def read_file(index: int) -> None:
+        source = _open_source(files, index)
+        _read_into(source, columns, starts[index], starts[index + 1], lengths, loss)
+
+    done = None if on_file is None else (lambda index: on_file(files.paths[index]))
+    for_each_file(len(files.paths), read_file, on_done=done)
+    counted = tuple(zip(files.paths, counts))
     if loss is not None:
-        _check_loss_tokens(counts, lengths, loss, loss_tokens_column)
-    return SampleLengths(lengths=lengths, loss_tokens=loss, files=tuple(counts), column=column)
+        _check_loss_tokens(counted, lengths, loss, loss_tokens_column)
+    return SampleLengths(lengths=lengths, loss_tokens=loss, files=counted, column=column)
+
+
+def _count_rows(files: DatasetFiles, columns: list[str] | None) -> list[int]:
+    """Rows of each file (Parquet footers), checking that each holds ``columns``."""
+    counts = [0] * len(files.paths)
+
+    def count(index: int) -> None:
+        source = _open_source(files, index)
+        if columns is not None:
+            _check_columns(source.path, source.schema, columns)
+        counts[index] = source.count_rows(columns or source.schema.names[:1])
+
+    for_each_file(len(files.paths), count)
+    return counts
+
+
+def _read_into(
+    source: _ParquetFile | StreamFile, columns: list[str], start: int, end: int, lengths: NDArray, loss: NDArray | None
+) -> None:
+    """The lengths (and loss tokens) of one file, into samples ``start:end``."""
+    row = start
+    for batch in source.iter_batches(columns):
+        stop = row + batch.num_rows
+        if stop > end:
+            break
+        where = _Rows(str(source.path), file_row=row - start, sample=row)
+        lengths[row:stop] = _lengths_of(where, batch.column(columns[0]), columns[0])
+        if loss is not None:
+            loss[row:stop] = _integers_of(where, batch.column(columns[1]), columns[1])
+        row = stop
+    if row != end:
+        raise DatasetError(
+            f"{source.path}: holds a different number of rows than the {end - start:,} its footer counted "
+            "a moment before; the file changed while it was read: read the dataset again once it is written"
+        )
 
 
 class _ParquetFile:
     """One Parquet file, read like a `StreamFile`: schema, row count, batches of some columns."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: str, storage: Storage):
         self.path = path
         try:
-            self._file = pq.ParquetFile(path)
+            self._file = storage.open_parquet(path)
         except (pa.ArrowException, OSError) as error:
-            raise DatasetError(
-                f"{path}: not a readable Parquet file ({_one_line(error)}); give Parquet files or "
-                "directories of them, or a folder written by Hugging Face Dataset.save_to_disk"
+            raise _read_error(
+                path, error, "not a readable Parquet file", "give Parquet files or directories of them, "
+                "or a folder written by Hugging Face Dataset.save_to_disk"
             ) from error
         self.schema: pa.Schema = self._file.schema_arrow
 
@@ -223,13 +273,20 @@ class _ParquetFile:
         try:
             yield from self._file.iter_batches(batch_size=_BATCH_ROWS, columns=columns)
         except (pa.ArrowException, OSError) as error:
-            raise DatasetError(f"{self.path}: cannot read column(s) {columns} ({_one_line(error)})") from error
+            raise _read_error(self.path, error, f"cannot read column(s) {columns}", "") from error
 
 
-def _open_sources(files: DatasetFiles) -> list[_ParquetFile | StreamFile]:
+def _read_error(path: str, error: BaseException, what: str, fix: str) -> DatasetError:
+    """A read error as one line; a URI's I/O error says what to check on the store."""
+    if is_uri(path) and isinstance(error, OSError):
+        return storage_error(path, error)
+    return DatasetError(f"{path}: {what} ({_one_line(error)}){'; ' + fix if fix else ''}")
+
+
+def _open_source(files: DatasetFiles, index: int) -> _ParquetFile | StreamFile:
     if files.folder is None:
-        return [_ParquetFile(path) for path in files.paths]
-    return [StreamFile(path, files.folder) for path in files.paths]
+        return _ParquetFile(files.paths[index], files.storage)
+    return StreamFile(Path(files.paths[index]), files.folder)
 
 
 def _pick_length_column(source: _ParquetFile | StreamFile, length_column: str, tokens_column: str) -> str:
@@ -244,9 +301,9 @@ def _pick_length_column(source: _ParquetFile | StreamFile, length_column: str, t
     )
 
 
-def _check_columns(path: Path, schema: pa.Schema, column: str, loss_column: str | None) -> None:
-    for name in (column, loss_column):
-        if name is not None and name not in schema.names:
+def _check_columns(path: str | Path, schema: pa.Schema, columns: list[str]) -> None:
+    for name in columns:
+        if name not in schema.names:
             raise DatasetError(
                 f"{path}: column {name!r} is missing (columns are {schema.names}); every file "
                 "of a dataset must have the same columns"
@@ -257,7 +314,7 @@ def _check_columns(path: Path, schema: pa.Schema, column: str, loss_column: str 
 class _Rows:
     """Where a batch starts: its file, its first row in the file and as a sample."""
 
-    path: Path
+    path: str
     file_row: int
     sample: int
 

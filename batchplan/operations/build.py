@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from batchplan.config import PlanConfig, num_threads
 from batchplan.errors import ConfigError
 from batchplan.formats.lengths import DatasetFiles, count_samples, find_dataset_files, read_lengths
+from batchplan.formats.storage import is_uri
 from batchplan.planning.memory import check_build_memory, estimate_build_memory
 
 __all__ = ["Progress", "build_plan_file"]
@@ -57,13 +58,12 @@ def build_plan_file(
         # Reading and hashing the lengths and estimating the build's memory from them
         # release the GIL: they run while numba is imported and started, which is
         # Python (~0.3 s of every build).
-        reading = reader.submit(_read_and_estimate, files, columns, config, threads)
+        reading = reader.submit(_read_and_estimate, files, columns, config, threads, advance)
         from batchplan.kernels.startup import start_numba
         from batchplan.planning.epochs import build_plan
 
         start_numba()
         lengths, fingerprint, estimate = reading.result()
-    advance(len(files.paths))
     check_build_memory(estimate)  # before planning: micro-batches and spans estimated from the lengths
     advance = _stage(progress, "planning epochs", config.epochs)
     plan = build_plan(lengths.lengths, config, loss_tokens=lengths.loss_tokens, on_epoch=lambda _: advance(1))
@@ -78,21 +78,24 @@ def build_plan_file(
     )
 
 
-def _read_and_estimate(files: DatasetFiles, columns: dict[str, Any], config: PlanConfig, threads: int):
-    """The lengths, their fingerprint, and the build's memory estimate from them."""
-    lengths = read_lengths(files, **columns)
+def _read_and_estimate(
+    files: DatasetFiles, columns: dict[str, Any], config: PlanConfig, threads: int, advance: Callable[[int], None]
+):
+    """The lengths (``advance(1)`` as each file is read), their fingerprint, and the build's
+    memory estimate from them."""
+    lengths = read_lengths(files, **columns, on_file=lambda _: advance(1))
     estimate = estimate_build_memory(lengths.num_samples, config, num_threads=threads, lengths=lengths.lengths)
     return lengths, lengths.fingerprint(), estimate
 
 
-def _check_output(output: Path, inputs: Sequence[Path]) -> None:
+def _check_output(output: Path, inputs: Sequence[str]) -> None:
     if not output.parent.is_dir():
         raise ConfigError(f"output directory {output.parent} does not exist; create it or choose another -o")
     if output.is_dir():
         raise ConfigError(f"output {output} is a directory; give a file path such as {output / 'plan.arrow'}")
     resolved = output.resolve()
     for path in inputs:
-        if path.resolve() == resolved:
+        if not is_uri(path) and Path(path).resolve() == resolved:
             raise ConfigError(f"output {output} is also an input file; choose another -o")
 
 

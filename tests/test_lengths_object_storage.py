@@ -1,0 +1,241 @@
+"""Lengths from object storage: ``s3://`` prefixes on a real S3-protocol server (moto in server
+mode, on localhost), read like the same files on local disk; clear errors; ``gs://`` routing.
+
+The server holds a small corpus under ``s3://corpus/lengths`` (nested prefixes, among them
+``a`` and ``a-b``, whose keys sort differently as strings and as paths, and one non-Parquet
+object beside them) and a few objects for the error cases; the slow test uploads 1,000
+more files (moto answers a request in 5-15 ms of Python: uploading, reading and building
+from them takes ~60 s on two shared cores).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+import pytest
+from _ddp_plans import free_port
+from batchplan_cli.main import app
+from typer.testing import CliRunner
+
+from batchplan.config import PlanConfig
+from batchplan.errors import DatasetError
+from batchplan.formats.lengths import find_dataset_files, read_lengths
+from batchplan.formats.plan_file import open_plan
+from batchplan.formats.storage import for_each_file
+from batchplan.operations.build import build_plan_file
+
+moto_server = pytest.importorskip("moto.server", reason="moto[server] (the test extra) runs the S3 server")
+
+BUCKET = "corpus"
+PREFIX = f"s3://{BUCKET}/lengths"
+FOLDERS = ["", "a/", "a-b/", "a/deep/", "b/"]
+
+
+def write_corpus(root: Path, num_files: int, seed: int = 0) -> Path:
+    """``num_files`` Parquet files of 1-5 rows (length, loss, text) and one non-Parquet file."""
+    rng = np.random.default_rng(seed)
+    for index in range(num_files):
+        rows = int(rng.integers(1, 6))
+        length = rng.integers(1, 60, rows).astype(np.int32)
+        loss = (length * rng.random(rows)).astype(np.int32)
+        path = root / f"{FOLDERS[index % len(FOLDERS)]}shard-{index:05d}.parquet"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"length": length, "loss": loss, "text": ["x"] * rows}), path)
+    (root / "README.txt").write_text("not parquet: listed, never read")
+    return root
+
+
+def upload(local: Path, key: str) -> float:
+    """Copies ``local`` under ``s3://corpus/KEY`` (pyarrow's threads); returns the seconds taken."""
+    store, _ = pafs.FileSystem.from_uri(f"s3://{BUCKET}")
+    start = time.perf_counter()
+    pafs.copy_files(str(local), f"{BUCKET}/{key}", source_filesystem=pafs.LocalFileSystem(),
+                    destination_filesystem=store, use_threads=True)  # fmt: skip
+    return time.perf_counter() - start
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A moto S3 server on a free localhost port, reached through the AWS environment
+    variables (restored after this file's tests); yields the local copy of ``PREFIX``."""
+    local = write_corpus(tmp_path_factory.mktemp("corpus"), num_files=40)
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    werkzeug = logging.getLogger("werkzeug")  # one log record per request otherwise
+    level = werkzeug.level
+    werkzeug.setLevel(logging.WARNING)
+    with pytest.MonkeyPatch.context() as env:
+        for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+            env.delenv(name, raising=False)
+        env.setenv("AWS_ACCESS_KEY_ID", "testing")
+        env.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        env.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        env.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        env.setenv("AWS_CONFIG_FILE", str(local / "no-aws-config"))
+        env.setenv("AWS_SHARED_CREDENTIALS_FILE", str(local / "no-aws-credentials"))
+        host, port = server.get_host_and_port()
+        env.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+        store, _ = pafs.FileSystem.from_uri(f"s3://{BUCKET}?allow_bucket_creation=true")
+        store.create_dir(BUCKET)
+        upload(local, "lengths")
+        others = {"notes/readme.txt": b"text", "hf/state.json": b"{}", "hf/data-00000-of-00001.arrow": b""}
+        for key, body in others.items():
+            with store.open_output_stream(f"{BUCKET}/{key}") as stream:
+                stream.write(body)
+        yield local
+    werkzeug.setLevel(level)
+    server.stop()
+
+
+def assert_read_like_local(prefix: str, local: Path) -> None:
+    remote, copy = read_lengths(prefix, loss_tokens_column="loss"), read_lengths(local, loss_tokens_column="loss")
+    assert remote.num_samples == copy.num_samples
+    np.testing.assert_array_equal(remote.lengths, copy.lengths)
+    np.testing.assert_array_equal(remote.loss_tokens, copy.loss_tokens)
+    assert remote.fingerprint() == copy.fingerprint()
+    assert list(remote.files) == [(name.replace(str(local), prefix), rows) for name, rows in copy.files]
+    assert not any(name.endswith("README.txt") for name, _ in remote.files)
+    # Path order, not string order: a/ comes before a-b/.
+    folders = [name[len(prefix) + 1 :].split("/")[0] for name, _ in remote.files]
+    assert folders.index("a") < folders.index("a-b")
+
+
+def assert_plans_equal(prefix: str, local: Path, directory: Path) -> None:
+    """Plans built from ``prefix`` and ``local`` differ in nothing but the file names."""
+    config = PlanConfig(max_tokens=64, world_size=2, epochs=2)
+    remote = build_plan_file(prefix, directory / "remote.arrow", config, loss_tokens_column="loss")
+    copy = build_plan_file(local, directory / "local.arrow", config, loss_tokens_column="loss")
+    assert all(name.startswith(f"{prefix}/") for name, _ in remote["dataset"]["files"])
+    assert remote["lengths_fingerprint"] == copy["lengths_fingerprint"]
+    unnamed = [{**meta, "dataset": {**meta["dataset"], "files": None}} for meta in (remote, copy)]
+    for meta in unnamed:
+        meta.pop("content_hash", None)  # hashes the metadata, names included
+    assert unnamed[0] == unnamed[1]
+    opened = open_plan(directory / "remote.arrow"), open_plan(directory / "local.arrow")
+    for epoch in range(config.epochs):
+        for rank in range(config.world_size):
+            assert opened[0].read_rank(epoch, rank).equals(opened[1].read_rank(epoch, rank))
+
+
+def test_a_prefix_reads_like_its_local_copy(s3):
+    assert_read_like_local(PREFIX, s3)
+
+
+def test_a_plan_built_from_a_prefix_equals_the_local_one(s3, tmp_path):
+    assert_plans_equal(PREFIX, s3, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_thousand_objects_read_and_plan_like_local_disk(s3, tmp_path):
+    local = write_corpus(tmp_path / "large", num_files=1_000, seed=1)
+    print(f"uploaded 1,001 objects in {upload(local, 'large'):.1f} s")
+    assert_read_like_local(f"s3://{BUCKET}/large", local)
+    assert_plans_equal(f"s3://{BUCKET}/large", local, tmp_path)
+
+
+def test_reading_reports_each_file_as_it_finishes(s3, tmp_path):
+    seen: list[str] = []
+    lengths = read_lengths(f"{PREFIX}/b", on_file=seen.append)
+    assert sorted(seen) == [name for name, _ in lengths.files]
+    advances: dict[str, list[int]] = {}
+
+    class Progress:
+        def stage(self, description, total):
+            advances[description] = []
+            return advances[description].append
+
+    build_plan_file(f"{PREFIX}/b", tmp_path / "plan.arrow", PlanConfig(max_tokens=64), progress=Progress())
+    assert advances["reading lengths"] == [1] * len(lengths.files)
+
+
+def test_cli_builds_and_validates_from_a_prefix(s3, tmp_path):
+    plan = tmp_path / "plan.arrow"
+    runner = CliRunner()
+    build = ["build", PREFIX, "-o", str(plan), "--max-tokens", "64", "--world-size", "2", "-q"]
+    result = runner.invoke(app, [*build, "--loss-tokens-column", "loss"])
+    assert result.exit_code == 0, result.output
+    files = open_plan(plan).metadata["dataset"]["files"]
+    assert len(files) == 40
+    assert all(name.startswith(f"{PREFIX}/") and name.endswith(".parquet") for name, _ in files)
+    result = runner.invoke(app, ["validate", str(plan), "--dataset", PREFIX])
+    assert result.exit_code == 0, result.output
+    assert "OK" in result.output
+
+
+def test_an_endpoint_in_the_uri_query_is_used_and_not_recorded(s3, monkeypatch):
+    host_port = os.environ["AWS_ENDPOINT_URL"].removeprefix("http://")
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    lengths = read_lengths(f"{PREFIX}/b?endpoint_override={host_port}&scheme=http")
+    assert lengths.fingerprint() == read_lengths(s3 / "b").fingerprint()
+    assert lengths.files and all(name.startswith(f"{PREFIX}/b/shard-") for name, _ in lengths.files)
+    assert not any("?" in name for name, _ in lengths.files)
+
+
+def test_one_object_and_objects_given_twice(s3):
+    name = f"{PREFIX}/a/shard-00001.parquet"
+    assert [file for file, _ in read_lengths(name).files] == [name]
+    with pytest.raises(DatasetError, match="shard-00001.parquet: file given twice"):
+        find_dataset_files([f"{PREFIX}/a", name])
+
+
+@pytest.mark.parametrize(
+    ("uri", "message"),
+    [
+        ("s3://no-such-bucket/lengths", "S3 bucket 'no-such-bucket' does not exist"),
+        (f"{PREFIX}/missing", "no such object or prefix"),
+        (f"s3://{BUCKET}/notes", r"prefix holds no \*.parquet objects \(1 other object\(s\)\)"),
+        (f"{PREFIX}/README.txt", "README.txt: not a readable Parquet file"),
+        (f"s3://{BUCKET}/hf", "datasets folder .* read from local disk only"),
+        ("hdfs://host/path", "unsupported URI scheme 'hdfs'"),
+    ],
+)
+def test_errors_name_the_uri(s3, uri, message):
+    with pytest.raises(DatasetError, match=message) as raised:
+        read_lengths(uri)
+    assert str(raised.value).startswith(uri)
+    assert "\n" not in str(raised.value)
+
+
+def test_an_unreachable_endpoint_is_a_clear_error(s3, monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    with pytest.raises(DatasetError, match=f"^{PREFIX}: cannot read from S3 .*Could not connect.*AWS_ENDPOINT_URL"):
+        read_lengths(PREFIX)
+
+
+def test_a_path_made_from_a_uri_says_so(tmp_path):
+    with pytest.raises(DatasetError, match="no such file or directory; a URI\\? pass it as a str"):
+        read_lengths(Path("s3://corpus/lengths"))
+
+
+def test_gs_uris_go_to_google_cloud_storage():
+    # pyarrow's GcsFileSystem, anonymous, at a closed local port: no network, no credentials.
+    uri = f"gs://anonymous@corpus/lengths?endpoint_override=127.0.0.1:{free_port()}&scheme=http&retry_limit_seconds=0.2"
+    message = r"^gs://anonymous@corpus/lengths\?.*: cannot read from GCS \(google::cloud::Status\(UNAVAILABLE.*"
+    message += "GOOGLE_APPLICATION_CREDENTIALS"
+    with pytest.raises(DatasetError, match=message):
+        read_lengths(uri)
+
+
+def test_files_in_parallel_fail_with_the_first_bad_file_and_start_no_more():
+    started: list[int] = []
+
+    def work(index: int) -> None:
+        started.append(index)
+        if index == 3:
+            time.sleep(0.05)  # the later file fails first
+        if index in (3, 5):
+            raise ValueError(f"file {index}")
+
+    with pytest.raises(ValueError, match="^file 3$"):
+        for_each_file(1_000, work, max_threads=4)
+    assert len(started) < 20
+    done: list[int] = []
+    for_each_file(100, lambda index: None, on_done=done.append, max_threads=4)
+    assert sorted(done) == list(range(100))
