@@ -20,6 +20,7 @@ __all__ = ["MODES", "OVERSIZE_POLICIES", "PlanConfig", "num_threads", "parse_pai
 MODES = ("pack", "pad")
 OVERSIZE_POLICIES = ("error", "drop", "truncate", "split")
 BALANCE_MODES = ("tokens", "compute")
+LAYOUTS = ("file", "directory")  # how a plan is written (not part of the plan)
 
 # Steps are formed from micro-batches of similar cost within windows of this many
 # steps (then the steps are shuffled): 1 would mean purely random step composition.
@@ -279,6 +280,24 @@ def parse_pair(flag: str, form: str, text: str | None) -> tuple[int, int] | tupl
         raise ConfigError(
             f"{flag} takes {form} (two integers, e.g. 262144:100M), got {text!r}"
         ) from None
+
+
+def parse_epoch_range(text: str | None, epochs: int) -> range | None:
+    """``--only-epochs``: ``"START:STOP"`` (STOP excluded; either may be left out) or ``"E"``
+    -> a range of epochs; None -> None."""
+    if text is None:
+        return None
+    parts = text.split(":")
+    try:
+        if len(parts) == 1:
+            start = _parse_count(parts[0])
+            return range(start, start + 1)
+        if len(parts) != 2:
+            raise ValueError(text)
+        start = _parse_count(parts[0]) if parts[0].strip() else 0
+        return range(start, _parse_count(parts[1]) if parts[1].strip() else epochs)
+    except ValueError:
+        raise ConfigError(f"--only-epochs takes START:STOP or EPOCH (0:4 = epochs 0 to 3), got {text!r}") from None
 
 
 def _parse_count(text: str) -> int:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import enum
 
-from batchplan.config import BALANCE_MODES, MODES, OVERSIZE_POLICIES
+from batchplan.config import BALANCE_MODES, LAYOUTS, MODES, OVERSIZE_POLICIES
 
-__all__ = ["Balance", "Mode", "Oversize"]
+__all__ = ["Balance", "Layout", "Mode", "Oversize"]
 
 
 def _choices(name: str, values: tuple[str, ...]) -> type[enum.Enum]:
@@ -21,3 +21,4 @@ def _choices(name: str, values: tuple[str, ...]) -> type[enum.Enum]:
 Mode = _choices("Mode", MODES)
 Oversize = _choices("Oversize", OVERSIZE_POLICIES)
 Balance = _choices("Balance", BALANCE_MODES)
+Layout = _choices("Layout", LAYOUTS)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from batchplan_cli.choices import Balance, Mode, Oversize
+from batchplan_cli.choices import Balance, Layout, Mode, Oversize
 
 from batchplan.config import DEFAULT_BALANCE_WINDOW
 from batchplan.errors import BatchPlanError
@@ -67,7 +67,9 @@ def _fail_cleanly(command):
 @_fail_cleanly
 def build(
     dataset: Annotated[list[str], typer.Argument(help=_DATASET_HELP)],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Plan file to write (.arrow).")],
+    output: Annotated[
+        Path, typer.Option("--output", "-o", help="Plan to write: a file (.arrow), or a directory (--layout).")
+    ],
     max_tokens: Annotated[int, typer.Option(help="Token cap per micro-batch (pad: count x longest).")],
     mode: Annotated[
         Mode, typer.Option(help="pack (concatenate samples) or pad (pad to the longest).")
@@ -106,11 +108,20 @@ def build(
     length_column: Annotated[str, typer.Option(help="Integer column of token counts.")] = "length",
     tokens_column: Annotated[str, typer.Option(help="List column of token ids (when no length column).")] = "input_ids",
     loss_tokens_column: Annotated[Optional[str], typer.Option(help="Integer column: tokens carrying a label.")] = None,
+    layout: Annotated[
+        Optional[Layout],
+        typer.Option(help="file: one plan file; directory: a file per epoch, written once planned, and a manifest."),
+    ] = None,
+    only_epochs: Annotated[
+        Optional[str],
+        typer.Option(help="START:STOP: plan only these epochs (STOP excluded) into a plan directory; builds of the "
+                     "other ranges, anywhere, complete it."),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")] = False,
 ) -> None:
     """Read sample lengths and write a plan for every epoch."""
     _unwind_on_sigterm()
-    from batchplan.config import DEFAULT_SHUFFLE_WINDOW, PlanConfig, parse_pair
+    from batchplan.config import DEFAULT_SHUFFLE_WINDOW, PlanConfig, parse_epoch_range, parse_pair
     from batchplan.operations.build import build_plan_file
 
     rampup_start, rampup_tokens = parse_pair("--rampup", "START:TOKENS", rampup)
@@ -125,16 +136,28 @@ def build(
         seqlen_warmup_min=warmup_min, seqlen_warmup_tokens=warmup_tokens,
         shuffle_window=DEFAULT_SHUFFLE_WINDOW if shuffle_window is None else shuffle_window,
     )  # fmt: skip
-    columns = {"length_column": length_column, "tokens_column": tokens_column,
-               "loss_tokens_column": loss_tokens_column}  # fmt: skip
+    options = {"length_column": length_column, "tokens_column": tokens_column,
+               "loss_tokens_column": loss_tokens_column, "layout": None if layout is None else layout.value,
+               "only_epochs": parse_epoch_range(only_epochs, epochs)}  # fmt: skip
     if quiet:
-        build_plan_file(dataset, output, config, **columns)
+        build_plan_file(dataset, output, config, **options)
         return
     from batchplan_cli.progress import BuildProgress
-    from batchplan_cli.render import print_summary
 
     with BuildProgress() as progress:
-        build_plan_file(dataset, output, config, progress=progress, **columns)
+        written = build_plan_file(dataset, output, config, progress=progress, **options)
+    _print_built(output, written)
+
+
+def _print_built(output: Path, written: dict) -> None:
+    """The summary of the plan written, or which epochs a plan directory still misses."""
+    if "missing_epochs" in written:
+        missing = written["missing_epochs"]
+        print(f"wrote part of the plan directory {output}; epochs {', '.join(map(str, missing))} are still missing: "
+              "build them with the same command and --only-epochs (the last build writes the manifest)")  # fmt: skip
+        return
+    from batchplan_cli.render import print_summary
+
     from batchplan.formats.plan_file import open_plan
     from batchplan.reports.summary import summarize_plan
 

@@ -53,7 +53,7 @@ def test_failed_write_keeps_the_previous_plan_and_leaves_no_temporary(plan_path,
     def explode(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(plan_writer, "content_hash", explode)
+    monkeypatch.setattr(plan_writer, "batch_crc", explode)
     with pytest.raises(KeyboardInterrupt):
         write_plan(build_plan(LENGTHS, PlanConfig(max_tokens=512)), plan_path)
     assert plan_path.read_bytes() == before
@@ -139,7 +139,7 @@ def test_pack_plans_of_format_version_1_with_padded_tokens_still_read(tmp_path, 
     config = PlanConfig(max_tokens=256, world_size=3, epochs=2)
     current, earlier = tmp_path / "current.arrow", tmp_path / "earlier.arrow"
     write_plan(build_plan(LENGTHS, config), current)
-    monkeypatch.setattr(plan_writer, "_has_padded", lambda plan: True)
+    monkeypatch.setattr(plan_writer, "_has_padded", lambda config: True)
     monkeypatch.setattr(plan_writer, "FORMAT_VERSION", 1)
     write_plan(build_plan(LENGTHS, config), earlier)
     monkeypatch.undo()

@@ -13,9 +13,11 @@ This module never imports numba: the runtime reads plans through it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,10 +25,10 @@ import numpy as np
 import pyarrow as pa
 
 from batchplan.errors import PlanFormatError
-from batchplan.formats.arrow import numpy_of
+from batchplan.formats.arrow import arrow_array, numpy_of
 
 if TYPE_CHECKING:
-    pass
+    from batchplan.formats.plan_directory import PlanDirectory
 
 __all__ = [
     "FORMAT_VERSION", "METADATA_KEY", "PlanFile", "content_hash", "open_plan", "padded_tokens_column", "plan_schema",
@@ -52,16 +54,31 @@ def content_hash(metadata: dict[str, Any], batches) -> str:
     A checksum against corruption, not a signature: CRC-32 runs at ~4 GB/s, so a plan
     of 16 M samples verifies in a fraction of a second.
     """
-    crc = zlib.crc32(dump_json({k: v for k, v in metadata.items() if k != "content_hash"}))
+    crc = metadata_crc(metadata)
     for batch in batches:
-        for column in batch.columns:
-            if pa.types.is_list(column.type):
-                offsets = numpy_of(column.offsets)
-                crc = zlib.crc32((offsets - offsets[0]).astype("<i8").data, crc)
-                values = column.values.slice(offsets[0], offsets[-1] - offsets[0])
-                crc = zlib.crc32(np.ascontiguousarray(numpy_of(values)).data, crc)
-            else:
-                crc = zlib.crc32(np.ascontiguousarray(numpy_of(column)).data, crc)
+        crc = batch_crc(batch, crc)
+    return hash_text(crc)
+
+
+def metadata_crc(metadata: dict[str, Any]) -> int:
+    """The content hash's start: the CRC-32 of the metadata less ``content_hash``."""
+    return zlib.crc32(dump_json({k: v for k, v in metadata.items() if k != "content_hash"}))
+
+
+def batch_crc(batch: pa.RecordBatch, crc: int) -> int:
+    """``crc`` continued over the values of every column of ``batch``."""
+    for column in batch.columns:
+        if pa.types.is_list(column.type):
+            offsets = numpy_of(column.offsets)
+            crc = zlib.crc32((offsets - offsets[0]).astype("<i8").data, crc)
+            values = column.values.slice(offsets[0], offsets[-1] - offsets[0])
+            crc = zlib.crc32(np.ascontiguousarray(numpy_of(values)).data, crc)
+        else:
+            crc = zlib.crc32(np.ascontiguousarray(numpy_of(column)).data, crc)
+    return crc
+
+
+def hash_text(crc: int) -> str:
     return f"crc32:{crc:08x}"
 
 
@@ -115,19 +132,17 @@ class PlanFile:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        try:
-            self._source = pa.memory_map(str(self.path), "r")
-            self._reader = pa.ipc.open_file(self._source)
-        except FileNotFoundError as error:
-            raise PlanFormatError(f"{self.path}: no such plan file") from error
-        except (pa.ArrowException, OSError) as error:
-            raise _unopenable(self.path, error) from error
-        try:
-            self.metadata = self._decode_metadata()
-            self._check_schema()
-        except (pa.ArrowException, UnicodeDecodeError, ValueError, TypeError, KeyError) as error:
-            # A damaged schema or metadata (a flipped byte in a name, a wrong type).
-            raise PlanFormatError(f"{self.path}: the plan's schema is unreadable ({error}); rebuild it") from error
+        self._reader = open_arrow(self.path)
+        with unreadable_schema(self.path):
+            self.metadata = read_metadata(self._reader, self.path)
+            if self.metadata.get("layout") == "epoch":
+                raise PlanFormatError(
+                    f"{self.path}: one epoch's file of a plan directory; open the directory {self.path.parent}"
+                )
+            check_metadata(self.metadata, self.path)
+            check_columns(self.schema, self.metadata, self.path)
+        why = f" (epochs {self.num_epochs} x world_size {self.world_size})"
+        check_batch_count(self._reader, self.num_epochs * self.world_size, self.path, why)
 
     @property
     def schema(self) -> pa.Schema:
@@ -151,11 +166,8 @@ class PlanFile:
 
     def read_rank(self, epoch: int, rank: int) -> pa.RecordBatch:
         """This rank's micro-batches of this epoch, in (step, micro) order."""
-        if not 0 <= epoch < self.num_epochs:
-            raise PlanFormatError(f"{self.path}: epoch {epoch} is outside the plan's 0..{self.num_epochs - 1}")
-        if not 0 <= rank < self.world_size:
-            raise PlanFormatError(f"{self.path}: rank {rank} is outside the plan's 0..{self.world_size - 1}")
-        return self._batch(epoch * self.world_size + rank, f"epoch {epoch} rank {rank}")
+        check_epoch_rank(self, epoch, rank)
+        return read_batch(self._reader, epoch * self.world_size + rank, self.path, f"epoch {epoch} rank {rank}")
 
     def read_epoch(self, epoch: int) -> pa.Table:
         """Every rank's micro-batches of one epoch, rank-major."""
@@ -165,7 +177,7 @@ class PlanFile:
         """The whole plan as one table (epoch-major, then rank)."""
         try:
             table = self._reader.read_all()
-            table.validate(full=True)  # see _batch
+            table.validate(full=True)  # see read_batch
             return table
         except (pa.ArrowException, OSError) as error:
             message = f"{self.path}: cannot read the plan ({error}); the file is corrupt, rebuild it"
@@ -173,79 +185,126 @@ class PlanFile:
 
     def verify(self) -> None:
         """Recompute the content hash; raise `PlanFormatError` if the file was altered."""
-        batches = [self._batch(i, f"record batch {i}") for i in range(self._reader.num_record_batches)]
-        try:
-            found = content_hash(self.metadata, batches)
-        except (pa.ArrowException, OSError, ValueError, IndexError) as error:
-            raise PlanFormatError(f"{self.path}: the plan's rows are unreadable ({error}); rebuild it") from error
-        if found != self.metadata.get("content_hash"):
-            raise PlanFormatError(
-                f"{self.path}: content hash {found} does not match the recorded "
-                f"{self.metadata.get('content_hash')}; the file is corrupt, rebuild it"
-            )
+        verify_batches(self._reader, self.metadata, self.path)
 
-    def _batch(self, index: int, what: str) -> pa.RecordBatch:
-        """Record batch ``index``, fully validated. pyarrow reads a batch without checking its
-        list offsets against its buffers, and using a corrupt one can crash the process;
-        validating costs O(the batch's rows)."""
-        try:
-            batch = self._reader.get_batch(index)
-            batch.validate(full=True)
-        except (pa.ArrowException, OSError) as error:
-            message = f"{self.path}: cannot read {what} ({error}); the file is corrupt, rebuild it"
-            raise PlanFormatError(message) from error
-        return batch
 
-    def _decode_metadata(self) -> dict[str, Any]:
-        raw = (self._reader.schema.metadata or {}).get(METADATA_KEY)
-        if raw is None:
-            raise PlanFormatError(f"{self.path}: Arrow file without batchplan metadata; not a plan")
-        try:
-            metadata = json.loads(raw)
-        except ValueError as error:
-            raise PlanFormatError(f"{self.path}: batchplan metadata is not valid JSON ({error})") from error
-        version = metadata.get("format_version") if isinstance(metadata, dict) else None
-        if not isinstance(version, int):
-            raise PlanFormatError(f"{self.path}: batchplan metadata has no format_version")
-        if version > FORMAT_VERSION:
-            raise PlanFormatError(
-                f"{self.path}: plan format version {version} is newer than this batchplan "
-                f"reads ({FORMAT_VERSION}); upgrade batchplan"
-            )
-        for key, kind in _REQUIRED_METADATA.items():
-            if not isinstance(metadata.get(key), kind) or isinstance(metadata.get(key), bool) and kind is int:
-                raise PlanFormatError(
-                    f"{self.path}: batchplan metadata key {key!r} is missing or not a {kind.__name__}; "
-                    "the plan is corrupt, rebuild it"
-                )
-        epochs = metadata["epochs"]
-        if len(metadata["steps_per_epoch"]) != epochs or len(metadata["rows_per_rank"]) != epochs:
-            raise PlanFormatError(f"{self.path}: metadata describes {epochs} epochs inconsistently; rebuild it")
-        return metadata
+def open_arrow(path: Path) -> pa.ipc.RecordBatchFileReader:
+    """``path`` opened as an Arrow IPC file by memory map, or a `PlanFormatError` saying why not."""
+    try:
+        return pa.ipc.open_file(pa.memory_map(str(path), "r"))
+    except FileNotFoundError as error:
+        raise PlanFormatError(f"{path}: no such plan file") from error
+    except (pa.ArrowException, OSError) as error:
+        raise _unopenable(path, error) from error
 
-    def _check_schema(self) -> None:
-        missing = [name for name in REQUIRED_COLUMNS if name not in self.schema.names]
-        if missing:
-            raise PlanFormatError(f"{self.path}: required column(s) {missing} missing; not a valid plan")
-        # Every column of this format version, with its type; more columns are allowed.
-        has_cost = self.metadata.get("attention_coefficient") is not None
-        has_padded = self.metadata["mode"] == "pad"  # format-version-1 pack plans have it too: allowed
-        expected = plan_schema(
-            self.num_samples, bool(self.metadata.get("has_spans")), has_cost=has_cost, has_padded=has_padded
+
+@contextlib.contextmanager
+def unreadable_schema(path: Path) -> Iterator[None]:
+    """A damaged schema or metadata (a flipped byte in a name, a wrong type) as a `PlanFormatError`."""
+    try:
+        yield
+    except (pa.ArrowException, UnicodeDecodeError, ValueError, TypeError, KeyError) as error:
+        raise PlanFormatError(f"{path}: the plan's schema is unreadable ({error}); rebuild it") from error
+
+
+def read_metadata(reader: pa.ipc.RecordBatchFileReader, path: Path) -> dict[str, Any]:
+    """The ``batchplan`` metadata of an Arrow file: JSON of a format version this reads."""
+    raw = (reader.schema.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        raise PlanFormatError(f"{path}: Arrow file without batchplan metadata; not a plan")
+    return decode_metadata(raw, path)
+
+
+def decode_metadata(raw: bytes, path: Path) -> dict[str, Any]:
+    """JSON metadata of a plan (a file's, or a plan directory's manifest) of a readable format version."""
+    try:
+        metadata = json.loads(raw)
+    except ValueError as error:
+        raise PlanFormatError(f"{path}: batchplan metadata is not valid JSON ({error})") from error
+    version = metadata.get("format_version") if isinstance(metadata, dict) else None
+    if not isinstance(version, int):
+        raise PlanFormatError(f"{path}: batchplan metadata has no format_version")
+    if version > FORMAT_VERSION:
+        raise PlanFormatError(
+            f"{path}: plan format version {version} is newer than this batchplan "
+            f"reads ({FORMAT_VERSION}); upgrade batchplan"
         )
-        for field in expected:
-            found = self.schema.field(field.name).type if field.name in self.schema.names else None
-            if found != field.type:
-                raise PlanFormatError(
-                    f"{self.path}: column {field.name!r} is {found or 'missing'}, expected {field.type}; "
-                    "the plan is corrupt or not from batchplan, rebuild it"
-                )
-        expected = self.num_epochs * self.world_size
-        if self._reader.num_record_batches != expected:
+    return metadata
+
+
+def check_metadata(metadata: dict[str, Any], path: Path) -> None:
+    """The keys every plan's metadata has, with their types."""
+    for key, kind in _REQUIRED_METADATA.items():
+        if not isinstance(metadata.get(key), kind) or isinstance(metadata.get(key), bool) and kind is int:
             raise PlanFormatError(
-                f"{self.path}: {self._reader.num_record_batches} record batches, expected "
-                f"{expected} (epochs {self.num_epochs} x world_size {self.world_size})"
+                f"{path}: batchplan metadata key {key!r} is missing or not a {kind.__name__}; "
+                "the plan is corrupt, rebuild it"
             )
+    epochs = metadata["epochs"]
+    if len(metadata["steps_per_epoch"]) != epochs or len(metadata["rows_per_rank"]) != epochs:
+        raise PlanFormatError(f"{path}: metadata describes {epochs} epochs inconsistently; rebuild it")
+
+
+def expected_schema(metadata: dict[str, Any]) -> pa.Schema:
+    """The columns a plan with this metadata has (without schema metadata)."""
+    has_cost = metadata.get("attention_coefficient") is not None
+    has_padded = metadata["mode"] == "pad"  # format-version-1 pack plans have it too: allowed
+    return plan_schema(int(metadata["num_samples"]), bool(metadata.get("has_spans")), has_cost=has_cost,
+                       has_padded=has_padded)  # fmt: skip
+
+
+def check_columns(schema: pa.Schema, metadata: dict[str, Any], path: Path) -> None:
+    """Every column of this format version, with its type; more columns are allowed."""
+    missing = [name for name in REQUIRED_COLUMNS if name not in schema.names]
+    if missing:
+        raise PlanFormatError(f"{path}: required column(s) {missing} missing; not a valid plan")
+    for field in expected_schema(metadata):
+        found = schema.field(field.name).type if field.name in schema.names else None
+        if found != field.type:
+            raise PlanFormatError(
+                f"{path}: column {field.name!r} is {found or 'missing'}, expected {field.type}; "
+                "the plan is corrupt or not from batchplan, rebuild it"
+            )
+
+
+def check_batch_count(reader: pa.ipc.RecordBatchFileReader, expected: int, path: Path, why: str = "") -> None:
+    if reader.num_record_batches != expected:
+        raise PlanFormatError(f"{path}: {reader.num_record_batches} record batches, expected {expected}{why}")
+
+
+def check_epoch_rank(plan, epoch: int, rank: int) -> None:
+    """An epoch and a rank of ``plan``, or a `PlanFormatError`."""
+    if not 0 <= epoch < plan.num_epochs:
+        raise PlanFormatError(f"{plan.path}: epoch {epoch} is outside the plan's 0..{plan.num_epochs - 1}")
+    if not 0 <= rank < plan.world_size:
+        raise PlanFormatError(f"{plan.path}: rank {rank} is outside the plan's 0..{plan.world_size - 1}")
+
+
+def read_batch(reader: pa.ipc.RecordBatchFileReader, index: int, path: Path, what: str) -> pa.RecordBatch:
+    """Record batch ``index``, fully validated. pyarrow reads a batch without checking its
+    list offsets against its buffers, and using a corrupt one can crash the process;
+    validating costs O(the batch's rows)."""
+    try:
+        batch = reader.get_batch(index)
+        batch.validate(full=True)
+    except (pa.ArrowException, OSError) as error:
+        message = f"{path}: cannot read {what} ({error}); the file is corrupt, rebuild it"
+        raise PlanFormatError(message) from error
+    return batch
+
+
+def verify_batches(reader: pa.ipc.RecordBatchFileReader, metadata: dict[str, Any], path: Path) -> None:
+    """Recompute the content hash of an Arrow plan file; a `PlanFormatError` if it differs."""
+    batches = (read_batch(reader, i, path, f"record batch {i}") for i in range(reader.num_record_batches))
+    try:
+        found = content_hash(metadata, batches)
+    except (pa.ArrowException, OSError, ValueError, IndexError) as error:
+        raise PlanFormatError(f"{path}: the plan's rows are unreadable ({error}); rebuild it") from error
+    if found != metadata.get("content_hash"):
+        raise PlanFormatError(
+            f"{path}: content hash {found} does not match the recorded "
+            f"{metadata.get('content_hash')}; the file is corrupt, rebuild it"
+        )
 
 
 _ARROW_MAGIC = b"ARROW1"
@@ -282,6 +341,21 @@ def padded_tokens_column(rows: pa.RecordBatch | pa.Table) -> pa.Array | pa.Chunk
     return rows.column("padded_tokens" if "padded_tokens" in rows.schema.names else "tokens")
 
 
-def open_plan(path: str | os.PathLike) -> PlanFile:
-    """Open a plan file by memory map (see `PlanFile`)."""
+def open_plan(path: str | os.PathLike) -> PlanFile | PlanDirectory:
+    """Open a plan: a plan file by memory map (`PlanFile`), or a plan directory by its
+    manifest (`batchplan.formats.plan_directory.PlanDirectory`)."""
+    if Path(path).is_dir():
+        from batchplan.formats.plan_directory import PlanDirectory
+
+        return PlanDirectory(path)
     return PlanFile(path)
+
+
+def shift_columns(batch: pa.RecordBatch, shifts: dict[str, int]) -> pa.RecordBatch:
+    """``batch`` with ``shifts[name]`` added to each named int64 column."""
+    for name, shift in shifts.items():
+        if shift:
+            index = batch.schema.get_field_index(name)
+            shifted = arrow_array(numpy_of(batch.column(index)) + np.int64(shift), pa.int64())
+            batch = batch.set_column(index, batch.schema.field(index), shifted)
+    return batch

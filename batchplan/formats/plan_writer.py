@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,12 +18,27 @@ from numpy.typing import NDArray
 from batchplan.errors import PlanFormatError
 from batchplan.formats.arrow import arrow_array
 from batchplan.formats.atomic import atomic_path
-from batchplan.formats.plan_file import FORMAT_VERSION, INT32_LIMIT, content_hash, dump_json, plan_schema
+from batchplan.formats.plan_file import (
+    FORMAT_VERSION,
+    INT32_LIMIT,
+    METADATA_KEY,
+    batch_crc,
+    content_hash,
+    dump_json,
+    hash_text,
+    metadata_crc,
+    plan_schema,
+    shift_columns,
+)
 
 if TYPE_CHECKING:
-    from batchplan.plan import EpochPlan, Plan
+    from batchplan.config import PlanConfig
+    from batchplan.plan import Entries, EpochPlan, Plan
 
-__all__ = ["plan_metadata", "plan_schema", "write_plan"]
+__all__ = [
+    "epoch_batches", "epoch_metadata", "header_metadata", "merge_metadata", "plan_metadata", "plan_schema",
+    "write_batches", "write_plan",
+]  # fmt: skip
 
 
 def write_plan(
@@ -51,33 +66,52 @@ def write_plan(
     path = Path(path)
     if not path.parent.is_dir():
         raise PlanFormatError(f"{path}: directory {path.parent} does not exist; create it first")
-    batches = list(_record_batches(plan, on_batch))
     metadata = plan_metadata(plan, dataset=dataset, lengths_fingerprint=lengths_fingerprint, lineage=lineage)
+    schema = _schema_of(plan.num_samples, plan.entries.has_spans, plan.config)
+    batches = _record_batches(schema, plan, on_batch)
     if lineage:
         shifts = {"step": lineage.get("first_step", 0),
                   "tokens_before_step": lineage.get("tokens_before_first_step", 0)}  # fmt: skip
-        batches = [_shift_columns(batch, shifts) for batch in batches]
-    # The hash covers the metadata and the values, not the file's bytes: it is computed
-    # while the file is written (CRC and writes release the GIL), then written over a
-    # placeholder of the same length. The bytes are those of writing the hash up front,
-    # which is done instead when the placeholder's text occurs elsewhere in the metadata
-    # (a caller's nested dict could hold it).
+        batches = (shift_columns(batch, shifts) for batch in batches)
+    return write_batches(path, schema, metadata, batches)
+
+
+def write_batches(path: Path, schema: pa.Schema, metadata: dict[str, Any], batches: Iterable[pa.RecordBatch]):
+    """Write record batches of ``schema`` and ``metadata`` (its ``content_hash`` filled in
+    here) atomically to ``path``, one batch in memory at a time; return the metadata.
+
+    The hash covers the metadata and the values, not the file's bytes: it is computed
+    while the file is written (CRC and writes release the GIL), then written over a
+    placeholder of the same length. The bytes are those of writing the hash up front,
+    which is done instead when the placeholder's text occurs elsewhere in the metadata
+    (a caller's nested dict could hold it).
+    """
     metadata["content_hash"] = _HASH_PLACEHOLDER
     deferred = dump_json(metadata).count(_placeholder_entry()) == 1
     if not deferred:
+        batches = list(batches)
         metadata["content_hash"] = content_hash(metadata, batches)
-    schema = plan_schema(
-        plan.num_samples, plan.entries.has_spans, metadata, has_cost=_has_cost(plan), has_padded=_has_padded(plan)
-    )
+    schema = schema.with_metadata({METADATA_KEY: dump_json(metadata)})
     existed = path.exists()
+    crc = [metadata_crc(metadata)]
+
+    def hash_next(batch: pa.RecordBatch) -> None:  # in order: one hashing thread
+        crc[0] = batch_crc(batch, crc[0])
+
     try:
         with atomic_path(path) as temporary, ThreadPoolExecutor(max_workers=1) as hasher:
-            hashing = hasher.submit(content_hash, metadata, batches) if deferred else None
+            hashed = []
             with pa.OSFile(str(temporary), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
                 for batch in batches:
+                    if deferred:
+                        hashed.append(hasher.submit(hash_next, batch))
                     writer.write_batch(batch.replace_schema_metadata(schema.metadata))
-            if hashing is not None:
-                metadata["content_hash"] = hashing.result()
+                    while hashed and hashed[0].done():
+                        hashed.pop(0).result()
+            for waiting in hashed:
+                waiting.result()
+            if deferred:
+                metadata["content_hash"] = hash_text(crc[0])
                 _replace_placeholder(temporary, metadata["content_hash"])
     except OSError as error:  # a full disk, a quota, permissions: the temporary is already removed
         raise _write_failed(path, error, existed) from error
@@ -99,21 +133,23 @@ def _write_failed(path: Path, error: OSError, existed: bool) -> OSError:
 
 def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None, lineage=None) -> dict[str, Any]:
     """The JSON metadata of a plan (everything but the content hash); ``lineage`` keys last."""
+    header = header_metadata(plan.config, plan.num_samples, plan.entries, dataset, lengths_fingerprint)
+    parts = [epoch_metadata(plan.entries, epoch) for epoch in plan.epochs]
+    return {**merge_metadata(header, parts), **(lineage or {})}
+
+
+def header_metadata(
+    config: PlanConfig, num_samples: int, entries: Entries, dataset=None, lengths_fingerprint=None
+) -> dict[str, Any]:
+    """What a plan's metadata says before any epoch is planned."""
     from importlib.metadata import version
 
     from batchplan import __version__
 
-    config = plan.config
-    dropped: dict[str, Any] = {reason: samples.tolist() for reason, samples in plan.entries.dropped.items()}
-    last = [e for e in plan.epochs if e.dropped_entries.size]
-    if last:
-        dropped["drop_last"] = {str(e.epoch): _dropped_samples(plan, e) for e in last}
-        if plan.entries.has_spans:  # a split sample may lose only some of its pieces
-            dropped["drop_last_spans"] = {str(e.epoch): _dropped_spans(plan, e) for e in last}
-    metadata = {
+    return {
         "format_version": FORMAT_VERSION,
-        "num_samples": plan.num_samples,
-        "num_entries": plan.entries.num_entries,
+        "num_samples": num_samples,
+        "num_entries": entries.num_entries,
         "world_size": config.world_size,
         "max_tokens": config.max_tokens,
         "mode": config.mode,
@@ -123,13 +159,10 @@ def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None, lineage
         "config_fingerprint": config.fingerprint(),
         "lengths_fingerprint": lengths_fingerprint,
         "dataset": dataset,
-        "has_spans": plan.entries.has_spans,
+        "has_spans": entries.has_spans,
         "hidden_size": config.hidden_size,
         "attention_coefficient": config.cost_coefficient,
-        "steps_per_epoch": [e.num_steps for e in plan.epochs],
-        "rows_per_rank": [e.rows_per_rank for e in plan.epochs],
-        "dropped": dropped,
-        "packing": [None if e.packing is None else e.packing.as_dict() for e in plan.epochs],
+        "dropped": {reason: samples.tolist() for reason, samples in entries.dropped.items()},
         "versions": {
             "batchplan": __version__,
             "numpy": np.__version__,
@@ -138,55 +171,79 @@ def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None, lineage
             "highspy": version("highspy"),  # the packer's LP solver
         },
     }
-    return {**metadata, **(lineage or {})}
 
 
-def _shift_columns(batch: pa.RecordBatch, shifts: dict[str, int]) -> pa.RecordBatch:
-    """``batch`` with ``shifts[name]`` added to each named int64 column."""
-    for name, shift in shifts.items():
-        if shift:
-            index = batch.schema.get_field_index(name)
-            shifted = arrow_array(batch.column(index).to_numpy() + np.int64(shift), pa.int64())
-            batch = batch.set_column(index, batch.schema.field(index), shifted)
-    return batch
+def epoch_metadata(entries: Entries, epoch: EpochPlan) -> dict[str, Any]:
+    """What a plan's metadata says of one epoch (`merge_metadata` puts the parts together)."""
+    part = {
+        "epoch": epoch.epoch,
+        "steps": epoch.num_steps,
+        "rows_per_rank": epoch.rows_per_rank,
+        "tokens": int(epoch.step_tokens.sum()),
+        "packing": None if epoch.packing is None else epoch.packing.as_dict(),
+        "drop_last": np.unique(entries.samples_of(epoch.dropped_entries)).tolist(),
+    }
+    if entries.has_spans:  # a split sample may lose only some of its pieces
+        part["drop_last_spans"] = _dropped_spans(entries, epoch.dropped_entries)
+    return part
 
 
-def _has_cost(plan: Plan) -> bool:
-    return plan.config.cost_coefficient is not None
+def merge_metadata(header: dict[str, Any], parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """A plan's metadata: its header and the parts of its epochs, in epoch order."""
+    dropped = dict(header["dropped"])
+    last = [part for part in parts if part["drop_last"]]
+    if last:
+        dropped["drop_last"] = {str(part["epoch"]): part["drop_last"] for part in last}
+        if header["has_spans"]:
+            dropped["drop_last_spans"] = {str(part["epoch"]): part["drop_last_spans"] for part in last}
+    return {
+        **header,
+        "dropped": dropped,
+        "steps_per_epoch": [part["steps"] for part in parts],
+        "rows_per_rank": [part["rows_per_rank"] for part in parts],
+        "packing": [part["packing"] for part in parts],
+    }
 
 
-def _has_padded(plan: Plan) -> bool:
-    return plan.config.mode == "pad"
+def _schema_of(num_samples: int, has_spans: bool, config: PlanConfig) -> pa.Schema:
+    has_cost = config.cost_coefficient is not None
+    return plan_schema(num_samples, has_spans, has_cost=has_cost, has_padded=_has_padded(config))
 
 
-def _dropped_samples(plan: Plan, epoch: EpochPlan) -> list[int]:
-    return np.unique(plan.entries.samples_of(epoch.dropped_entries)).tolist()
+def _has_padded(config: PlanConfig) -> bool:
+    """Pad plans have ``padded_tokens``; in pack plans it would equal ``tokens``."""
+    return config.mode == "pad"
 
 
-def _dropped_spans(plan: Plan, epoch: EpochPlan) -> list[list[int]]:
+def _dropped_spans(entries: Entries, dropped: NDArray[np.integer]) -> list[list[int]]:
     """``[sample, start, length]`` of each dropped entry, sorted."""
-    entries = np.sort(epoch.dropped_entries)  # entries are numbered in (sample, start) order
-    spans = np.stack([plan.entries.samples_of(entries), plan.entries.start[entries], plan.entries.length[entries]])
+    dropped = np.sort(dropped)  # entries are numbered in (sample, start) order
+    spans = np.stack([entries.samples_of(dropped), entries.start[dropped], entries.length[dropped]])
     return spans.T.tolist()
 
 
-def _record_batches(plan: Plan, on_batch) -> Iterator[pa.RecordBatch]:
-    schema = plan_schema(
-        plan.num_samples, plan.entries.has_spans, has_cost=_has_cost(plan), has_padded=_has_padded(plan)
-    )
+def _record_batches(schema: pa.Schema, plan: Plan, on_batch) -> Iterator[pa.RecordBatch]:
     step_base = 0
     tokens_base = 0
     for epoch in plan.epochs:
-        # shape (num_steps,): global tokens before each step, counting across epochs
-        before = tokens_base + np.cumsum(epoch.step_tokens) - epoch.step_tokens
-        shared = _shared_columns(schema, epoch, step_base, before)
-        for rank in range(epoch.world_size):
-            rows = slice(rank * epoch.rows_per_rank, (rank + 1) * epoch.rows_per_rank)
-            yield _rank_batch(schema, plan, epoch, rank, rows, shared)
-            if on_batch is not None:
-                on_batch(epoch.epoch * epoch.world_size + rank)
+        yield from epoch_batches(schema, plan.entries, epoch, step_base, tokens_base, on_batch)
         step_base += epoch.num_steps
         tokens_base += int(epoch.step_tokens.sum())
+
+
+def epoch_batches(
+    schema: pa.Schema, entries: Entries, epoch: EpochPlan, step_base: int, tokens_base: int, on_batch=None
+) -> Iterator[pa.RecordBatch]:
+    """An epoch's record batches, one per rank; ``step`` and ``tokens_before_step`` count
+    from ``step_base`` and ``tokens_base``."""
+    # shape (num_steps,): tokens before each step
+    before = tokens_base + np.cumsum(epoch.step_tokens) - epoch.step_tokens
+    shared = _shared_columns(schema, epoch, step_base, before)
+    for rank in range(epoch.world_size):
+        rows = slice(rank * epoch.rows_per_rank, (rank + 1) * epoch.rows_per_rank)
+        yield _rank_batch(schema, entries, epoch, rank, rows, shared)
+        if on_batch is not None:
+            on_batch(epoch.epoch * epoch.world_size + rank)
 
 
 def _shared_columns(schema, epoch: EpochPlan, step_base: int, before) -> dict[str, pa.Array]:
@@ -204,7 +261,7 @@ def _shared_columns(schema, epoch: EpochPlan, step_base: int, before) -> dict[st
     return {name: arrow_array(values, schema.field(name).type) for name, values in columns.items()}
 
 
-def _rank_batch(schema, plan, epoch: EpochPlan, rank: int, rows: slice, shared) -> pa.RecordBatch:
+def _rank_batch(schema, entries: Entries, epoch: EpochPlan, rank: int, rows: slice, shared) -> pa.RecordBatch:
     offsets = epoch.offsets[rows.start : rows.stop + 1]
     members = epoch.members[offsets[0] : offsets[-1]]
     list_offsets = offsets - offsets[0]
@@ -213,7 +270,7 @@ def _rank_batch(schema, plan, epoch: EpochPlan, rank: int, rows: slice, shared) 
     list_offsets = arrow_array(list_offsets, pa.int32())
     columns = {
         "rank": np.full(rows.stop - rows.start, rank, dtype=np.int32),
-        "samples": _list_array(list_offsets, plan.entries.samples_of(members), schema.field("samples").type),
+        "samples": _list_array(list_offsets, entries.samples_of(members), schema.field("samples").type),
         "tokens": epoch.tokens[rows],
         "loss_tokens": epoch.loss_tokens[rows],
     }
@@ -221,9 +278,9 @@ def _rank_batch(schema, plan, epoch: EpochPlan, rank: int, rows: slice, shared) 
         columns["padded_tokens"] = epoch.padded_tokens[rows]
     if epoch.cost is not None:
         columns["cost"] = epoch.cost[rows]
-    if plan.entries.has_spans:
-        columns["starts"] = _list_array(list_offsets, plan.entries.start[members], schema.field("starts").type)
-        columns["lengths"] = _list_array(list_offsets, plan.entries.length[members], schema.field("lengths").type)
+    if entries.has_spans:
+        columns["starts"] = _list_array(list_offsets, entries.start[members], schema.field("starts").type)
+        columns["lengths"] = _list_array(list_offsets, entries.length[members], schema.field("lengths").type)
     arrays = [
         shared[f.name] if f.name in shared else columns[f.name] if pa.types.is_list(f.type)
         else arrow_array(columns[f.name], f.type) for f in schema

@@ -34,8 +34,23 @@ def build_plan_file(
     tokens_column: str = "input_ids",
     loss_tokens_column: str | None = None,
     progress: Progress | None = None,
+    layout: str | None = None,
+    only_epochs: range | None = None,
 ) -> dict[str, Any]:
     """Read lengths, plan every epoch, write the plan atomically; return its metadata.
+
+    Args:
+        layout: ``"file"`` (default): one plan file, written once every epoch is planned;
+            ``"directory"`` (default with ``only_epochs``): a plan directory
+            (`batchplan.formats.plan_directory`), each epoch's file written as soon as it
+            is planned, so memory holds the epochs being planned, not the plan.
+        only_epochs: plan and write these epochs only, into a plan directory; builds of
+            the other epochs (other processes or machines, any order) complete it, and the
+            build that writes the last epoch file writes the manifest.
+
+    Returns:
+        The plan's metadata (a directory's manifest); for a directory still missing epochs,
+        ``{"missing_epochs": [...]}``.
 
     Raises:
         ConfigError: bad options, an unusable output path, or a build whose estimated
@@ -45,13 +60,15 @@ def build_plan_file(
     """
     from batchplan.formats.plan_writer import write_plan
 
+    layout, epochs = _check_layout(layout, only_epochs, config)
     output = Path(output)
     files = find_dataset_files(dataset)
-    _check_output(output, files.paths)
+    _check_output(output, files.paths, layout)
     threads = num_threads()
+    held = None if layout == "file" else min(len(epochs), threads)  # a directory holds the epochs in planning
     num_samples = count_samples(files)
     if num_samples is not None:  # before reading: a lower bound from the sample count
-        check_build_memory(estimate_build_memory(num_samples, config, num_threads=threads))
+        check_build_memory(_held(estimate_build_memory(num_samples, config, num_threads=threads), held, threads))
     advance = _stage(progress, "reading lengths", len(files.paths))
     columns = {"length_column": length_column, "tokens_column": tokens_column, "loss_tokens_column": loss_tokens_column}
     with ThreadPoolExecutor(max_workers=1) as reader:
@@ -64,15 +81,18 @@ def build_plan_file(
 
         start_numba()
         lengths, fingerprint, estimate = reading.result()
-    check_build_memory(estimate)  # before planning: micro-batches and spans estimated from the lengths
-    advance = _stage(progress, "planning epochs", config.epochs)
-    plan = build_plan(lengths.lengths, config, loss_tokens=lengths.loss_tokens, on_epoch=lambda _: advance(1))
-    advance = _stage(progress, "writing plan", config.epochs * config.world_size)
+    # before planning: micro-batches and spans estimated from the lengths
+    check_build_memory(_held(estimate, held, threads))
     source = {
         "files": [[path, rows] for path, rows in lengths.files],
         "length_column": lengths.column,
         "loss_tokens_column": loss_tokens_column,
     }
+    if layout == "directory":
+        return _build_directory(output, config, lengths, source, fingerprint, epochs, progress)
+    advance = _stage(progress, "planning epochs", config.epochs)
+    plan = build_plan(lengths.lengths, config, loss_tokens=lengths.loss_tokens, on_epoch=lambda _: advance(1))
+    advance = _stage(progress, "writing plan", config.epochs * config.world_size)
     return write_plan(
         plan, output, dataset=source, lengths_fingerprint=fingerprint, on_batch=lambda _: advance(1)
     )
@@ -88,11 +108,54 @@ def _read_and_estimate(
     return lengths, lengths.fingerprint(), estimate
 
 
-def _check_output(output: Path, inputs: Sequence[str]) -> None:
+def _build_directory(output: Path, config: PlanConfig, lengths, source, fingerprint, epochs: range, progress):
+    """Plan ``epochs`` and write each one's file as soon as it is planned; then the manifest,
+    if every epoch's file is there."""
+    from batchplan.formats.directory_writer import complete_directory, prepare_directory, write_epoch_file
+    from batchplan.formats.plan_writer import header_metadata
+    from batchplan.planning.epochs import plan_epochs, prepare_entries
+
+    prepared = prepare_entries(lengths.lengths, config, loss_tokens=lengths.loss_tokens)
+    header = header_metadata(config, prepared.num_samples, prepared.entries, source, fingerprint)
+    prepare_directory(output)
+    advance = _stage(progress, "planning and writing epochs", len(epochs) * config.world_size)
+    for epoch in plan_epochs(prepared, config, epochs):
+        write_epoch_file(output, header, prepared.entries, epoch, on_batch=lambda _: advance(1))
+    manifest, missing = complete_directory(output, header)
+    return manifest if manifest is not None else {"missing_epochs": missing}
+
+
+def _check_layout(layout: str | None, only_epochs: range | None, config: PlanConfig) -> tuple[str, range]:
+    """The layout to write and the epochs to plan."""
+    if layout is None:
+        layout = "file" if only_epochs is None else "directory"
+    if layout not in ("file", "directory"):
+        raise ConfigError(f"layout must be 'file' or 'directory', got {layout!r}")
+    if only_epochs is None:
+        return layout, range(config.epochs)
+    if layout == "file":
+        raise ConfigError("--only-epochs writes part of a plan directory; use --layout directory (or leave it out)")
+    if only_epochs.step != 1 or not 0 <= only_epochs.start < only_epochs.stop <= config.epochs:
+        raise ConfigError(
+            f"--only-epochs {only_epochs.start}:{only_epochs.stop} is not a range START:STOP of the plan's "
+            f"epochs 0..{config.epochs - 1} (STOP excluded, at most --epochs {config.epochs})"
+        )
+    return layout, only_epochs
+
+
+def _held(estimate, held: int | None, threads: int):
+    """The estimate for a build holding ``held`` epochs at a time (None: every epoch)."""
+    return estimate if held is None else estimate.with_epochs(held, threads)
+
+
+def _check_output(output: Path, inputs: Sequence[str], layout: str) -> None:
     if not output.parent.is_dir():
         raise ConfigError(f"output directory {output.parent} does not exist; create it or choose another -o")
-    if output.is_dir():
-        raise ConfigError(f"output {output} is a directory; give a file path such as {output / 'plan.arrow'}")
+    if layout == "file" and output.is_dir():
+        raise ConfigError(
+            f"output {output} is a directory; give a file path such as {output / 'plan.arrow'} "
+            "(or write a plan directory with --layout directory)"
+        )
     resolved = output.resolve()
     for path in inputs:
         if not is_uri(path) and Path(path).resolve() == resolved:

@@ -93,7 +93,7 @@ def validate_plan(plan: PathLike | PlanFile, dataset: PathLike | Sequence[PathLi
     """Every violated guarantee of a plan file (an empty list when it is sound), checked
     against the dataset's lengths when ``dataset`` (its files) is given; `check_plan` for
     lengths already in memory."""
-    plan = plan if isinstance(plan, PlanFile) else open_plan(plan)
+    plan = open_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan
     if not dataset:
         return check_plan(plan)
     source = plan.metadata.get("dataset") or {}

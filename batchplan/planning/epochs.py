@@ -25,7 +25,9 @@ rest, per epoch; epochs run side by side on the cores (`threads`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import collections
+import dataclasses
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -41,7 +43,7 @@ from batchplan.planning.schedule import schedule_epoch
 from batchplan.planning.threads import epoch_threads
 from batchplan.planning.warmup import SeqlenWarmup, add_warmup_pieces
 
-__all__ = ["build_plan", "plan_epoch"]
+__all__ = ["PreparedEntries", "build_plan", "plan_epoch", "plan_epochs", "prepare_entries"]
 
 
 def build_plan(
@@ -62,6 +64,32 @@ def build_plan(
     Raises:
         DatasetError: the lengths break a policy of ``config``, or nothing is left.
     """
+    prepared = prepare_entries(lengths, config, loss_tokens=loss_tokens)
+    epochs = []
+    for epoch in plan_epochs(prepared, config):
+        epochs.append(epoch)
+        if on_epoch is not None:
+            on_epoch(epoch.epoch)
+    return Plan(config=config, num_samples=prepared.num_samples, entries=prepared.entries, epochs=tuple(epochs))
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedEntries:
+    """What every epoch is planned from: the entries (with epoch 0's warmup pieces, if any)."""
+
+    num_samples: int
+    entries: Entries
+    warmup: SeqlenWarmup | None
+
+
+def prepare_entries(
+    lengths: NDArray[np.integer], config: PlanConfig, *, loss_tokens: NDArray[np.integer] | None = None
+) -> PreparedEntries:
+    """The entries of ``lengths`` under ``config``'s policies, and the warmup's pieces.
+
+    Raises:
+        DatasetError: the lengths break a policy of ``config``, or nothing is left.
+    """
     lengths = np.asarray(lengths)
     entries = make_entries(lengths, config, loss_tokens)
     if entries.num_entries == 0:
@@ -70,44 +98,49 @@ def build_plan(
     warmup = None
     if config.has_seqlen_warmup:
         entries, warmup = add_warmup_pieces(entries, config, epoch_rng(config.seed, 0, STREAM_SEQLEN_WARMUP))
-    epochs = _plan_epochs(entries, config, warmup, on_epoch)
-    return Plan(config=config, num_samples=int(lengths.shape[0]), entries=entries, epochs=tuple(epochs))
+    return PreparedEntries(int(lengths.shape[0]), entries, warmup)
 
 
-def _plan_epochs(entries: Entries, config: PlanConfig, warmup: SeqlenWarmup | None, on_epoch) -> list[EpochPlan]:
-    """Plan every epoch. Epochs are independent (own seeds) and the kernels release the
-    GIL: they are planned on all cores, and the result does not depend on the number of
-    threads. A ramp-up needs the tokens before each epoch: known up front (an epoch
-    holds every entry once), except under drop_last, where the epochs that begin inside
-    the ramp are planned in order first."""
+def plan_epochs(prepared: PreparedEntries, config: PlanConfig, epochs: range | None = None) -> Iterator[EpochPlan]:
+    """Plan ``epochs`` (default: all), yielding each in order as soon as it is planned.
+
+    Epochs are independent (own seeds) and the kernels release the GIL: they are planned
+    on all cores, at most as many at once as planned side by side (so memory holds those,
+    plus the one the caller holds), and the result does not depend on the number of
+    threads or on which epochs are asked for. A ramp-up needs the tokens before each
+    epoch: known up front (an epoch holds every entry once), except under drop_last,
+    where the epochs that begin inside the ramp are planned in order first (also those
+    before ``epochs``, which are not yielded).
+    """
+    wanted = range(config.epochs) if epochs is None else epochs
+    entries, warmup = prepared.entries, prepared.warmup
     num_base = entries.num_entries if warmup is None else warmup.num_base
     epoch_tokens = int(entries.length[:num_base].sum(dtype=np.int64))
-    epochs: list[EpochPlan] = []
-    tokens_before = 0
+    epoch, tokens_before = 0, 0
     if config.has_rampup and config.drop_last:
-        while len(epochs) < config.epochs and tokens_before < config.rampup_tokens:
-            epochs.append(
-                plan_epoch(entries, config, len(epochs), tokens_before=tokens_before, warmup=warmup, threads=num_threads())
+        while epoch < wanted.stop and tokens_before < config.rampup_tokens:
+            planned = plan_epoch(
+                entries, config, epoch, tokens_before=tokens_before, warmup=warmup, threads=num_threads()
             )
-            tokens_before += int(epochs[-1].step_tokens.sum())
-            if on_epoch is not None:
-                on_epoch(len(epochs) - 1)
-    first = len(epochs)
-    # Past the ramp (or without drop_last, exactly) each later epoch starts at
-    # tokens_before + k * epoch_tokens; past the ramp the value does not matter.
-    count = config.epochs - first
-    befores = [tokens_before + k * epoch_tokens for k in range(count)]
-    at_once, threads = epoch_threads(count, num_threads())
+            tokens_before += int(planned.step_tokens.sum())
+            epoch += 1
+            if planned.epoch in wanted:
+                yield planned
+    # Past the ramp (or without drop_last, exactly) epoch e starts at
+    # tokens_before + (e - epoch) * epoch_tokens; past the ramp the value does not matter.
+    todo = [e for e in wanted if e >= epoch]
+    at_once, threads = epoch_threads(len(todo), num_threads())
     with ThreadPoolExecutor(max_workers=at_once) as pool:
-        futures = [
-            pool.submit(plan_epoch, entries, config, epoch, tokens_before=before, warmup=warmup, threads=share)
-            for epoch, before, share in zip(range(first, config.epochs), befores, threads)
-        ]
-        for epoch, future in enumerate(futures, start=first):
-            epochs.append(future.result())
-            if on_epoch is not None:
-                on_epoch(epoch)
-    return epochs
+        running: collections.deque = collections.deque()
+        for e, share in zip(todo, threads):
+            if len(running) == at_once:
+                yield running.popleft().result()
+            before = tokens_before + (e - epoch) * epoch_tokens
+            running.append(
+                pool.submit(plan_epoch, entries, config, e, tokens_before=before, warmup=warmup, threads=share)
+            )
+        while running:
+            yield running.popleft().result()
 
 
 def plan_epoch(

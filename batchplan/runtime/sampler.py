@@ -26,7 +26,8 @@ from numpy.typing import ArrayLike
 from torch.utils.data import Sampler
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
-from batchplan.formats.plan_file import PlanFile
+from batchplan.formats.plan_directory import PlanDirectory
+from batchplan.formats.plan_file import PlanFile, open_plan
 from batchplan.runtime.checks import check_plan_dataset, check_runtime_columns
 from batchplan.runtime.distributed import check_world_size, resolve_placement
 from batchplan.runtime.records import MicroBatch, PlannedRows
@@ -44,7 +45,7 @@ class PlanSampler(Sampler[list[int]]):
     ``batch.record``.
 
     Args:
-        path: the plan file (``batchplan build ... -o plan.arrow``).
+        path: the plan: a file (``batchplan build ... -o plan.arrow``) or a plan directory.
         rank: this process's data-parallel rank; default: ``torch.distributed``,
             then the ``RANK`` environment variable, then 0.
         world_size: number of data-parallel ranks; default like ``rank``. It must
@@ -57,7 +58,7 @@ class PlanSampler(Sampler[list[int]]):
     """
 
     def __init__(self, path: str | os.PathLike, rank: int | None = None, world_size: int | None = None) -> None:
-        self._plan = PlanFile(path)
+        self._plan = open_plan(path)
         self._placement = resolve_placement(rank, world_size)
         check_world_size(self._placement, self._plan.world_size, self._plan.path)
         check_runtime_columns(self._plan)
@@ -79,8 +80,8 @@ class PlanSampler(Sampler[list[int]]):
         return self._plan.path
 
     @property
-    def plan(self) -> PlanFile:
-        """The opened plan file (metadata, other ranks' rows for inspection)."""
+    def plan(self) -> PlanFile | PlanDirectory:
+        """The opened plan (metadata, other ranks' rows for inspection)."""
         return self._plan
 
     @property

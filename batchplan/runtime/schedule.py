@@ -23,19 +23,20 @@ from numpy.typing import NDArray
 
 from batchplan.errors import ConfigError, PlanFormatError
 from batchplan.formats.arrow import numpy_of
-from batchplan.formats.plan_file import PlanFile
+from batchplan.formats.plan_directory import PlanDirectory
+from batchplan.formats.plan_file import PlanFile, open_plan
 
 __all__ = ["DECAYS", "read_step_tokens", "token_lr_factor", "token_lr_lambda", "token_lr_scheduler"]
 
 DECAYS = ("cosine", "linear", "constant")
-PlanLike = str | os.PathLike | PlanFile
+PlanLike = str | os.PathLike | PlanFile | PlanDirectory
 
 
 def read_step_tokens(plan: PlanLike | object) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
     """``(tokens_before_step, step_tokens)`` for every global step of the plan.
 
     Args:
-        plan: a plan path, a `PlanFile`, or anything with a ``.plan`` `PlanFile`
+        plan: a plan path (file or directory), an opened plan, or anything with a ``.plan``
             (a `PlanSampler`).
     """
     plan_file = _plan_file(plan)
@@ -124,13 +125,13 @@ def token_lr_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, token_lr_lambda(plan, **options))
 
 
-def _plan_file(plan: PlanLike | object) -> PlanFile:
-    if isinstance(plan, PlanFile):
+def _plan_file(plan: PlanLike | object) -> PlanFile | PlanDirectory:
+    if isinstance(plan, (PlanFile, PlanDirectory)):
         return plan
     inner = getattr(plan, "plan", None)
-    if isinstance(inner, PlanFile):
+    if isinstance(inner, (PlanFile, PlanDirectory)):
         return inner
-    return PlanFile(plan)  # type: ignore[arg-type]
+    return open_plan(plan)  # type: ignore[arg-type]
 
 
 def _check_schedule(warmup_tokens: int, decay: str, min_lr_ratio: float, total_tokens: int) -> None:
