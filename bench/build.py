@@ -9,7 +9,10 @@ warm the numba cache, then time it as a subprocess (wall time, peak resident mem
 from getrusage) and, in the same run, `numpy.random.default_rng(0).permutation(N)`:
 the work no plan can avoid. Also timed: a build of 1,000 samples, the fixed cost of any
 build (interpreter, imports, loading the cached numba kernels), reported beside the
-ratio without it. Prints a table; --json for machines.
+ratio without it, and whether that build imports pandas (``imports_pandas``): training
+images carry pandas, which pyarrow imports (0.35 s and more) for conversions batchplan
+does not call; where pandas is installed, ``no`` means the fixed cost measured is what
+such an image pays. Prints a table; --json for machines.
 
 Timed builds follow one another, so each finds the memory the previous one freed still
 at hand. ``--pause S`` sleeps S seconds before each timed build (the 1,000-sample ones
@@ -21,6 +24,7 @@ memory back to its host, what a first build on a quiet machine meets
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -72,21 +76,38 @@ def time_permutation(num_samples: int, repeats: int = 3, pause: float = 0.0) -> 
     return best
 
 
+def build_command(dataset: Path, output: Path, args) -> list[str]:
+    """The `batchplan build` command line of a case."""
+    return ["-m", "batchplan_cli.main", "build", str(dataset), "-o", str(output),
+            "--max-tokens", str(args.max_tokens), "--mode", args.mode, "--world-size", str(args.world_size),
+            "--epochs", str(args.epochs), "--oversize", "truncate", "-q"]  # fmt: skip
+
+
 def run_build(dataset: Path, output: Path, args) -> tuple[float, float]:
     """Wall seconds and peak RSS (GiB) of one `batchplan build` subprocess, writing a new
     plan as a first build does (a plan left at ``output`` is deleted before the timer starts:
     replacing it would add the file system's delete of the old file, ~0.12 s for 652 MiB)."""
     output.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "batchplan_cli.main", "build", str(dataset), "-o", str(output),
-               "--max-tokens", str(args.max_tokens), "--mode", args.mode, "--world-size", str(args.world_size),
-               "--epochs", str(args.epochs), "--oversize", "truncate", "-q"]  # fmt: skip
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     start = time.perf_counter()
-    subprocess.run(command, check=True)
+    subprocess.run([sys.executable, *build_command(dataset, output, args)], check=True)
     wall = time.perf_counter() - start
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     # ru_maxrss of children is the max over all children so far: report it only if it grew.
     return wall, max(peak_kib, before) / 2**20
+
+
+def build_imports_pandas(dataset: Path, output: Path, args) -> str:
+    """Whether a `batchplan build` of ``dataset`` imports pandas (``python -X importtime``):
+    ``"no"``, ``"yes"``, or ``"not installed"`` where pandas is not (the check then says nothing)."""
+    if importlib.util.find_spec("pandas") is None:
+        return "not installed"
+    output.unlink(missing_ok=True)
+    command = [sys.executable, "-X", "importtime", *build_command(dataset, output, args)]
+    found = subprocess.run(command, check=True, capture_output=True, text=True)
+    # Lines "import time: self | cumulative | module", the module indented by its depth.
+    modules = {line.rsplit("|", 1)[-1].strip() for line in found.stderr.splitlines() if line.startswith("import time:")}
+    return "yes" if "pandas" in modules else "no"
 
 
 def _paused(pause: float, run, *args):
@@ -152,12 +173,14 @@ def main() -> None:
         write_lengths(lognormal_lengths(1000, args.max_tokens), tiny)
         startup = min(_paused(args.pause, run_build, tiny, tmp / "tiny.arrow", args)[0] for _ in range(3))
         peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+        pandas = build_imports_pandas(tiny, tmp / "tiny.arrow", args)  # not timed, nor in the peak
         permutation = time_permutation(num_samples, pause=args.pause)
         row = {
             "case": name, "samples": num_samples, "mode": args.mode, "max_tokens": args.max_tokens,
             "world_size": args.world_size, "epochs": args.epochs, "pause_s": args.pause, "build_s": round(wall, 3),
             "permutation_s": round(permutation, 3), "ratio": round(wall / permutation, 2),
-            "startup_s": round(startup, 3), "ratio_after_startup": round((wall - startup) / permutation, 2),
+            "startup_s": round(startup, 3), "imports_pandas": pandas,
+            "ratio_after_startup": round((wall - startup) / permutation, 2),
             "peak_rss_gib": round(peak, 2), "fill": round(fill_of(plan), 5),
             "plan_mib": round(plan.stat().st_size / 2**20, 1),
         }  # fmt: skip

@@ -61,6 +61,7 @@ import os
 from typing import Any
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
+from batchplan.formats.arrow import numpy_of
 from batchplan.integrations import require
 
 lightning_pytorch = require("lightning.pytorch")
@@ -316,8 +317,8 @@ def _check_accumulation(trainer: Any, sampler: PlanSampler) -> None:
     sizes = []
     for epoch in range(sampler.num_epochs):
         rows = sampler.plan.read_rank(epoch, sampler.rank)
-        first = rows.column("micro").to_numpy() == 0  # one row per step
-        sizes.append(rows.column("num_micro").to_numpy()[first])
+        first = numpy_of(rows.column("micro")) == 0  # one row per step
+        sizes.append(numpy_of(rows.column("num_micro"))[first])
     inner = {int(n) for epoch in sizes for n in epoch[:-1]}
     last = max((int(epoch[-1]) for epoch in sizes if epoch.size), default=0)
     if inner <= {micro} and last <= micro:

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
+from batchplan.formats.arrow import list_lengths
 from batchplan.integrations import require
 
 transformers = require("transformers")
@@ -253,6 +254,4 @@ def _arrow_lengths(dataset):
     table = getattr(dataset, "data", None)
     if getattr(dataset, "_indices", True) is not None or table is None or "input_ids" not in table.column_names:
         return None
-    import pyarrow.compute as pc
-
-    return pc.list_value_length(table.column("input_ids")).to_numpy(zero_copy_only=False)
+    return list_lengths(table.column("input_ids"))  # from the list offsets

@@ -6,8 +6,10 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pyarrow as pa
 from numpy.typing import NDArray
 
+from batchplan.formats.arrow import list_offsets, list_values, numpy_of
 from batchplan.planning.cost import micro_batch_costs
 from batchplan.reduce import segment_max, segment_sum, sum_by_group
 
@@ -35,13 +37,27 @@ class EpochChecker:
         self.step_base, self.tokens_base = step_base, tokens_base
         self.meta = plan.metadata
         self.batches = [plan.read_rank(epoch, r) for r in range(plan.world_size)]
-        table = plan.read_epoch(epoch)
-        self.col = {name: table.column(name).combine_chunks() for name in table.column_names}
-        samples = self.col["samples"]
-        self.offsets = samples.offsets.to_numpy().astype(np.int64)
-        self.samples = samples.values.to_numpy().astype(np.int64)
-        self.tokens = self.col["tokens"].to_numpy()
+        table = pa.Table.from_batches(self.batches, plan.schema)  # the epoch, rank-major (as read_epoch)
+        self.col = {name: table.column(name) for name in table.column_names}
+        self._read: dict[str, np.ndarray] = {}
+        self.offsets = list_offsets(self.col["samples"])
+        self.samples = self.entries("samples")
+        self.tokens = self.numbers("tokens")
         self.total_tokens = int(self.tokens.sum())
+
+    def numbers(self, name: str) -> np.ndarray:
+        """The epoch's values of a numeric column, in its dtype (read once)."""
+        if name not in self._read:
+            self._read[name] = numpy_of(self.col[name])
+        return self._read[name]
+
+    def entries(self, name: str) -> NDArray[np.int64]:
+        """The epoch's entries of a list column (``samples``, ``starts``, ``lengths``) as int64,
+        row after row (``self.offsets`` bound them; read once)."""
+        key = f"{name}[]"
+        if key not in self._read:
+            self._read[key] = list_values(self.col[name]).astype(np.int64)
+        return self._read[key]
 
     def fail(self, guarantee: str, message: str) -> list[Violation]:
         return [Violation(guarantee, f"epoch {self.epoch}: {message}")]
@@ -55,11 +71,11 @@ class EpochChecker:
         return self.check_caps() + self.check_counts() + self.check_seqlen_warmup() + self.check_coverage()
 
     def check_ranks(self) -> list[Violation]:
-        steps = [b.column("step").to_numpy() for b in self.batches]
+        steps = [numpy_of(b.column("step")) for b in self.batches]
         for rank, batch in enumerate(self.batches):
-            if not (batch.column("rank").to_numpy() == rank).all():
+            if not (numpy_of(batch.column("rank")) == rank).all():
                 return self.fail("integrity", f"rows of rank {rank} are stored under another rank")
-            if not (batch.column("epoch").to_numpy() == self.epoch).all():
+            if not (numpy_of(batch.column("epoch")) == self.epoch).all():
                 return self.fail("integrity", f"rank {rank} holds rows of another epoch")
             if not np.array_equal(steps[rank], steps[0]):
                 return self.fail("equal_micro_batches", f"rank {rank} runs other micro-batch counts per step than rank 0")
@@ -73,16 +89,16 @@ class EpochChecker:
         first = np.concatenate([[0], np.cumsum(per_step)[:-1]])
         expected_micro = np.arange(step.size) - first[step] if step.size else step
         for rank, batch in enumerate(self.batches):
-            micro = batch.column("micro").to_numpy()
+            micro = numpy_of(batch.column("micro"))
             if not np.array_equal(micro, expected_micro):
                 return self.fail("equal_micro_batches", f"rank {rank}'s micro indices are not 0..m-1 per step")
-            if not np.array_equal(batch.column("num_micro").to_numpy(), per_step[step]):
+            if not np.array_equal(numpy_of(batch.column("num_micro")), per_step[step]):
                 return self.fail("equal_micro_batches", f"rank {rank}'s num_micro disagrees with its rows")
         return []
 
     def entry_lengths(self) -> NDArray[np.int64] | None:
         if "lengths" in self.col:
-            return self.col["lengths"].values.to_numpy().astype(np.int64)
+            return self.entries("lengths")
         if self.lengths is not None:
             return self.lengths[self.samples].astype(np.int64)
         return None
@@ -93,7 +109,7 @@ class EpochChecker:
         lengths = self.entry_lengths()
         if self.meta["mode"] == "pad":
             longest = segment_max(lengths, self.offsets) if lengths is not None else None
-            load = self.col["padded_tokens"].to_numpy() if longest is None else counts * longest
+            load = self.numbers("padded_tokens") if longest is None else counts * longest
         else:
             load = segment_sum(lengths, self.offsets) if lengths is not None else self.tokens
         over = np.flatnonzero(load > cap)
@@ -111,9 +127,9 @@ class EpochChecker:
                 found += self.fail("counts", "a micro-batch's tokens differ from the sum of its samples' lengths")
             if self.meta["mode"] == "pad":
                 padded = np.diff(self.offsets) * segment_max(lengths, self.offsets)
-                if not np.array_equal(padded, self.col["padded_tokens"].to_numpy()):
+                if not np.array_equal(padded, self.numbers("padded_tokens")):
                     found += self.fail("counts", "padded_tokens differs from count x longest")
-            loss = self.col["loss_tokens"].to_numpy()
+            loss = self.numbers("loss_tokens")
             if self.loss_column is not None and "lengths" not in self.col:
                 per_entry = np.asarray(self.loss_column)[self.samples].astype(np.int64)
             else:
@@ -128,21 +144,21 @@ class EpochChecker:
     def check_cost(self, lengths) -> list[Violation]:
         coefficient = float(self.meta["attention_coefficient"])
         expected = micro_batch_costs(lengths, self.offsets, self.meta["mode"], coefficient)
-        if not np.allclose(self.col["cost"].to_numpy(), expected, rtol=1e-9, atol=0.0):
+        if not np.allclose(self.numbers("cost"), expected, rtol=1e-9, atol=0.0):
             return self.fail("counts", "a micro-batch's cost differs from the cost model of its samples")
         return []
 
     def check_step_sums(self) -> list[Violation]:
-        step = self.col["step"].to_numpy() - self.step_base
+        step = self.numbers("step") - self.step_base
         num_steps = self.meta["steps_per_epoch"][self.epoch]
         found = []
-        for name, per_row in (("step_tokens", self.tokens), ("step_loss_tokens", self.col["loss_tokens"].to_numpy())):
+        for name, per_row in (("step_tokens", self.tokens), ("step_loss_tokens", self.numbers("loss_tokens"))):
             sums = sum_by_group(step, per_row, num_steps)
-            if not np.array_equal(sums[step], self.col[name].to_numpy()):
+            if not np.array_equal(sums[step], self.numbers(name)):
                 found += self.fail("counts", f"{name} is not the sum over all ranks of the step")
         sums = sum_by_group(step, self.tokens, num_steps)
         before = self.tokens_base + np.cumsum(sums) - sums
-        if not np.array_equal(before[step], self.col["tokens_before_step"].to_numpy()):
+        if not np.array_equal(before[step], self.numbers("tokens_before_step")):
             found += self.fail("counts", "tokens_before_step is not the running total of step tokens")
         return found
 
@@ -155,14 +171,14 @@ class EpochChecker:
             return []
         if "lengths" not in self.col:
             return self.fail("seqlen_warmup", "the plan has a sequence-length warmup but no spans")
-        step = self.col["step"].to_numpy() - self.step_base
+        step = self.numbers("step") - self.step_base
         sums = sum_by_group(step, self.tokens, self.meta["steps_per_epoch"][self.epoch])
         step_end = self.tokens_base + np.cumsum(sums)
         warm = np.flatnonzero(step_end < span)  # steps that end inside the warmup
         # Exact integer caps (Python ints: no overflow), one per step inside the warmup.
         cap = np.full(sums.shape[0], self.meta["max_tokens"], dtype=np.int64)
         cap[warm] = [low + (self.meta["max_tokens"] - low) * int(t) // span for t in step_end[warm]]
-        longest = segment_max(self.col["lengths"].values.to_numpy().astype(np.int64), self.offsets)
+        longest = segment_max(self.entries("lengths"), self.offsets)
         over = np.flatnonzero(longest > cap[step])
         if over.size:
             row = int(over[0])
@@ -213,8 +229,8 @@ class EpochChecker:
             return self.fail("coverage", "drop_last lists other samples than its dropped pieces")
         trained = self.trained_spans
         sample = np.concatenate([self.samples, spans[:, 0], trained[:, 0]])
-        start = np.concatenate([self.col["starts"].values.to_numpy().astype(np.int64), spans[:, 1], trained[:, 1]])
-        length = np.concatenate([self.col["lengths"].values.to_numpy().astype(np.int64), spans[:, 2], trained[:, 2]])
+        start = np.concatenate([self.entries("starts"), spans[:, 1], trained[:, 1]])
+        length = np.concatenate([self.entries("lengths"), spans[:, 2], trained[:, 2]])
         whole = np.flatnonzero(self.trained_whole)
         if np.isin(whole, sample).any():
             return self.fail("coverage", "a sample trained whole before the plan's first step is planned again")

@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 from numpy.typing import NDArray
 
+from batchplan.formats.arrow import list_offsets, list_values, numpy_of
 from batchplan.formats.plan_file import PlanFile, padded_tokens_column
 from batchplan.kernels.pack import pack_segments
 from batchplan.plan import Entries, index_dtype
@@ -56,16 +57,16 @@ class ParentRows:
 def read_epoch(plan: PlanFile, epoch: int) -> ParentRows:
     """Every non-empty micro-batch of one parent epoch, in the order the run trains them."""
     table = plan.read_epoch(epoch)
-    column = {name: table.column(name).combine_chunks() for name in table.column_names}
-    column["padded_tokens"] = padded_tokens_column(table).combine_chunks()
-    numbers = {name: column[name].to_numpy().astype(np.int64)
+    column = {name: table.column(name) for name in table.column_names}
+    column["padded_tokens"] = padded_tokens_column(table)
+    numbers = {name: numpy_of(column[name]).astype(np.int64)
                for name in ("step", "rank", "micro", "tokens", "loss_tokens", "padded_tokens")}  # fmt: skip
     spans = "starts" in column
     rows = ParentRows(
-        step=numbers["step"], offsets=_offsets(column["samples"]), sample=_values(column["samples"]),
-        start=_values(column["starts"]) if spans else None, length=_values(column["lengths"]) if spans else None,
+        step=numbers["step"], offsets=list_offsets(column["samples"]), sample=_entries(column["samples"]),
+        start=_entries(column["starts"]) if spans else None, length=_entries(column["lengths"]) if spans else None,
         tokens=numbers["tokens"], loss_tokens=numbers["loss_tokens"], padded_tokens=numbers["padded_tokens"],
-        cost=column["cost"].to_numpy() if "cost" in column else None,
+        cost=numpy_of(column["cost"]) if "cost" in column else None,
     )  # fmt: skip
     order = np.lexsort((numbers["micro"], numbers["rank"], numbers["step"]))
     return rows.take(order[np.diff(rows.offsets)[order] > 0])
@@ -116,14 +117,8 @@ def _pick(values: NDArray | None, positions: NDArray[np.int64]) -> NDArray | Non
     return None if values is None else values[positions]
 
 
-def _offsets(array) -> NDArray[np.int64]:
-    offsets = array.offsets.to_numpy().astype(np.int64)
-    return offsets - offsets[0]
-
-
-def _values(array) -> NDArray[np.int64]:
-    offsets = array.offsets.to_numpy()
-    return array.values.to_numpy()[offsets[0] : offsets[-1]].astype(np.int64)
+def _entries(array) -> NDArray[np.int64]:
+    return list_values(array).astype(np.int64)
 
 
 def segment_positions(offsets: NDArray[np.int64], segments: NDArray[np.int64]) -> NDArray[np.int64]:

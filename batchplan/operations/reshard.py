@@ -55,6 +55,7 @@ from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
 from batchplan.errors import ConfigError
+from batchplan.formats.arrow import numpy_of
 from batchplan.formats.bitmap import decode_bitmap, encode_bitmap
 from batchplan.formats.plan_file import PlanFile, open_plan
 from batchplan.formats.plan_writer import write_plan
@@ -213,9 +214,9 @@ def _locate_step(plan: PlanFile, from_step: int) -> tuple[int, int, int]:
     ends = first + np.cumsum(plan.metadata["steps_per_epoch"])
     epoch = int(np.searchsorted(ends, from_step, side="right"))
     rows = plan.read_rank(epoch, 0)
-    step = rows.column("step").to_numpy()
+    step = numpy_of(rows.column("step"))
     position = int(np.count_nonzero(step < from_step))
-    return epoch, position, int(rows.column("tokens_before_step").to_numpy()[position])
+    return epoch, position, int(numpy_of(rows.column("tokens_before_step"))[position])
 
 
 def _parent_record(plan: PlanFile, from_step: int, epoch: int, position: int) -> dict[str, Any]:

@@ -22,9 +22,10 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.errors import BatchPlanError, PlanMismatchError
-from batchplan.formats.plan_file import PlanFile, padded_tokens_column
-from batchplan.reports.statistics import last_steps_of, regular_steps, step_imbalance
-from batchplan.reports.summary import per_step_and_rank, samples_per_row, summarize_plan
+from batchplan.formats.arrow import list_values
+from batchplan.formats.plan_file import PlanFile
+from batchplan.reports.statistics import last_steps_of, regular_steps
+from batchplan.reports.summary import PlanScan, scan_plan, summarize_plan
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -104,7 +105,7 @@ def plan_lengths(
             )
         return read.lengths.astype(np.int64), "sample lengths (from --dataset)"
     if "lengths" in plan.schema.names:
-        values = plan.read_epoch(0).column("lengths").combine_chunks().flatten().to_numpy()
+        values = list_values(plan.read_epoch(0).column("lengths"))
         policy = plan.metadata.get("config", {}).get("oversize", "split")
         return values.astype(np.int64), f"entry lengths (samples cut by --oversize {policy})"
     return None, ""
@@ -120,8 +121,9 @@ def plot_plan(plan: PlanFile, lengths: NDArray[np.integer] | None = None, length
         lengths_label: the title of the lengths panel when ``lengths`` is given.
     """
     figure_class, _ = matplotlib_modules()
-    data = _plan_arrays(plan)
-    summary = summarize_plan(plan)
+    scan = scan_plan(plan, keep_rows=True)  # one pass over the plan, one record batch at a time
+    data = _plan_arrays(plan, scan)
+    summary = summarize_plan(plan, scan=scan)
     figure = figure_class(figsize=(16, 9), layout="constrained")
     axes = figure.subplots(2, 3).reshape(-1)
     _lengths_panel(axes[0], data, lengths, lengths_label)
@@ -134,28 +136,22 @@ def plot_plan(plan: PlanFile, lengths: NDArray[np.integer] | None = None, length
     return figure
 
 
-def _plan_arrays(plan: PlanFile) -> dict[str, Any]:
-    table = plan.read_all()
-    world_size = plan.world_size
-    step = table.column("step").to_numpy() - plan.metadata.get("first_step", 0)  # resharded plans start later
-    rank = table.column("rank").to_numpy()
-    tokens = table.column("tokens").to_numpy()
-    num_steps = plan.num_steps
+def _plan_arrays(plan: PlanFile, scan: PlanScan) -> dict[str, Any]:
     data = {
         "mode": plan.metadata["mode"],
         "max_tokens": int(plan.metadata["max_tokens"]),
-        "world_size": world_size,
-        "tokens": tokens,
-        "padded": padded_tokens_column(table).to_numpy(),
-        "counts": samples_per_row(table),
-        # shape (num_steps, world_size): per rank and step
-        "rank_tokens": per_step_and_rank(step, rank, tokens, num_steps, world_size),
-        "micro_per_step": np.bincount(step, minlength=num_steps) // world_size,
+        "world_size": plan.world_size,
+        "tokens": scan.row_values("tokens"),
+        "padded": scan.row_values("padded"),
+        "counts": scan.row_values("counts"),
+        "step_tokens": scan.step_tokens,
+        "token_imbalance": scan.token_imbalance,
+        "micro_per_step": scan.step_micro_batches // plan.world_size,
         "epoch_starts": np.cumsum(plan.metadata["steps_per_epoch"])[:-1],
         "last_steps": last_steps_of(plan.metadata["steps_per_epoch"]),
     }
-    if "cost" in table.column_names:
-        data["rank_cost"] = per_step_and_rank(step, rank, table.column("cost").to_numpy(), num_steps, world_size)
+    if scan.cost_imbalance is not None:
+        data["cost_imbalance"] = scan.cost_imbalance
     return data
 
 
@@ -215,8 +211,7 @@ def _fill_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
 
 
 def _tokens_per_step_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
-    step_tokens = data["rank_tokens"].sum(axis=1)
-    _series(ax, step_tokens, "tab:blue", "tokens")
+    _series(ax, data["step_tokens"], "tab:blue", "tokens")
     _epoch_lines(ax, data["epoch_starts"])
     ax.set_xlabel("step")
     ax.set_ylabel("tokens per step (all ranks)")
@@ -228,12 +223,12 @@ def _imbalance_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     # Legends quote the summary (one definition: batchplan.reports.statistics), not the series drawn.
     # Each epoch's last step is completed by split and empty micro-batches: it is marked, not
     # drawn into the series, so its spike does not flatten every other step.
-    regular = regular_steps(data["rank_tokens"].shape[0], data["last_steps"])
-    tokens = 100.0 * np.nan_to_num(step_imbalance(data["rank_tokens"]))
+    regular = regular_steps(data["step_tokens"].shape[0], data["last_steps"])
+    tokens = 100.0 * np.nan_to_num(data["token_imbalance"])
     title = "rank imbalance per step (max / mean - 1)"
     top = float(tokens[regular].max()) if regular.any() else 0.0
-    if "rank_cost" in data:
-        cost = 100.0 * np.nan_to_num(step_imbalance(data["rank_cost"]))
+    if "cost_imbalance" in data:
+        cost = 100.0 * np.nan_to_num(data["cost_imbalance"])
         _series(ax, np.where(regular, cost, np.nan), "tab:orange",
                 f"cost (mean {summary['cost_imbalance']:.3%}, p99 {summary['cost_imbalance_p99']:.3%})")  # fmt: skip
         top = max(top, float(cost[regular].max()) if regular.any() else 0.0)
@@ -261,7 +256,7 @@ def _micro_per_step_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     per_step = data["micro_per_step"]
     low, high = (int(per_step.min()), int(per_step.max())) if per_step.size else (0, 0)
     if low == high:  # one count for every step: the panel shows the tokens seen instead
-        seen = np.cumsum(data["rank_tokens"].sum(axis=1))
+        seen = np.cumsum(data["step_tokens"])
         _series(ax, seen.astype(np.float64), "tab:purple", "tokens seen")
         _schedule_ends(ax, summary)
         _epoch_lines(ax, data["epoch_starts"])

@@ -26,7 +26,7 @@ import dataclasses
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["Imbalance", "last_steps_of", "rank_imbalance", "regular_steps", "step_imbalance"]
+__all__ = ["Imbalance", "imbalance_over_steps", "last_steps_of", "rank_imbalance", "regular_steps", "step_imbalance"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,12 @@ def regular_steps(num_steps: int, last_steps: NDArray[np.int64]) -> NDArray[np.b
 
 def rank_imbalance(per_rank: NDArray, last_steps: NDArray[np.int64]) -> Imbalance:
     """`Imbalance` of ``per_rank`` (shape (num_steps, world_size)) whose epochs end at ``last_steps``."""
-    per_step = step_imbalance(per_rank)
+    return imbalance_over_steps(step_imbalance(per_rank), last_steps)
+
+
+def imbalance_over_steps(per_step: NDArray[np.float64], last_steps: NDArray[np.int64]) -> Imbalance:
+    """`Imbalance` of the steps' `step_imbalance` values (shape (num_steps,), NaN where idle)
+    whose epochs end at ``last_steps``: a plan read an epoch at a time keeps only these."""
     regular = regular_steps(per_step.shape[0], last_steps)
     values = per_step[regular & ~np.isnan(per_step)]
     ends = per_step[~regular & ~np.isnan(per_step)]

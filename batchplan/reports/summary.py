@@ -26,55 +26,154 @@ defined once, in `batchplan.reports.statistics`:
 
 A resharded plan (``batchplan reshard``) starts at step ``first_step`` and its epochs
 before the resumed one are empty; the numbers cover the steps it holds.
+
+The plan is read one (epoch, rank) record batch at a time (`scan_plan`): memory holds one
+record batch, one epoch's sums per (step, rank) and a few numbers per step, never the whole
+table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
+from numpy.typing import NDArray
 
+from batchplan.errors import PlanFormatError
+from batchplan.formats.arrow import list_lengths, list_values, numpy_of
 from batchplan.formats.plan_file import PlanFile, padded_tokens_column
 from batchplan.plan import PackingBound
-from batchplan.reports.statistics import last_steps_of, rank_imbalance, regular_steps
+from batchplan.reports.statistics import imbalance_over_steps, last_steps_of, regular_steps, step_imbalance
 
-__all__ = ["per_step_and_rank", "samples_per_row", "summarize_plan"]
+__all__ = ["PlanScan", "samples_per_row", "scan_plan", "summarize_plan"]
 
-
-def _imbalance_fields(name: str, imbalance) -> dict[str, float | None]:
-    """``name``, ``name_p99``, ``name_max``, ``name_last_step`` (None without a value)."""
-    stats = ("mean", "p99", "max", "last_step")
-    keys = [name] + [f"{name}_{stat}" for stat in stats[1:]]
-    return {key: None if imbalance is None else getattr(imbalance, stat) for key, stat in zip(keys, stats)}
+_ZERO = np.int64(0)  # totals start as numpy int64, as the column sums added to them
 
 
-def summarize_plan(plan: PlanFile) -> dict[str, Any]:
-    """Key numbers of a plan as a JSON-able dict."""
+@dataclasses.dataclass
+class PlanScan:
+    """What one pass over a plan's record batches gathers (`scan_plan`): a few numbers per
+    step, totals, and with ``keep_rows`` three numbers per micro-batch.
+
+    Steps count from the plan's first step. Totals are numpy int64, as the sums of the
+    columns they come from.
+    """
+
+    step_tokens: NDArray[np.float64]  # (num_steps,): tokens of each step, all ranks
+    token_imbalance: NDArray[np.float64]  # (num_steps,): `statistics.step_imbalance` of the ranks' tokens
+    cost_imbalance: NDArray[np.float64] | None  # the same of the ``cost`` column; None without one
+    step_micro_batches: NDArray[np.int64]  # (num_steps,): micro-batches of each step, all ranks
+    micro_batches: int = 0
+    empty_micro_batches: int = 0
+    tokens: np.int64 = _ZERO
+    loss_tokens: np.int64 = _ZERO
+    padded_tokens: np.int64 = _ZERO
+    regular_tokens: np.int64 = _ZERO  # over the regular steps (`statistics.regular_steps`)
+    regular_micro_batches: int = 0
+    first_step_longest: int | None = None  # the longest entry of the first step (plans with spans)
+    rows: dict[str, list[np.ndarray]] | None = None  # per micro-batch tokens, padded, counts: `keep_rows`
+
+    def row_values(self, name: str) -> np.ndarray:
+        """``tokens``, ``padded`` or ``counts`` of every micro-batch (epoch-major, then rank)."""
+        parts = self.rows[name]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32 if name == "counts" else np.int64)
+
+
+def scan_plan(plan: PlanFile, *, keep_rows: bool = False) -> PlanScan:
+    """Per-step numbers and totals of ``plan``, read one (epoch, rank) record batch at a time;
+    ``keep_rows`` also keeps three numbers per micro-batch (`PlanScan.row_values`). Beyond
+    those, memory holds one record batch and one epoch's sums per (step, rank).
+
+    Raises:
+        PlanFormatError: a record batch holds steps outside its epoch (`batchplan validate`
+            says more).
+    """
+    num_steps, world_size = plan.num_steps, plan.world_size
+    summed = ("tokens", "cost") if "cost" in plan.schema.names else ("tokens",)
+    scan = PlanScan(step_tokens=np.zeros(num_steps), token_imbalance=np.zeros(num_steps),
+                    cost_imbalance=np.zeros(num_steps) if "cost" in summed else None,
+                    step_micro_batches=np.zeros(num_steps, np.int64),
+                    rows={"tokens": [], "padded": [], "counts": []} if keep_rows else None)  # fmt: skip
+    regular = regular_steps(num_steps, last_steps_of(plan.metadata["steps_per_epoch"]))
+    first_step = int(plan.metadata.get("first_step", 0))
+    bounds = np.concatenate([[0], np.cumsum(plan.metadata["steps_per_epoch"], dtype=np.int64)])
+    longest = []
+    for epoch in range(plan.num_epochs):
+        steps = slice(int(bounds[epoch]), int(bounds[epoch + 1]))
+        # shape (world_size, steps of the epoch) each: sums per rank and step, rank-major as read
+        sums = {name: np.zeros((world_size, steps.stop - steps.start)) for name in summed}
+        for rank in range(world_size):
+            batch = plan.read_rank(epoch, rank)
+            step = numpy_of(batch.column("step")) - first_step
+            if step.size and (step.min() < steps.start or step.max() >= steps.stop):
+                raise PlanFormatError(f"{plan.path}: epoch {epoch} rank {rank} holds steps outside the epoch's "
+                                      f"{first_step + steps.start:,}..{first_step + steps.stop - 1:,}; "
+                                      "run batchplan validate on it")  # fmt: skip
+            for name, per_rank in sums.items():  # each (step, rank) lies in this record batch alone
+                per_rank[rank] = np.bincount(step - steps.start, weights=numpy_of(batch.column(name)),
+                                             minlength=steps.stop - steps.start)  # fmt: skip
+            _add_batch(scan, batch, step, steps, regular)
+            if "lengths" in batch.schema.names and steps.start == 0:
+                longest.append(_first_step_longest(batch, step))
+        _add_epoch(scan, sums, steps)
+    if "lengths" in plan.schema.names and scan.micro_batches:
+        scan.first_step_longest = max(longest, default=0)
+    return scan
+
+
+def _add_epoch(scan: PlanScan, sums: dict[str, np.ndarray], steps: slice) -> None:
+    """The per-step numbers of one epoch, from its sums per rank and step."""
+    tokens = np.ascontiguousarray(sums["tokens"].T)  # shape (steps, world_size), as `statistics` takes it
+    scan.step_tokens[steps] = tokens.sum(axis=1)
+    scan.token_imbalance[steps] = step_imbalance(tokens)
+    if scan.cost_imbalance is not None:
+        scan.cost_imbalance[steps] = step_imbalance(np.ascontiguousarray(sums["cost"].T))
+
+
+def _add_batch(scan: PlanScan, batch: pa.RecordBatch, step, steps: slice, regular) -> None:
+    """Add one (epoch, rank) record batch's counts and totals to ``scan``; its rows' ``step``
+    lie in ``steps``."""
+    tokens = numpy_of(batch.column("tokens"))
+    padded = numpy_of(padded_tokens_column(batch))
+    counts = samples_per_row(batch)
+    scan.step_micro_batches[steps] += np.bincount(step - steps.start, minlength=steps.stop - steps.start)
+    scan.micro_batches += int(tokens.shape[0])
+    scan.empty_micro_batches += int((counts == 0).sum())
+    scan.tokens += tokens.sum()
+    scan.loss_tokens += numpy_of(batch.column("loss_tokens")).sum()
+    scan.padded_tokens += padded.sum()
+    in_regular = regular[step]
+    scan.regular_tokens += tokens[in_regular].sum()
+    scan.regular_micro_batches += int(in_regular.sum())
+    if scan.rows is not None:
+        for name, values in (("tokens", tokens), ("padded", padded), ("counts", counts)):
+            scan.rows[name].append(values)
+
+
+def _first_step_longest(batch: pa.RecordBatch, step) -> int:
+    """The longest entry (``lengths``) of the batch's rows of the plan's first step (0 if none)."""
+    column = batch.column("lengths")
+    values = list_values(column)[np.repeat(step == 0, list_lengths(column))]
+    return int(values.max()) if values.size else 0
+
+
+def summarize_plan(plan: PlanFile, *, scan: PlanScan | None = None) -> dict[str, Any]:
+    """Key numbers of a plan as a JSON-able dict; ``scan`` is `scan_plan`'s, when already made."""
     meta = plan.metadata
-    table = plan.read_all()
+    scan = scan_plan(plan) if scan is None else scan
     world_size = plan.world_size
     first_step = int(meta.get("first_step", 0))
-    step = table.column("step").to_numpy() - first_step  # 0-based over the steps this plan holds
-    rank = table.column("rank").to_numpy()
-    tokens = table.column("tokens").to_numpy()
-    padded = padded_tokens_column(table).to_numpy()
-    counts = samples_per_row(table)
     num_steps = plan.num_steps
-
     last_steps = last_steps_of(meta["steps_per_epoch"])
-    not_last = regular_steps(num_steps, last_steps)[step]  # per micro-batch
-    capacity = int(not_last.sum()) * plan.metadata["max_tokens"]
-    # shape (num_steps, world_size): tokens of each rank in each step
-    rank_tokens = per_step_and_rank(step, rank, tokens, num_steps, world_size)
-    imbalance = rank_imbalance(rank_tokens, last_steps)
-    cost_imbalance = None
-    if "cost" in table.column_names:
-        rank_cost = per_step_and_rank(step, rank, table.column("cost").to_numpy(), num_steps, world_size)
-        cost_imbalance = rank_imbalance(rank_cost, last_steps)
-    step_tokens = rank_tokens.sum(axis=1)
+    capacity = scan.regular_micro_batches * plan.metadata["max_tokens"]
+    imbalance = imbalance_over_steps(scan.token_imbalance, last_steps)
+    cost_imbalance = None if scan.cost_imbalance is None else imbalance_over_steps(scan.cost_imbalance, last_steps)
+    step_tokens = scan.step_tokens
     # shape (num_steps,): tokens of the run before each step this plan holds
     tokens_before = int(meta.get("tokens_before_first_step", 0)) + np.cumsum(step_tokens) - step_tokens
-    micro_per_step = np.bincount(step, minlength=num_steps) // world_size
+    micro_per_step = scan.step_micro_batches // world_size
     dropped = meta.get("dropped", {})
     return {
         "num_samples": plan.num_samples,
@@ -83,12 +182,12 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
         "world_size": world_size,
         "mode": meta["mode"],
         "max_tokens": meta["max_tokens"],
-        "micro_batches": int(tokens.shape[0]),
-        "empty_micro_batches": int((counts == 0).sum()),
-        "tokens": int(tokens.sum()),
-        "loss_tokens": int(table.column("loss_tokens").to_numpy().sum()),
-        "fill": float(tokens[not_last].sum() / capacity) if capacity else 0.0,
-        "padding_fraction": float(1.0 - tokens.sum() / padded.sum()) if padded.sum() else 0.0,
+        "micro_batches": scan.micro_batches,
+        "empty_micro_batches": scan.empty_micro_batches,
+        "tokens": int(scan.tokens),
+        "loss_tokens": int(scan.loss_tokens),
+        "fill": float(scan.regular_tokens / capacity) if capacity else 0.0,
+        "padding_fraction": float(1.0 - scan.tokens / scan.padded_tokens) if scan.padded_tokens else 0.0,
         **_imbalance_fields("token_imbalance", imbalance),
         **_imbalance_fields("cost_imbalance", cost_imbalance),
         "hidden_size": meta.get("hidden_size"),
@@ -99,12 +198,19 @@ def summarize_plan(plan: PlanFile) -> dict[str, Any]:
         "steps_per_epoch": meta["steps_per_epoch"],
         "packing": _packing(meta),
         "rampup": _rampup(meta["config"], step_tokens.astype(np.int64), tokens_before, first_step),
-        "seqlen_warmup": _seqlen_warmup(meta["config"], table, step, tokens_before, first_step),
+        "seqlen_warmup": _seqlen_warmup(meta["config"], scan.first_step_longest, tokens_before, first_step),
         "first_step": first_step,
         "resharded_from": _parent(meta.get("resharded_from")),
         "dropped_samples": _count_dropped(dropped),
         "dropped": {reason: _count_dropped({reason: v}) for reason, v in dropped.items()},
     }
+
+
+def _imbalance_fields(name: str, imbalance) -> dict[str, float | None]:
+    """``name``, ``name_p99``, ``name_max``, ``name_last_step`` (None without a value)."""
+    stats = ("mean", "p99", "max", "last_step")
+    keys = [name] + [f"{name}_{stat}" for stat in stats[1:]]
+    return {key: None if imbalance is None else getattr(imbalance, stat) for key, stat in zip(keys, stats)}
 
 
 def _rampup(config: dict[str, Any], step_tokens, tokens_before, first_step: int) -> dict[str, Any] | None:
@@ -126,15 +232,10 @@ def _rampup(config: dict[str, Any], step_tokens, tokens_before, first_step: int)
     }
 
 
-def _seqlen_warmup(config: dict[str, Any], table, step, tokens_before, first_step: int) -> dict[str, Any] | None:
+def _seqlen_warmup(config: dict[str, Any], first_longest, tokens_before, first_step: int) -> dict[str, Any] | None:
     if config.get("seqlen_warmup_min") is None:
         return None
     end = np.flatnonzero(tokens_before >= config["seqlen_warmup_tokens"])
-    first_longest = None
-    if "lengths" in table.column_names and step.size:
-        rows = np.flatnonzero(step == 0)
-        lengths = table.column("lengths").take(rows).combine_chunks().values.to_numpy()
-        first_longest = int(lengths.max()) if lengths.size else 0
     return {
         "min_tokens": config["seqlen_warmup_min"],
         "max_tokens": config["max_tokens"],
@@ -150,19 +251,9 @@ def _parent(parent: dict[str, Any] | None) -> dict[str, Any] | None:
     return {key: parent.get(key) for key in ("content_hash", "world_size", "from_step", "epoch")}
 
 
-def per_step_and_rank(step, rank, values, num_steps: int, world_size: int) -> np.ndarray:
-    """Sums of the rows' ``values`` per (step, rank): float64, shape (num_steps, world_size).
-    ``step`` counts from the plan's first step. Binned by ``rank x num_steps + step``: rows
-    come rank by rank, steps in order, so the bins are written in order rather than at a
-    stride of world_size (a cache miss per row)."""
-    sums = np.bincount(rank.astype(np.int64) * num_steps + step, weights=values, minlength=num_steps * world_size)
-    return np.ascontiguousarray(sums.reshape(world_size, num_steps).T)
-
-
-def samples_per_row(table) -> np.ndarray:
-    """Entries in each row's ``samples`` list, chunk by chunk (no combined copy of the lists)."""
-    counts = [np.diff(chunk.offsets.to_numpy()) for chunk in table.column("samples").chunks]
-    return np.concatenate(counts) if counts else np.zeros(0, dtype=np.int32)
+def samples_per_row(rows: pa.RecordBatch | pa.Table) -> np.ndarray:
+    """Entries in each row's ``samples`` list (int32), from the offsets, chunk by chunk."""
+    return list_lengths(rows.column("samples"))
 
 
 def _spread(values: np.ndarray) -> dict[str, float]:
