@@ -29,7 +29,7 @@ from batchplan.errors import (
 
 if TYPE_CHECKING:
     from batchplan.formats.lengths import read_lengths
-    from batchplan.formats.plan_file import PlanFile, open_plan
+    from batchplan.formats.plan_file import OpenedPlan, PlanFile, open_plan
     from batchplan.operations.build import build_plan_file
     from batchplan.operations.reshard import reshard_plan_file
     from batchplan.operations.validate import Violation, validate_plan
@@ -38,6 +38,7 @@ __version__ = "0.1.0"
 
 # The top-level API, each name loaded from its module on first use.
 _LAZY = {
+    "OpenedPlan": "batchplan.formats.plan_file",
     "PlanFile": "batchplan.formats.plan_file",
     "Violation": "batchplan.operations.validate",
     "build_plan_file": "batchplan.operations.build",
@@ -51,6 +52,7 @@ __all__ = [
     "BatchPlanError",
     "ConfigError",
     "DatasetError",
+    "OpenedPlan",
     "PlanConfig",
     "PlanFile",
     "PlanFormatError",

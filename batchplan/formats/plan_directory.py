@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from batchplan.errors import PlanFormatError
 from batchplan.formats.plan_file import (
+    OpenedPlan,
     check_batch_count,
     check_columns,
     check_epoch_rank,
@@ -49,13 +50,9 @@ def epoch_file_name(epoch: int) -> str:
     return f"epoch-{epoch:05d}.arrow"
 
 
-class PlanDirectory:
-    """A plan directory opened by its manifest; the interface of `PlanFile`.
-
-    Attributes:
-        path: the directory.
-        metadata: the manifest (a plan file's metadata keys, ``layout``, ``epoch_files``).
-    """
+class PlanDirectory(OpenedPlan):
+    """A plan directory opened by its manifest (``metadata``: a plan file's metadata keys,
+    ``layout``, ``plan``, ``epoch_files``)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -83,22 +80,6 @@ class PlanDirectory:
     def schema(self) -> pa.Schema:
         return self._schema
 
-    @property
-    def world_size(self) -> int:
-        return int(self.metadata["world_size"])
-
-    @property
-    def num_epochs(self) -> int:
-        return int(self.metadata["epochs"])
-
-    @property
-    def num_samples(self) -> int:
-        return int(self.metadata["num_samples"])
-
-    @property
-    def num_steps(self) -> int:
-        return int(sum(self.metadata["steps_per_epoch"]))
-
     def read_rank(self, epoch: int, rank: int) -> pa.RecordBatch:
         """This rank's micro-batches of this epoch, in (step, micro) order."""
         check_epoch_rank(self, epoch, rank)
@@ -106,10 +87,6 @@ class PlanDirectory:
         batch = read_batch(self._reader(epoch), rank, path, f"rank {rank}")
         shifts = {"step": int(self._first_step[epoch]), "tokens_before_step": int(self._tokens_before[epoch])}
         return shift_columns(batch, shifts)
-
-    def read_epoch(self, epoch: int) -> pa.Table:
-        """Every rank's micro-batches of one epoch, rank-major."""
-        return pa.Table.from_batches([self.read_rank(epoch, r) for r in range(self.world_size)], self.schema)
 
     def read_all(self) -> pa.Table:
         """The whole plan as one table (epoch-major, then rank)."""

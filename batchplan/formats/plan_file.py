@@ -19,7 +19,7 @@ import os
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -27,11 +27,9 @@ import pyarrow as pa
 from batchplan.errors import PlanFormatError
 from batchplan.formats.arrow import arrow_array, numpy_of
 
-if TYPE_CHECKING:
-    from batchplan.formats.plan_directory import PlanDirectory
-
 __all__ = [
-    "FORMAT_VERSION", "METADATA_KEY", "PlanFile", "content_hash", "open_plan", "padded_tokens_column", "plan_schema",
+    "FORMAT_VERSION", "METADATA_KEY", "OpenedPlan", "PlanFile", "content_hash", "open_plan", "padded_tokens_column",
+    "plan_schema",
 ]  # fmt: skip
 
 # 2: pack plans have no padded_tokens column (in version 1 both modes have it). Readers
@@ -122,31 +120,21 @@ def plan_schema(
     return pa.schema(fields, metadata=encoded)
 
 
-class PlanFile:
-    """A plan opened by memory map; reading one rank's epoch touches only its rows.
+class OpenedPlan:
+    """An opened plan, whatever its layout: a `PlanFile`, or a plan directory
+    (`batchplan.formats.plan_directory.PlanDirectory`).
 
     Attributes:
-        path: the file.
-        metadata: the decoded ``batchplan`` metadata.
+        path: the file or directory.
+        metadata: the decoded ``batchplan`` metadata (a directory's manifest).
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-        self._reader = open_arrow(self.path)
-        with unreadable_schema(self.path):
-            self.metadata = read_metadata(self._reader, self.path)
-            if self.metadata.get("layout") == "epoch":
-                raise PlanFormatError(
-                    f"{self.path}: one epoch's file of a plan directory; open the directory {self.path.parent}"
-                )
-            check_metadata(self.metadata, self.path)
-            check_columns(self.schema, self.metadata, self.path)
-        why = f" (epochs {self.num_epochs} x world_size {self.world_size})"
-        check_batch_count(self._reader, self.num_epochs * self.world_size, self.path, why)
+    path: Path
+    metadata: dict[str, Any]
 
     @property
     def schema(self) -> pa.Schema:
-        return self._reader.schema
+        raise NotImplementedError
 
     @property
     def world_size(self) -> int:
@@ -166,12 +154,42 @@ class PlanFile:
 
     def read_rank(self, epoch: int, rank: int) -> pa.RecordBatch:
         """This rank's micro-batches of this epoch, in (step, micro) order."""
-        check_epoch_rank(self, epoch, rank)
-        return read_batch(self._reader, epoch * self.world_size + rank, self.path, f"epoch {epoch} rank {rank}")
+        raise NotImplementedError
 
     def read_epoch(self, epoch: int) -> pa.Table:
         """Every rank's micro-batches of one epoch, rank-major."""
         return pa.Table.from_batches([self.read_rank(epoch, r) for r in range(self.world_size)], self.schema)
+
+    def verify(self) -> None:
+        """Recompute the content hash(es); raise `PlanFormatError` if the plan was altered."""
+        raise NotImplementedError
+
+
+class PlanFile(OpenedPlan):
+    """A plan file opened by memory map; reading one rank's epoch touches only its rows."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._reader = open_arrow(self.path)
+        with unreadable_schema(self.path):
+            self.metadata = read_metadata(self._reader, self.path)
+            if self.metadata.get("layout") == "epoch":
+                raise PlanFormatError(
+                    f"{self.path}: one epoch's file of a plan directory; open the directory {self.path.parent}"
+                )
+            check_metadata(self.metadata, self.path)
+            check_columns(self.schema, self.metadata, self.path)
+        why = f" (epochs {self.num_epochs} x world_size {self.world_size})"
+        check_batch_count(self._reader, self.num_epochs * self.world_size, self.path, why)
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._reader.schema
+
+    def read_rank(self, epoch: int, rank: int) -> pa.RecordBatch:
+        """This rank's micro-batches of this epoch, in (step, micro) order."""
+        check_epoch_rank(self, epoch, rank)
+        return read_batch(self._reader, epoch * self.world_size + rank, self.path, f"epoch {epoch} rank {rank}")
 
     def read_all(self) -> pa.Table:
         """The whole plan as one table (epoch-major, then rank)."""
@@ -341,7 +359,7 @@ def padded_tokens_column(rows: pa.RecordBatch | pa.Table) -> pa.Array | pa.Chunk
     return rows.column("padded_tokens" if "padded_tokens" in rows.schema.names else "tokens")
 
 
-def open_plan(path: str | os.PathLike) -> PlanFile | PlanDirectory:
+def open_plan(path: str | os.PathLike) -> OpenedPlan:
     """Open a plan: a plan file by memory map (`PlanFile`), or a plan directory by its
     manifest (`batchplan.formats.plan_directory.PlanDirectory`)."""
     if Path(path).is_dir():

@@ -10,7 +10,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.formats.arrow import list_offsets, list_values, numpy_of
-from batchplan.formats.plan_file import PlanFile, padded_tokens_column
+from batchplan.formats.plan_file import OpenedPlan, padded_tokens_column
 from batchplan.kernels.pack import pack_segments
 from batchplan.plan import Entries, index_dtype
 
@@ -54,7 +54,7 @@ class ParentRows:
         )  # fmt: skip
 
 
-def read_epoch(plan: PlanFile, epoch: int) -> ParentRows:
+def read_epoch(plan: OpenedPlan, epoch: int) -> ParentRows:
     """Every non-empty micro-batch of one parent epoch, in the order the run trains them."""
     table = plan.read_epoch(epoch)
     column = {name: table.column(name) for name in table.column_names}
@@ -128,7 +128,7 @@ def segment_positions(offsets: NDArray[np.int64], segments: NDArray[np.int64]) -
     return np.repeat(offsets[segments] - placed, counts) + np.arange(int(counts.sum()), dtype=np.int64)
 
 
-def parent_drops(plan: PlanFile, epoch: int) -> NDArray[np.int64]:
+def parent_drops(plan: OpenedPlan, epoch: int) -> NDArray[np.int64]:
     """What the parent dropped by drop_last in ``epoch``: shape (n, 3) ``[sample, start, length]``
     with spans, else shape (n, 1) ``[sample]``."""
     dropped = plan.metadata["dropped"]
@@ -137,12 +137,12 @@ def parent_drops(plan: PlanFile, epoch: int) -> NDArray[np.int64]:
     return np.asarray(dropped.get("drop_last", {}).get(str(epoch), []), dtype=np.int64).reshape(-1, 1)
 
 
-def always_dropped(plan: PlanFile) -> dict[str, NDArray[np.int64]]:
+def always_dropped(plan: OpenedPlan) -> dict[str, NDArray[np.int64]]:
     dropped = plan.metadata["dropped"]
     return {r: np.asarray(dropped[r], dtype=np.int64) for r in ("empty", "oversize") if r in dropped}
 
 
-def index_entries(plan: PlanFile, rows: list[ParentRows], drops: list[NDArray[np.int64]]):
+def index_entries(plan: OpenedPlan, rows: list[ParentRows], drops: list[NDArray[np.int64]]):
     """The new plan's `Entries`, and the entry of each row item and each dropped piece, per epoch.
 
     Without spans: entry ``i`` is the ``i``-th sample not always dropped (as the planner

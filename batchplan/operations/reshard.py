@@ -57,7 +57,7 @@ from batchplan.config import PlanConfig
 from batchplan.errors import ConfigError
 from batchplan.formats.arrow import numpy_of
 from batchplan.formats.bitmap import decode_bitmap, encode_bitmap
-from batchplan.formats.plan_file import PlanFile, open_plan
+from batchplan.formats.plan_file import OpenedPlan, open_plan
 from batchplan.formats.plan_writer import write_plan
 from batchplan.operations.parent_rows import (
     ParentRows,
@@ -135,7 +135,7 @@ def reshard_plan_file(
 
 
 def reshard_plan(
-    plan: PlanFile,
+    plan: OpenedPlan,
     *,
     world_size: int,
     from_step: int,
@@ -185,7 +185,7 @@ def reshard_plan(
     return ReshardedPlan(new_plan, lineage, meta.get("dataset"), meta.get("lengths_fingerprint"))
 
 
-def default_step_sizing(plan: PlanFile, world_size: int) -> dict[str, int | None]:
+def default_step_sizing(plan: OpenedPlan, world_size: int) -> dict[str, int | None]:
     """``{"micro_batches": M2, "tokens_per_step": T2}`` (one of them None) that keeps the
     parent's global step for ``world_size`` ranks (rules in the module docstring)."""
     config = plan.metadata["config"]
@@ -201,7 +201,7 @@ def _fixed(per_rank: int) -> dict[str, int | None]:
     return {"micro_batches": per_rank, "tokens_per_step": None}
 
 
-def _locate_step(plan: PlanFile, from_step: int) -> tuple[int, int, int]:
+def _locate_step(plan: OpenedPlan, from_step: int) -> tuple[int, int, int]:
     """``(epoch, position, tokens_before_step)`` of global step ``from_step`` in the parent:
     its epoch, the micro-batches each rank ran in that epoch before it, the tokens before it."""
     first = int(plan.metadata.get("first_step", 0))
@@ -219,7 +219,7 @@ def _locate_step(plan: PlanFile, from_step: int) -> tuple[int, int, int]:
     return epoch, position, int(numpy_of(rows.column("tokens_before_step"))[position])
 
 
-def _parent_record(plan: PlanFile, from_step: int, epoch: int, position: int) -> dict[str, Any]:
+def _parent_record(plan: OpenedPlan, from_step: int, epoch: int, position: int) -> dict[str, Any]:
     """``resharded_from``: what identifies the parent, where the new plan takes over, and
     what a sampler needs to accept the parent's states (``rows_per_rank``, ``position``)."""
     meta = plan.metadata
@@ -300,7 +300,7 @@ def _empty_epoch(epoch: int, config: PlanConfig, dropped: NDArray[np.int64]) -> 
     )  # fmt: skip
 
 
-def _consumed(plan: PlanFile, rows: ParentRows, from_step: int, epoch: int) -> dict[str, Any]:
+def _consumed(plan: OpenedPlan, rows: ParentRows, from_step: int, epoch: int) -> dict[str, Any]:
     """``consumed``: what the parent trained of ``epoch`` before ``from_step`` (with what its
     own parent had, for a chain). ``samples``: bitmap of samples trained whole; ``spans``:
     the trained pieces of split samples that still have pieces left."""
@@ -320,7 +320,7 @@ def _consumed(plan: PlanFile, rows: ParentRows, from_step: int, epoch: int) -> d
     return {"epoch": epoch, "samples": encode_bitmap(whole), "spans": partial.tolist()}
 
 
-def _inherited_consumed(plan: PlanFile, epoch: int) -> tuple[NDArray[np.bool_], NDArray[np.int64]]:
+def _inherited_consumed(plan: OpenedPlan, epoch: int) -> tuple[NDArray[np.bool_], NDArray[np.int64]]:
     consumed = plan.metadata.get("consumed")
     if not consumed or consumed.get("epoch") != epoch:
         return np.zeros(plan.num_samples, dtype=bool), np.zeros((0, 3), dtype=np.int64)

@@ -23,7 +23,7 @@ from numpy.typing import NDArray
 
 from batchplan.errors import BatchPlanError, PlanMismatchError
 from batchplan.formats.arrow import list_values
-from batchplan.formats.plan_file import PlanFile
+from batchplan.formats.plan_file import OpenedPlan
 from batchplan.reports.statistics import last_steps_of, regular_steps
 from batchplan.reports.summary import PlanScan, scan_plan, summarize_plan
 
@@ -79,7 +79,7 @@ def save_figure(figure: Figure, path: str | os.PathLike) -> Path:
 
 
 def plan_lengths(
-    plan: PlanFile, dataset: str | os.PathLike | Sequence[str | os.PathLike] | None = None
+    plan: OpenedPlan, dataset: str | os.PathLike | Sequence[str | os.PathLike] | None = None
 ) -> tuple[NDArray[np.int64] | None, str]:
     """Lengths to draw for ``plan`` and what they are.
 
@@ -111,7 +111,7 @@ def plan_lengths(
     return None, ""
 
 
-def plot_plan(plan: PlanFile, lengths: NDArray[np.integer] | None = None, lengths_label: str = "") -> Figure:
+def plot_plan(plan: OpenedPlan, lengths: NDArray[np.integer] | None = None, lengths_label: str = "") -> Figure:
     """One figure of six panels (`PLAN_PANELS`) describing ``plan``.
 
     Args:
@@ -136,7 +136,7 @@ def plot_plan(plan: PlanFile, lengths: NDArray[np.integer] | None = None, length
     return figure
 
 
-def _plan_arrays(plan: PlanFile, scan: PlanScan) -> dict[str, Any]:
+def _plan_arrays(plan: OpenedPlan, scan: PlanScan) -> dict[str, Any]:
     data = {
         "mode": plan.metadata["mode"],
         "max_tokens": int(plan.metadata["max_tokens"]),
@@ -336,7 +336,7 @@ def _epoch_lines(ax: Axes, starts: NDArray) -> None:
         ax.axvline(start, color="grey", linestyle=":", linewidth=0.8)
 
 
-def _settings_line(plan: PlanFile) -> str:
+def _settings_line(plan: OpenedPlan) -> str:
     meta = plan.metadata
     config = meta.get("config", {})
     if config.get("tokens_per_step"):

@@ -43,7 +43,7 @@ from numpy.typing import NDArray
 
 from batchplan.errors import PlanFormatError
 from batchplan.formats.arrow import list_lengths, list_values, numpy_of
-from batchplan.formats.plan_file import PlanFile, padded_tokens_column
+from batchplan.formats.plan_file import OpenedPlan, padded_tokens_column
 from batchplan.plan import PackingBound
 from batchplan.reports.statistics import imbalance_over_steps, last_steps_of, regular_steps, step_imbalance
 
@@ -81,7 +81,7 @@ class PlanScan:
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32 if name == "counts" else np.int64)
 
 
-def scan_plan(plan: PlanFile, *, keep_rows: bool = False) -> PlanScan:
+def scan_plan(plan: OpenedPlan, *, keep_rows: bool = False) -> PlanScan:
     """Per-step numbers and totals of ``plan``, read one (epoch, rank) record batch at a time;
     ``keep_rows`` also keeps three numbers per micro-batch (`PlanScan.row_values`). Beyond
     those, memory holds one record batch and one epoch's sums per (step, rank).
@@ -159,7 +159,7 @@ def _first_step_longest(batch: pa.RecordBatch, step) -> int:
     return int(values.max()) if values.size else 0
 
 
-def summarize_plan(plan: PlanFile, *, scan: PlanScan | None = None) -> dict[str, Any]:
+def summarize_plan(plan: OpenedPlan, *, scan: PlanScan | None = None) -> dict[str, Any]:
     """Key numbers of a plan as a JSON-able dict; ``scan`` is `scan_plan`'s, when already made."""
     meta = plan.metadata
     scan = scan_plan(plan) if scan is None else scan

@@ -9,13 +9,13 @@ from collections.abc import Sized
 import numpy as np
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
-from batchplan.formats.plan_file import PlanFile
+from batchplan.formats.plan_file import OpenedPlan
 from batchplan.runtime.rows import RUNTIME_COLUMNS
 
 __all__ = ["check_plan_dataset", "check_runtime_columns"]
 
 
-def check_runtime_columns(plan: PlanFile) -> None:
+def check_runtime_columns(plan: OpenedPlan) -> None:
     missing = [name for name in RUNTIME_COLUMNS if name not in plan.schema.names]
     if missing:
         raise PlanFormatError(
@@ -26,7 +26,7 @@ def check_runtime_columns(plan: PlanFile) -> None:
         raise PlanFormatError(f"{plan.path}: metadata lacks rows_per_rank/steps_per_epoch; rebuild the plan")
 
 
-def check_plan_dataset(plan: PlanFile, dataset, lengths, loss_tokens) -> None:
+def check_plan_dataset(plan: OpenedPlan, dataset, lengths, loss_tokens) -> None:
     """`PlanSampler.check_dataset`."""
     if isinstance(dataset, Sized):
         num_rows = len(dataset)

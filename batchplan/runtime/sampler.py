@@ -26,8 +26,7 @@ from numpy.typing import ArrayLike
 from torch.utils.data import Sampler
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
-from batchplan.formats.plan_directory import PlanDirectory
-from batchplan.formats.plan_file import PlanFile, open_plan
+from batchplan.formats.plan_file import OpenedPlan, open_plan
 from batchplan.runtime.checks import check_plan_dataset, check_runtime_columns
 from batchplan.runtime.distributed import check_world_size, resolve_placement
 from batchplan.runtime.records import MicroBatch, PlannedRows
@@ -80,7 +79,7 @@ class PlanSampler(Sampler[list[int]]):
         return self._plan.path
 
     @property
-    def plan(self) -> PlanFile | PlanDirectory:
+    def plan(self) -> OpenedPlan:
         """The opened plan (metadata, other ranks' rows for inspection)."""
         return self._plan
 

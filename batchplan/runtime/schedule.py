@@ -23,13 +23,12 @@ from numpy.typing import NDArray
 
 from batchplan.errors import ConfigError, PlanFormatError
 from batchplan.formats.arrow import numpy_of
-from batchplan.formats.plan_directory import PlanDirectory
-from batchplan.formats.plan_file import PlanFile, open_plan
+from batchplan.formats.plan_file import OpenedPlan, open_plan
 
 __all__ = ["DECAYS", "read_step_tokens", "token_lr_factor", "token_lr_lambda", "token_lr_scheduler"]
 
 DECAYS = ("cosine", "linear", "constant")
-PlanLike = str | os.PathLike | PlanFile | PlanDirectory
+PlanLike = str | os.PathLike | OpenedPlan
 
 
 def read_step_tokens(plan: PlanLike | object) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
@@ -91,7 +90,7 @@ def token_lr_lambda(
     """A ``LambdaLR`` function: global step -> learning-rate multiplier, by tokens.
 
     Args:
-        plan: a plan path, `PlanFile` or `PlanSampler`.
+        plan: a plan path (file or directory), an opened plan, or a `PlanSampler`.
         warmup_tokens: tokens of linear warmup.
         decay: ``"cosine"``, ``"linear"`` or ``"constant"`` after warmup.
         min_lr_ratio: multiplier at the end of the decay.
@@ -125,11 +124,11 @@ def token_lr_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, token_lr_lambda(plan, **options))
 
 
-def _plan_file(plan: PlanLike | object) -> PlanFile | PlanDirectory:
-    if isinstance(plan, (PlanFile, PlanDirectory)):
+def _plan_file(plan: PlanLike | object) -> OpenedPlan:
+    if isinstance(plan, OpenedPlan):
         return plan
     inner = getattr(plan, "plan", None)
-    if isinstance(inner, (PlanFile, PlanDirectory)):
+    if isinstance(inner, OpenedPlan):
         return inner
     return open_plan(plan)  # type: ignore[arg-type]
 
