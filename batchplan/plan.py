@@ -77,18 +77,21 @@ class EpochPlan:
     ``r * rows_per_rank`` to ``(r + 1) * rows_per_rank``. Row ``i`` holds entries
     ``members[offsets[i]:offsets[i + 1]]`` (indices into `Entries`). Every rank's rows
     have the same (step, micro, num_micro) sequence: stored once, for one rank.
+
+    Index arrays and per-row counts are int32 where their values fit (`index_dtype`: half
+    the memory of int64), else int64; sums over rows are int64.
     """
 
     epoch: int
     world_size: int
-    offsets: NDArray[np.int64]
-    members: NDArray[np.int64]
+    offsets: NDArray[np.integer]  # int32 below 2^31 members
+    members: NDArray[np.integer]  # int32 below 2^31 entries
     rank_step: NDArray[np.int64]  # epoch-local step of each of one rank's rows
     rank_micro: NDArray[np.int32]  # position in the step on the rank
     rank_num_micro: NDArray[np.int32]  # micro-batches per rank in the row's step
-    tokens: NDArray[np.int64]
-    loss_tokens: NDArray[np.int64]
-    padded_tokens: NDArray[np.int64]  # count x longest in pad mode, tokens in pack mode
+    tokens: NDArray[np.integer]  # int32 when every row's tokens fit
+    loss_tokens: NDArray[np.integer]  # the dtype of tokens
+    padded_tokens: NDArray[np.integer]  # count x longest in pad mode (int64), tokens in pack mode
     cost: NDArray[np.float64] | None  # tokens + attention term (`batchplan.planning.cost`), with a coefficient
     step_tokens: NDArray[np.int64]  # per epoch-local step, all ranks
     step_loss_tokens: NDArray[np.int64]

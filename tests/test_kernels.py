@@ -16,23 +16,23 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from batchplan.kernels.assemble import lay_out_rows, take_scheduled
+from batchplan.kernels.bin_layout import bin_lengths, place_slots, scatter_entries, unshuffle_groups
+from batchplan.kernels.order import order_by_decreasing
 from batchplan.kernels.pack import (
     bin_destinations,
-    bin_item_sums,
     bin_length_sums,
-    bin_members,
     fill_bins,
     most_bins,
     pack_bins,
     pack_segments,
-    scatter_bins,
 )
-from batchplan.kernels.order import order_by_decreasing
 from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import lay_out_segments, range_sums
-from batchplan.reduce import segment_max, segment_sum
+from batchplan.kernels.shuffle import count_groups
 from batchplan.kernels.steps import ramp_steps, steps_by_tokens
-from batchplan.planning.randomness import shuffle_by_group
+from batchplan.planning import randomness
+from batchplan.planning.randomness import KeyStream, shuffle_by_group, unshuffle_by_group
+from batchplan.reduce import segment_max, segment_sum
 
 # --------------------------------------------------------------------------- strategies
 
@@ -357,14 +357,14 @@ BALANCE_EDGES = [
 
 
 def lay_out(offsets, costs, batch, tokens, sizes, loss, compute, world_size, rows, row_compute, parts=1):
-    """`lay_out_rows` in ``parts`` calls, one after another: ``(step, micro, num_micro,
-    step_tokens, step_loss)``."""
+    """`lay_out_rows` in ``parts`` calls, one after another, filling ``rows`` (4, positions) with
+    batch, tokens, loss, sizes: ``(step, micro, num_micro, step_tokens, step_loss)``."""
     rank_rows = np.empty((3, offsets[-1] // world_size), dtype=np.int64)
     step_sums = np.zeros((2, offsets.shape[0] - 1), dtype=np.int64)
     for part in range(parts):
         lay_out_rows(
-            offsets, costs, batch, tokens, sizes, loss, compute, world_size, rows, row_compute, rank_rows, step_sums,
-            part, parts,
+            offsets, costs, batch, tokens, sizes, loss, compute, world_size, rows[0::3], rows[1:3], row_compute,
+            rank_rows, step_sums, part, parts,
         )  # fmt: skip
     return (*rank_rows, *step_sums)
 
@@ -539,6 +539,53 @@ def test_shuffle_by_group_refuses_arrays_of_other_lengths():
         shuffle_by_group(groups, 1, keys, np.empty(10, dtype=np.int64), 0, np.zeros(10, dtype=np.int32), None)
 
 
+@given(st.integers(0, 3), st.integers(0, 40), st.integers(0, 40), st.integers(1, 9), st.booleans())
+@example(1, 40, 7, 3, True)  # a kept half from before, an odd start
+def test_key_stream_reads_back_the_draws(drawn_before, count, first, size, jumps):
+    """A `KeyStream` gives, in chunks from any position, the keys ``rng.integers`` would have
+    drawn; the generator continues as if it had drawn them (a uint32 draw keeps half of a
+    64-bit output for the next: odd counts before and in the stream); the same for a bit
+    generator that cannot jump ahead (it draws them)."""
+    make = (lambda: np.random.default_rng(5)) if jumps else (lambda: np.random.Generator(np.random.MT19937(5)))
+    drawn, later = make(), make()
+    for rng in (drawn, later):
+        rng.integers(0, 2**32, size=drawn_before, dtype=np.uint32)
+    keys = drawn.integers(0, 2**32, size=count, dtype=np.uint32)
+    stream = KeyStream.draw_later(later, count)
+    after = [rng.integers(0, 2**32, size=3, dtype=np.uint32).tolist() for rng in (later, drawn)]
+    assert after[0] == after[1]
+    assert later.random() == drawn.random()
+    first = min(first, count)
+    chunks = list(stream.chunks(first, count, size))
+    assert [position for position, _ in chunks] == list(range(first, count, size))
+    assert np.concatenate([np.zeros(0, dtype=np.uint32), *(k for _, k in chunks)]).tolist() == keys[first:].tolist()
+    with pytest.raises(ValueError, match="asked of a stream"):
+        next(stream.chunks(0, count + 1))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("count, num_groups", [(0, 3), (1, 1), (50, 1), (300, 7), (1000, 40)])
+def test_unshuffle_by_group_undoes_shuffle_by_group(monkeypatch, threads, count, num_groups):
+    """Items shuffled within groups, then unshuffled with the same keys (read in chunks of 16, in
+    parts on threads): back in their order before the shuffle, wherever the groups' values lie."""
+    monkeypatch.setattr(randomness, "KEY_CHUNK", 16)
+    rng = np.random.default_rng(count)
+    groups = rng.integers(0, num_groups, size=count, dtype=np.int32)
+    stream = KeyStream.draw_later(rng, count)
+    keys = np.concatenate([np.zeros(0, dtype=np.uint32), *(k for _, k in stream.chunks(0, count))])
+    items = np.empty(count, dtype=np.int64)
+    start = shuffle_by_group(groups, num_groups, keys, items)
+    # The groups' values laid out last group first (as slots are: longest first).
+    block = count - start[1:]
+    laid = [items[start[g] : start[g + 1]] for g in range(num_groups)][::-1]
+    values = np.concatenate([np.zeros(0, dtype=np.int64), *laid])
+    unshuffle_by_group(stream, start, block, values, threads=threads)
+    by_group = np.argsort(groups, kind="stable")
+    assert [values[block[g] : block[g] + start[g + 1] - start[g]].tolist() for g in range(num_groups)] == [
+        by_group[start[g] : start[g + 1]].tolist() for g in range(num_groups)
+    ]
+
+
 def test_shuffle_by_group_is_a_fair_shuffle():
     """Each of 4 items of one group lands first about a quarter of the time."""
     groups = np.full(4, 3, dtype=np.int32)
@@ -583,9 +630,8 @@ def with_edges_and_seed(test):
 
 @given(items(), st.integers(0, 2**16))
 @with_edges_and_seed
-def test_packed_bins_give_the_bins_of_pack_segments_in_any_layout(case, seed):
-    """`pack_bins` + `fill_bins` is `pack_segments`; `scatter_bins` lays those bins (and pieces
-    of bins, leaving the rest out) in any order exactly as a gather of the filled bins does."""
+def test_packed_bins_give_the_bins_of_pack_segments(case, seed):
+    """`pack_bins` + `fill_bins` is `pack_segments`, with the big outputs made by the caller or not."""
     random = Random(seed)
     lengths, order, max_tokens = case
     items, start = grouped(lengths, order, max_tokens, dtype=random.choice([np.int32, np.int64]))
@@ -601,9 +647,12 @@ def test_packed_bins_give_the_bins_of_pack_segments_in_any_layout(case, seed):
     assert (offsets.tolist(), members.tolist(), members.dtype) == (want_offsets, want_members, items.dtype)
     assert member_lengths.tolist() == lengths[members].tolist()
     assert tokens.tolist() == ref.segment_sum(member_lengths.tolist(), want_offsets)
-    num_bins = tokens.shape[0]
-    # Some bins whole, some cut into 1-4 pieces (1: the whole bin as a piece), some left out,
-    # some empty micro-batches, then shuffled: the layout.
+
+
+def random_layout(random: Random, offsets):
+    """Some bins whole, some cut into 1-4 pieces (1: the whole bin as a piece), some left out,
+    some empty micro-batches, then shuffled: ``(starts, ends, layout)`` over bins and pieces."""
+    num_bins = offsets.shape[0] - 1
     starts, ends, order_of = list(offsets[:-1]), list(offsets[1:]), []
     for b in range(num_bins):
         choice = random.choice(["whole", "whole", "cut", "out"])
@@ -617,35 +666,66 @@ def test_packed_bins_give_the_bins_of_pack_segments_in_any_layout(case, seed):
     for _ in range(random.randrange(3)):
         starts.append(0), ends.append(0), order_of.append(len(starts) - 1)
     random.shuffle(order_of)
-    starts, ends, layout = (np.array(x, dtype=np.int64) for x in (starts, ends, order_of))
+    return tuple(np.array(x, dtype=np.int64) for x in (starts, ends, order_of))
+
+
+@given(items(max_items=60), st.integers(0, 2**16))
+@with_edges_and_seed
+def test_bin_layout_lays_out_the_shuffled_entries_bins_in_any_layout(case, seed):
+    """Entries shuffled within each length with keys (`shuffle_by_group`), packed and filled into
+    bins: `place_slots`, `unshuffle_groups` (keys in chunks) and `scatter_entries` (in parts) lay
+    those bins (and pieces of bins, leaving the rest out) in any order, from the entries alone,
+    exactly as a gather of the filled bins does."""
+    random = Random(seed)
+    lengths, _, max_tokens = case
+    count, dtype = lengths.shape[0], random.choice([np.int32, np.int64])
+    keys = np.random.default_rng(seed).integers(0, 2**32, size=count, dtype=np.uint32)
+    items = np.empty(count, dtype=dtype)
+    start = shuffle_by_group(lengths, max_tokens + 1, keys, items)
+    slot_bin, offsets, tokens = pack_bins(items, start, max_tokens)
+    members, _ = fill_bins(items, start, slot_bin, offsets, max_tokens)
+    starts, ends, layout = random_layout(random, offsets)
     sizes = ends[layout] - starts[layout]
     parts = random.randint(1, 3)  # the kernels split into parts, called one after another
     out_offsets = np.full(sizes.shape[0] + 1, -7, dtype=np.int64)
-    destination = np.full(num_bins, -1, dtype=np.int64)
+    destination = np.full(tokens.shape[0], -1, dtype=np.int64)
     for part in range(parts):
         bin_destinations(layout, sizes, out_offsets, destination, part, parts)
-    assert out_offsets.tolist() == [0, *np.cumsum(sizes).tolist()]
-    pieces = np.array([i for i, k in enumerate(layout.tolist()) if k >= num_bins], dtype=np.int64)
+    want_offsets, want = ref.gather_segments(members.tolist(), starts.tolist(), ends.tolist(), layout.tolist())
+    assert out_offsets.tolist() == want_offsets
+    assert destination.tolist() == [
+        int(out_offsets[layout.tolist().index(b)]) if b in layout.tolist() else -1 for b in range(tokens.shape[0])
+    ]
+    pieces = np.array([i for i, k in enumerate(layout.tolist()) if k >= tokens.shape[0]], dtype=np.int64)
     pieces = pieces[sizes[pieces] > 0]  # the contract: non-empty pieces sorted by start
     by_start = np.argsort(starts[layout[pieces]], kind="stable")
-    laid = np.empty(out_offsets[-1], dtype=items.dtype)
-    written = sum(
-        scatter_bins(
-            items, start, slot_bin, offsets, destination, starts[layout[pieces]][by_start],
-            ends[layout[pieces]][by_start], out_offsets[pieces][by_start], max_tokens, laid, part, parts,
-        )  # fmt: skip
-        for part in range(parts)
-    )
-    want = ref.gather_segments(want_members, starts.tolist(), ends.tolist(), layout.tolist())
-    assert (out_offsets.tolist(), laid.tolist(), written) == (*want, len(want[1]))
-    assert destination.tolist() == [
-        int(out_offsets[layout.tolist().index(b)]) if b in layout.tolist() else -1 for b in range(num_bins)
-    ]
+    source = slot_bin.copy()
+    places = source if random.random() < 0.5 else np.empty_like(source)  # written over the bins, or apart
+    piece_starts, piece_ends = starts[layout[pieces]][by_start], ends[layout[pieces]][by_start]
+    placed = place_slots(source, offsets, destination, piece_starts, piece_ends, out_offsets[pieces][by_start], places)
+    assert placed == len(want)
+    block = count - start[1:]  # slots go longest first
+    cut = random.randint(0, count)
+    for first, last in ((0, cut), (cut, count)):  # the keys in two chunks
+        unshuffle_groups(start, block, keys[first:last], first, places)
+    counts = np.zeros((parts, max_tokens + 1), dtype=np.int64)
+    for part in range(parts):
+        count_groups(lengths, counts, part, parts)
+    cursors = block + np.cumsum(counts, axis=0) - counts
+    laid = np.full(len(want), -1, dtype=dtype)
+    written = sum(scatter_entries(lengths, cursors, places, None, laid, part, parts) for part in range(parts))
+    assert (laid.tolist(), written) == (want, len(want))
+    values = (np.arange(count, dtype=np.int32) * 7) % 5  # values written instead of entries
+    cursors = block + np.cumsum(counts, axis=0) - counts
+    laid_values = np.full(len(want), -1, dtype=np.int32)
+    for part in range(parts):
+        scatter_entries(lengths, cursors, places, values, laid_values, part, parts)
+    assert laid_values.tolist() == [int(values[m]) for m in want]
 
 
 @given(items())
 @with_edges
-def test_bin_sums_and_bin_members_match_reference(case):
+def test_bin_sums_and_bin_lengths_match_reference(case):
     lengths, order, max_tokens = case
     items, start = grouped(lengths, order, max_tokens)
     slot_bin, offsets, tokens = pack_bins(items, start, max_tokens)
@@ -657,14 +737,10 @@ def test_bin_sums_and_bin_members_match_reference(case):
         for m in want_members[want_offsets[b] : want_offsets[b + 1]]:
             want[b] += float(table[lengths[m]])  # left to right, as the members lie
     assert bin_length_sums(table, start, slot_bin, num_bins, max_tokens).tolist() == want
-    values = (np.arange(lengths.shape[0], dtype=np.int32) * 7) % 5
-    got = bin_item_sums(values, items, start, slot_bin, num_bins, max_tokens).tolist()
-    assert got == ref.segment_sum([int(values[m]) for m in want_members], want_offsets)
     wanted = np.arange(0, num_bins, 2, dtype=np.int64)
-    local, members, member_lengths = bin_members(items, start, slot_bin, offsets, wanted, max_tokens)
-    expect = [want_members[want_offsets[b] : want_offsets[b + 1]] for b in wanted]
-    assert [members[local[i] : local[i + 1]].tolist() for i in range(wanted.shape[0])] == expect
-    assert member_lengths.tolist() == lengths[members].tolist()
+    local, member_lengths = bin_lengths(start, slot_bin, offsets, wanted, max_tokens)
+    expect = [[int(lengths[m]) for m in want_members[want_offsets[b] : want_offsets[b + 1]]] for b in wanted]
+    assert [member_lengths[local[i] : local[i + 1]].tolist() for i in range(wanted.shape[0])] == expect
 
 
 # --------------------------------------------------------------------------- segments

@@ -2,7 +2,8 @@
 
 The planner only ever sees `MicroBatches`; pack mode hands it `PackedBins` and never lays the
 members out bin by bin. Every method must give what the materialised form gives, also after
-`extend` adds pieces of bins (several pieces of one bin, a whole bin as a piece) and empties.
+`extend` adds pieces of bins (several pieces of one bin, a whole bin as a piece) and empties,
+and laying out once (`lay_out`, which uses the micro-batches up) must give what `gather` gives.
 """
 
 from __future__ import annotations
@@ -12,23 +13,27 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from batchplan.kernels.pack import fill_bins, pack_bins
 from batchplan.plan import index_dtype
-from batchplan.kernels.pack import pack_bins
+from batchplan.planning import randomness
 from batchplan.planning.bins import PackedBins
 from batchplan.planning.micro_batches import MicroBatches
-from batchplan.planning.randomness import permute, shuffle_by_group
+from batchplan.planning.randomness import KeyStream, permute, shuffle_by_group
 
 
 def both_forms(lengths: np.ndarray, cap: int, seed: int) -> tuple[MicroBatches, MicroBatches, PackedBins]:
-    """The same packing as lazy and as materialised micro-batches."""
-    keys = np.random.default_rng(seed).integers(0, 2**32, lengths.shape[0], dtype=np.uint32)
+    """The same packing as lazy micro-batches (`PackedBins`: the entries' shuffled order not
+    held) and as micro-batches filled from that order (`fill_bins`)."""
+    stream = KeyStream.draw_later(np.random.default_rng(seed), lengths.shape[0])
+    keys = np.concatenate([np.zeros(0, dtype=np.uint32), *(k for _, k in stream.chunks(0, stream.count, size=7))])
     capacity = int(min(cap, lengths.sum()))
     items = np.empty(lengths.shape[0], dtype=index_dtype(lengths.shape[0]))
     start = shuffle_by_group(lengths, capacity + 1, keys, items)
     slot_bin, offsets, tokens = pack_bins(items, start, capacity)
-    packed = PackedBins(items, start, slot_bin, offsets, tokens, capacity)
-    members, member_lengths = packed.members()
+    members, member_lengths = fill_bins(items, start, slot_bin, offsets, capacity)
     eager = MicroBatches(members, member_lengths, offsets[:-1].copy(), offsets[1:].copy())
+    packed = PackedBins(lengths, start, stream, slot_bin, offsets, tokens, capacity)
+    assert [a.tolist() for a in packed.members()] == [members.tolist(), member_lengths.tolist()]
     return MicroBatches.of_bins(packed), eager, packed
 
 
@@ -82,6 +87,12 @@ def test_packed_micro_batches_agree_with_laid_out_ones(case, seed):
         for batches in (lazy, eager):
             for got, expected in zip(batches.gather(order, sizes, 2, scratch=scratch), want):
                 assert got.tolist() == expected.tolist()
+    # Laid out once, using the micro-batches up (as the planner does): the same.
+    for batches in (lazy, eager):
+        where = batches.destinations(order, sizes, 2)
+        members = batches.lay_out(where, 2)
+        assert (where.offsets.tolist(), members.tolist()) == (want[0].tolist(), want[1].tolist())
+        assert batches.layout is None and members.dtype == want[1].dtype
 
 
 def test_gather_refuses_a_bin_laid_out_whole_and_in_pieces():
@@ -113,6 +124,21 @@ def test_permute_is_a_permutation_and_reproducible(count, first):
         permute(np.random.default_rng(4), other, first)
         assert not np.array_equal(out, other)
         assert abs(np.corrcoef(np.arange(count), out)[0, 1]) < 0.02
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_permute_does_not_depend_on_how_its_keys_are_read(monkeypatch, threads):
+    """The swaps' keys are read a few whole groups at a time: in chunks of 16 keys (one group
+    each, ~16,000 items) the permutation and the carried values are the same."""
+    count = 70_000
+    values = np.arange(count, dtype=np.int32) * 3
+    want, want_carried = np.empty(count, dtype=np.int32), np.empty(count, dtype=np.int32)
+    permute(np.random.default_rng(5), want, 2, values=values, carried=want_carried)
+    monkeypatch.setattr(randomness, "KEY_CHUNK", 16)
+    got, carried = np.empty(count, dtype=np.int32), np.empty(count, dtype=np.int32)
+    permute(np.random.default_rng(5), got, 2, values=values, carried=carried, threads=threads)
+    assert np.array_equal(got, want) and np.array_equal(carried, want_carried)
+    assert np.array_equal(carried, values[want - 2])
 
 
 def test_permute_spreads_every_item_evenly():

@@ -95,8 +95,8 @@ def _put(out, out_values, target, k, table, values):
 
 @njit(cache=True, nogil=True)
 def lay_out_rows(
-    step_offsets, costs, batch, tokens, sizes, loss, compute, world_size, rows, row_compute, rank_rows, step_sums,
-    part, parts,
+    step_offsets, costs, batch, tokens, sizes, loss, compute, world_size, order_rows, rows, row_compute, rank_rows,
+    step_sums, part, parts,
 ):  # fmt: skip
     """Assign ranks in each step and lay the rows out by (rank, step, micro), in one pass.
 
@@ -107,9 +107,11 @@ def lay_out_rows(
         loss: loss tokens per scheduled position, or empty for ``tokens - sizes``.
         compute: predicted compute per scheduled position, or empty.
         world_size: number of ranks.
-        rows: int64, shape (4, positions), filled with each row's ``batch``, ``tokens``,
-            ``loss`` and ``sizes``, rows ordered by (rank, step, micro); made by the caller
-            (made by the caller, `batchplan.planning.buffers`).
+        order_rows: int64, shape (2, positions), filled with each row's ``batch`` and ``sizes``,
+            rows ordered by (rank, step, micro) (what laying out members needs, then freed).
+        rows: int32 or int64 (the caller checks the values fit), shape (2, positions), filled
+            with each row's ``tokens`` and ``loss``, in the same order. Both made by the
+            caller (`batchplan.planning.buffers`).
         row_compute: float64, filled with each row's compute (empty when not given).
         rank_rows: int64, shape (3, rows per rank), filled with ``step``, ``micro`` and
             ``num_micro`` of each row of one rank (every rank has the same).
@@ -142,10 +144,10 @@ def lay_out_rows(
         for p in range(begin, end):
             row = rank[p - begin] * rows_per_rank + before + micro[p - begin]
             lost = loss[p] if loss.shape[0] else tokens[p] - sizes[p]
-            rows[0, row] = batch[p]
-            rows[1, row] = tokens[p]
-            rows[2, row] = lost
-            rows[3, row] = sizes[p]
+            order_rows[0, row] = batch[p]
+            order_rows[1, row] = sizes[p]
+            rows[0, row] = tokens[p]
+            rows[1, row] = lost
             if compute.shape[0]:
                 row_compute[row] = compute[p]
             step_sums[0, step] += tokens[p]

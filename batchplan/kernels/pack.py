@@ -14,9 +14,9 @@ only one place in a bin is placed in one step (every bin at that residual is
 equivalent), which keeps 16 M Wikipedia lengths near a second.
 
 Members are handed out lazily: `pack_bins` returns only the bin of each slot and each
-bin's size and tokens; `fill_bins` lays members out bin after bin, `scatter_bins` straight
-into any final order of bins (one pass, no intermediate copy), and `bin_*` read sums or a
-few bins' members without laying anything out.
+bin's size and tokens; `fill_bins` lays members out bin after bin, `batchplan.kernels.bin_layout`
+straight into any final order of bins from the entries (without holding their shuffled
+order), and `bin_length_sums` reads sums without laying anything out.
 
 On the shared Wikipedia lengths at C = 512 this packs 99.95 % full (LPFHP: 99.81 %).
 """
@@ -30,10 +30,7 @@ from batchplan.kernels.shuffle import group_offsets
 from batchplan.kernels.split import share
 from batchplan.kernels.tree import tree_add, tree_first_at_least
 
-__all__ = [
-    "bin_destinations", "bin_item_sums", "bin_length_sums", "bin_members", "fill_bins", "most_bins", "pack_bins",
-    "pack_segments", "scatter_bins",
-]  # fmt: skip
+__all__ = ["bin_destinations", "bin_length_sums", "fill_bins", "most_bins", "pack_bins", "pack_segments"]
 
 
 @njit(cache=True, nogil=True)
@@ -223,7 +220,7 @@ def pack_bins(items, start, max_tokens, slot_bin=None, counts=None, below=None, 
     length ``s`` are consecutive and hold ``items[start[s]:start[s + 1]]`` in order. Bin
     ``b``'s members are its slots in placement order (longest first); they take the
     positions ``offsets[b]:offsets[b + 1]`` of the "member space" that `fill_bins`
-    materialises and `scatter_bins` lays out in any order of bins.
+    materialises and `batchplan.kernels.bin_layout` lays out in any order of bins.
 
     The arrays it fills may be made by the caller (`batchplan.planning.buffers`): ``slot_bin`` (one per item, dtype
     of ``items``), ``counts`` (int64 zeros) and ``below`` (dtype of ``items``) and ``tokens``
@@ -256,57 +253,8 @@ def fill_bins(items, start, slot_bin, offsets, max_tokens):
 
 
 @njit(cache=True, nogil=True)
-def scatter_bins(
-    items, start, slot_bin, offsets, destination, piece_starts, piece_ends, piece_destination, max_tokens, out,
-    part, parts,
-):  # fmt: skip
-    """Lay members out straight into their final places, one pass over the slots.
-
-    Args:
-        items, start, slot_bin, offsets: a packing (`pack_bins`).
-        destination: per bin, where its whole member list goes in the output, or -1.
-        piece_starts, piece_ends, piece_destination: non-empty ranges of member space,
-            sorted by start and not overlapping, each inside one bin whose destination is
-            -1 (pieces of split bins), and where each goes; members of a -1 bin outside
-            every piece are left out (dropped).
-        max_tokens: bin capacity.
-        out: filled with the members (dtype of ``items``): bin ``b``'s list at
-            ``destination[b]``, in the order `fill_bins` gives them. Made by the caller
-            (`batchplan.planning.buffers`: the writes land at random).
-        part, parts: this call lays out the bins of part ``part`` of ``parts`` (a share of
-            the bin ids; every part reads all slots); the parts write disjoint places.
-
-    Returns:
-        How many members this part wrote: over all parts, ``len(out)`` when the layout
-        covers ``out`` once.
-    """
-    first_bin, last_bin = share(offsets.shape[0] - 1, part, parts)
-    cursor = np.zeros(last_bin - first_bin, dtype=np.int32)
-    written = 0
-    slot = 0
-    for length in range(max_tokens, 0, -1):
-        for item in range(start[length], start[length + 1]):
-            target = slot_bin[slot]
-            slot += 1
-            if target < first_bin or target >= last_bin:
-                continue
-            within = cursor[target - first_bin]
-            cursor[target - first_bin] = within + 1
-            if destination[target] >= 0:
-                out[destination[target] + within] = items[item]
-                written += 1
-                continue
-            position = offsets[target] + within
-            piece = np.searchsorted(piece_starts, position, side="right") - 1
-            if piece >= 0 and position < piece_ends[piece]:
-                out[piece_destination[piece] + position - piece_starts[piece]] = items[item]
-                written += 1
-    return written
-
-
-@njit(cache=True, nogil=True)
 def bin_destinations(order, sizes, offsets, destination, part, parts):
-    """Where `scatter_bins` puts the members of micro-batches ``order`` laid one after another.
+    """Where the members of micro-batches ``order`` go when laid one after another.
 
     Micro-batch ``k < num_bins`` is bin ``k`` whole; later ones are pieces of bins (or
     empty); ``sizes`` are the entry counts of ``order``'s micro-batches. For this part's
@@ -340,40 +288,3 @@ def bin_length_sums(table, start, slot_bin, num_bins, max_tokens):
             out[slot_bin[slot]] += value
             slot += 1
     return out
-
-
-@njit(cache=True, nogil=True)
-def bin_item_sums(values, items, start, slot_bin, num_bins, max_tokens):
-    """``sum(values[item])`` over each bin's members (int64)."""
-    out = np.zeros(num_bins, dtype=np.int64)
-    slot = 0
-    for length in range(max_tokens, 0, -1):
-        for item in range(start[length], start[length + 1]):
-            out[slot_bin[slot]] += values[items[item]]
-            slot += 1
-    return out
-
-
-@njit(cache=True, nogil=True)
-def bin_members(items, start, slot_bin, offsets, bins, max_tokens):
-    """Members of a few bins (``bins`` sorted, unique) in CSR form, in the order of ``bins``:
-    ``(bin_offsets, members, member_lengths)``; one pass over the slots."""
-    wanted = np.zeros(offsets.shape[0] - 1, dtype=np.bool_)
-    local = np.zeros(bins.shape[0] + 1, dtype=np.int64)
-    for i in range(bins.shape[0]):
-        wanted[bins[i]] = True
-        local[i + 1] = local[i] + offsets[bins[i] + 1] - offsets[bins[i]]
-    cursor = local[:-1].copy()
-    members = np.empty(local[-1], dtype=items.dtype)
-    member_lengths = np.empty(local[-1], dtype=np.int32)
-    slot = 0
-    for length in range(max_tokens, 0, -1):
-        for item in range(start[length], start[length + 1]):
-            target = slot_bin[slot]
-            slot += 1
-            if wanted[target]:
-                i = np.searchsorted(bins, target)
-                members[cursor[i]] = items[item]
-                member_lengths[cursor[i]] = length
-                cursor[i] += 1
-    return local, members, member_lengths

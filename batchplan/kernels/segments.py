@@ -9,17 +9,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["lay_out_segments", "range_sums"]
+__all__ = ["lay_out_segments", "range_sums", "scatter_segments", "segment_destinations"]
 
 
 @njit(cache=True, nogil=True)
 def lay_out_segments(members, starts, ends, order, destination, out):
     """Segments ``members[starts[k]:ends[k]]`` for ``k`` in ``order``, one after another, in
-    CSR form: returns their offsets and fills ``out``.
-
-    Written as a scatter: the segments are read in order of ``k`` (sequentially) and each is
-    written at its place, rather than read at random in the order of ``order`` (a gather
-    waits on every read; ~4x slower at 10^7 members).
+    CSR form: returns their offsets and fills ``out`` (`segment_destinations`, then
+    `scatter_segments`).
 
     Args:
         members, starts, ends: the segments.
@@ -32,6 +29,17 @@ def lay_out_segments(members, starts, ends, order, destination, out):
         ``(offsets, written)``: the CSR offsets over ``order`` and how many members were
         written, ``len(out)`` unless ``order`` names a segment twice.
     """
+    offsets = segment_destinations(starts, ends, order, destination)
+    if offsets[order.shape[0]] != out.shape[0]:
+        raise ValueError("lay_out_segments: out does not hold the segments exactly")
+    return offsets, scatter_segments(members, starts, ends, destination, out)
+
+
+@njit(cache=True, nogil=True)
+def segment_destinations(starts, ends, order, destination):
+    """Where each segment of ``order`` goes when they are laid one after another: fills
+    ``destination`` (int64, one per segment; -1: not in ``order``) and returns the CSR
+    offsets over ``order`` (int64, ``len(order) + 1``)."""
     count = order.shape[0]
     offsets = np.empty(count + 1, dtype=np.int64)
     offsets[0] = 0
@@ -40,8 +48,17 @@ def lay_out_segments(members, starts, ends, order, destination, out):
         segment = order[i]
         offsets[i + 1] = offsets[i] + ends[segment] - starts[segment]
         destination[segment] = offsets[i]
-    if offsets[count] != out.shape[0]:
-        raise ValueError("lay_out_segments: out does not hold the segments exactly")
+    return offsets
+
+
+@njit(cache=True, nogil=True)
+def scatter_segments(members, starts, ends, destination, out):
+    """Write each segment ``members[starts[k]:ends[k]]`` at ``out[destination[k]:]`` (-1: left out).
+
+    Written as a scatter: the segments are read in order of ``k`` (sequentially) and each is
+    written at its place, rather than read at random in the order of the layout (a gather
+    waits on every read; ~4x slower at 10^7 members). Returns how many members were written.
+    """
     written = 0
     for segment in range(starts.shape[0]):
         target = destination[segment]
@@ -51,7 +68,7 @@ def lay_out_segments(members, starts, ends, order, destination, out):
             out[target] = members[source]
             target += 1
         written += ends[segment] - starts[segment]
-    return offsets, written
+    return written
 
 
 @njit(cache=True, nogil=True)

@@ -28,7 +28,7 @@ from numba import njit
 
 from batchplan.kernels.split import share
 
-__all__ = ["count_groups", "group_offsets", "scatter_groups", "shuffle_groups"]
+__all__ = ["count_groups", "group_offsets", "scatter_groups", "shuffle_group_range", "shuffle_groups"]
 
 
 @njit(cache=True, nogil=True)
@@ -84,16 +84,26 @@ def scatter_groups(groups, cursors, items, first, values, carried, part, parts):
 @njit(cache=True, nogil=True)
 def shuffle_groups(start, keys, items, carried, part, parts):
     """Fisher-Yates inside each group ``items[start[g]:start[g + 1]]`` of this part: the
-    groups that begin in its share of the positions. Position ``i`` swaps with
-    ``begin + (keys[i] * (i - begin + 1)) >> 32`` (Lemire's multiply-shift), from the
-    group's last position down; ``carried`` (optional) moves along with ``items``."""
+    groups that begin in its share of the positions (`shuffle_group_range`)."""
     low, high = share(items.shape[0], part, parts)
     num_groups = start.shape[0] - 1
-    group = np.searchsorted(start[:num_groups], low, side="left")
-    while group < num_groups and (start[group] < high or part == parts - 1):
+    first_group = np.searchsorted(start[:num_groups], low, side="left")
+    last_group = first_group
+    while last_group < num_groups and (start[last_group] < high or part == parts - 1):
+        last_group += 1
+    shuffle_group_range(start, first_group, last_group, keys, 0, items, carried)
+
+
+@njit(cache=True, nogil=True)
+def shuffle_group_range(start, first_group, last_group, keys, first, items, carried):
+    """Fisher-Yates inside groups ``first_group:last_group``: position ``i`` swaps with
+    ``begin + (keys[i - first] * (i - begin + 1)) >> 32`` (Lemire's multiply-shift), from
+    each group's last position down; ``keys`` hold the keys of positions from ``first`` on
+    (all of them, or a chunk of whole groups); ``carried`` (optional) moves along with ``items``."""
+    for group in range(first_group, last_group):
         begin = start[group]
         for last in range(start[group + 1] - 1, begin, -1):
-            pick = begin + ((np.uint64(keys[last]) * np.uint64(last - begin + 1)) >> np.uint64(32))
+            pick = begin + ((np.uint64(keys[last - first]) * np.uint64(last - begin + 1)) >> np.uint64(32))
             swap = items[last]
             items[last] = items[pick]
             items[pick] = swap
@@ -101,4 +111,3 @@ def shuffle_groups(start, keys, items, carried, part, parts):
                 moved = carried[last]
                 carried[last] = carried[pick]
                 carried[pick] = moved
-        group += 1

@@ -1,67 +1,110 @@
 """Packed micro-batches before their entries are laid out: best-fit decreasing's bins, with
-the methods of a `batchplan.planning.micro_batches` layout."""
+the methods of a `batchplan.planning.micro_batches` layout.
+
+Best fit decreasing packs the length histogram: it places slots (a length in a bin), and
+the k-th slot of length ``s`` takes the k-th entry of length ``s`` in a seeded order (the
+entries of each length shuffled with ``keys``). That order is never held: the bins keep
+the bin of each slot and the entries' lengths, and laying members out
+(`batchplan.kernels.bin_layout`) turns the bins into each slot's place, undoes the
+shuffle on the places, and writes every entry to its place in one pass over the entries.
+The planner's final layout does that in place (`PackedBins.lay_out`): the bins are used up,
+and the peak holds one index per entry twice (places, members) instead of three times.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import NDArray
 
-from batchplan.kernels.pack import (
-    bin_destinations,
-    bin_item_sums,
-    bin_length_sums,
-    bin_members,
-    fill_bins,
-    scatter_bins,
-)
-from batchplan.planning.buffers import new_buffer, scratch_or_new
+from batchplan.kernels.bin_layout import bin_lengths, place_slots, scatter_entries
+from batchplan.kernels.pack import bin_destinations, bin_length_sums
+from batchplan.kernels.segments import range_sums
+from batchplan.kernels.shuffle import count_groups
+from batchplan.planning.buffers import new_buffer
+from batchplan.planning.randomness import KeyStream, unshuffle_by_group
 from batchplan.planning.threads import run_in_parts
 
 if TYPE_CHECKING:
     from batchplan.planning.micro_batches import MicroBatches
 
-__all__ = ["PackedBins", "check_written"]
+__all__ = ["Destinations", "PackedBins", "check_written", "count_by_group"]
 
 
-@dataclasses.dataclass(frozen=True)
 class PackedBins:
     """Best-fit decreasing's bins before their members are laid out (`batchplan.kernels.pack`).
 
+    Entry ``i`` (``0..len(lengths) - 1``) has length ``lengths[i]``; ``start`` offsets the
+    entries by length (length ``s``: positions ``start[s]:start[s + 1]`` of the length order),
+    and ``keys`` shuffles each length's entries (`batchplan.kernels.shuffle.shuffle_groups`).
     Bin ``b`` holds positions ``offsets[b]:offsets[b + 1]`` of the member space (its members
-    longest first). Members are only materialised in bin order when something needs them
-    all (`members`); a plan lays them out straight in row order (`MicroBatches.gather`,
-    with `scatter_bins`), one pass instead of filling the bins and then gathering them.
+    longest first). `lay_out` uses the bins up; every other method leaves them as they are.
     """
 
-    items: NDArray[np.integer]
-    start: NDArray[np.int64]
-    slot_bin: NDArray[np.integer]
-    offsets: NDArray[np.int64]
-    tokens: NDArray[np.int64]
-    capacity: int
+    def __init__(self, lengths, start, keys: KeyStream, slot_bin, offsets, tokens, capacity: int) -> None:
+        self.lengths: NDArray[np.integer] = lengths
+        self.start: NDArray[np.int64] = start
+        self.keys = keys
+        self.slot_bin: NDArray[np.integer] = slot_bin
+        self.offsets: NDArray[np.int64] = offsets
+        self.tokens: NDArray[np.int64] = tokens
+        self.capacity = capacity
 
     @property
     def num_bins(self) -> int:
         return int(self.tokens.shape[0])
 
-    def members(self) -> tuple[NDArray[np.integer], NDArray[np.int32]]:
-        """The whole member space: ``(members, lengths)``."""
-        return fill_bins(self.items, self.start, self.slot_bin, self.offsets, self.capacity)
+    def members(self, use_up: bool = False) -> tuple[NDArray[np.integer], NDArray[np.int32]]:
+        """The whole member space, bin after bin: ``(members, lengths)``; with ``use_up``, the
+        places are written over the bins' slots (the bins are not used again)."""
+        slot_bin = self.slot_bin
+        places = slot_bin if use_up else self._new_places()
+        if use_up:
+            self.slot_bin = None
+        places = self._places(slot_bin, self.offsets[:-1].astype(np.int64), _no_pieces(), places)
+        del slot_bin
+        members = new_buffer(places.shape[0], places.dtype)
+        self._write_entries(places, None, members, 1)
+        return members, self.lengths[members].astype(np.int32, copy=False)
 
     def ranges(self, starts: NDArray[np.int64], ends: NDArray[np.int64]) -> list[tuple[NDArray, NDArray]]:
         """``(members, lengths)`` of a few ranges of member space, each inside one bin."""
-        nonempty = ends > starts
-        bins = np.searchsorted(self.offsets, starts[nonempty], side="right") - 1
+        wanted, bins, local = self._wanted_bins(starts, ends)
+        members = np.empty(int(local[-1]), dtype=self.slot_bin.dtype)
+        if members.shape[0]:
+            destination = np.full(self.num_bins, -1, dtype=np.int64)
+            destination[wanted] = local[:-1]
+            places = self._places(self.slot_bin, destination, _no_pieces(), self._new_places())
+            self._write_entries(places, None, members, 1)
+        lengths = self.lengths[members].astype(np.int32, copy=False)
+        return self._cut(starts, ends, wanted, bins, local, members, lengths)
+
+    def range_members(self, starts: NDArray[np.int64], ends: NDArray[np.int64]) -> list[NDArray]:
+        """Members of a few ranges of member space, each inside one bin."""
+        return [members for members, _ in self.ranges(starts, ends)]
+
+    def release_lengths(self) -> None:
+        """Nothing to let go: the lengths read are the entries' own."""
+
+    def range_lengths(self, starts: NDArray[np.int64], ends: NDArray[np.int64]) -> list[NDArray[np.int32]]:
+        """Member lengths of a few ranges of member space, each inside one bin (no entry is looked up)."""
+        wanted, bins, _ = self._wanted_bins(starts, ends)
+        local, lengths = bin_lengths(self.start, self.slot_bin, self.offsets, wanted, self.capacity)
+        return [part for _, part in self._cut(starts, ends, wanted, bins, local, lengths, lengths)]
+
+    def _wanted_bins(self, starts, ends):
+        """The bins the non-empty ranges lie in: sorted unique ids, each range's bin, and their CSR offsets."""
+        bins = np.searchsorted(self.offsets, starts[ends > starts], side="right") - 1
         wanted = np.unique(bins)
-        local, members, lengths = bin_members(
-            self.items, self.start, self.slot_bin, self.offsets, wanted, self.capacity
-        )
+        local = np.zeros(wanted.shape[0] + 1, dtype=np.int64)
+        np.cumsum(np.diff(self.offsets)[wanted], out=local[1:])
+        return wanted, bins, local
+
+    def _cut(self, starts, ends, wanted, bins, local, members, lengths) -> list[tuple[NDArray, NDArray]]:
         out = [(members[:0], lengths[:0])] * starts.shape[0]
-        for i, target in zip(np.flatnonzero(nonempty), bins):
+        for i, target in zip(np.flatnonzero(ends > starts), bins):
             base = local[np.searchsorted(wanted, target)] - self.offsets[target]
             out[i] = (members[base + starts[i] : base + ends[i]], lengths[base + starts[i] : base + ends[i]])
         return out
@@ -74,39 +117,108 @@ class PackedBins:
         ``value`` over 0..capacity, then the pieces the last round split off."""
         table = value(np.arange(self.capacity + 1, dtype=np.float64))
         per_bin = bin_length_sums(table, self.start, self.slot_bin, self.num_bins, self.capacity)
-        return self._with_pieces(per_bin, batches, lambda _, lengths: _float_sum(table[lengths]))
-
-    def entry_sums(self, values: NDArray[np.integer], batches: MicroBatches) -> NDArray[np.int64]:
-        """Per micro-batch, ``sum(values[entry])`` over its entries."""
-        per_bin = bin_item_sums(values, self.items, self.start, self.slot_bin, self.num_bins, self.capacity)
-        return self._with_pieces(per_bin, batches, lambda members, _: values[members].sum(dtype=np.int64))
-
-    def _with_pieces(self, per_bin: NDArray, batches: MicroBatches, reduce: Callable) -> NDArray:
-        """Per-bin values for the bins, then ``reduce(members, lengths)`` for the later pieces."""
         if batches.count == self.num_bins:
             return per_bin
-        pieces = batches.ranges(np.arange(self.num_bins, batches.count))
-        return np.concatenate([per_bin, np.array([reduce(*piece) for piece in pieces], dtype=per_bin.dtype)])
+        pieces = self.range_lengths(*batches.bounds(np.arange(self.num_bins, batches.count)))
+        return np.concatenate([per_bin, np.array([_float_sum(table[lengths]) for lengths in pieces])])
+
+    def entry_sums(self, values: NDArray[np.integer], batches: MicroBatches) -> NDArray[np.int64]:
+        """Per micro-batch, ``sum(values[entry])`` over its entries: ``values`` laid out in member
+        space (as members would be), then summed range by range."""
+        places = self._places(self.slot_bin, self.offsets[:-1].astype(np.int64), _no_pieces(), self._new_places())
+        laid = new_buffer(self.slot_bin.shape[0], values.dtype)
+        self._write_entries(places, values, laid, 1)
+        del places
+        return range_sums(laid, batches.starts, batches.ends, np.zeros(batches.count, dtype=np.int64))
 
     def gather(self, batches: MicroBatches, order, sizes, threads: int, scratch) -> tuple[NDArray[np.int64], NDArray]:
-        """`MicroBatches.gather`: whole bins scattered straight to their rows (`scatter_bins`),
-        pieces from their ranges, on ``threads`` threads."""
+        """`MicroBatches.gather`, leaving the bins as they are."""
+        where = self.destinations(batches, order, sizes, threads)
+        places = self._places(self.slot_bin, where.take_destination(), where.ranges, self._new_places())
+        return where.offsets, self._members(places, where.count, threads)
+
+    def destinations(self, batches: MicroBatches, order, sizes, threads: int) -> Destinations:
+        """Where micro-batches ``order`` (of ``sizes`` entries) go when laid out one after another."""
         offsets = np.empty(order.shape[0] + 1, dtype=np.int64)
-        destination = scratch_or_new(scratch, self.num_bins)
+        destination = new_buffer(self.num_bins, np.int64)
         destination.fill(-1)
         run_in_parts(bin_destinations, threads, order, sizes, offsets, destination)
         pieces = np.flatnonzero(order >= self.num_bins)
         pieces = pieces[sizes[pieces] > 0]
         piece_starts, piece_ends = batches.bounds(order[pieces])
         by_start = np.argsort(piece_starts, kind="stable")
-        members = new_buffer(offsets[-1], self.items.dtype)
-        written = run_in_parts(
-            scatter_bins, threads,
-            self.items, self.start, self.slot_bin, self.offsets, destination, piece_starts[by_start],
-            piece_ends[by_start], offsets[pieces][by_start], self.capacity, members,
-        )  # fmt: skip
-        check_written(sum(written), members)
-        return offsets, members
+        ranges = (piece_starts[by_start], piece_ends[by_start], offsets[pieces][by_start])
+        return Destinations(offsets, destination, ranges)
+
+    def lay_out(self, where: Destinations, threads: int) -> NDArray:
+        """The members laid out at ``where``, using the bins up: each slot's place is written
+        over its bin, and the bins' arrays (and ``where``'s per-bin one) are let go before
+        the members are made. The micro-batches must hold no view of the bins
+        (`MicroBatches.lay_out` lets them go first)."""
+        slot_bin, self.slot_bin = self.slot_bin, None
+        places = self._places(slot_bin, where.take_destination(), where.ranges, slot_bin)
+        del slot_bin
+        self.offsets = self.tokens = None
+        return self._members(places, where.count, threads)
+
+    def _members(self, places, count: int, threads: int) -> NDArray:
+        members = new_buffer(count, places.dtype)
+        check_written(self._write_entries(places, None, members, threads), members)
+        return members
+
+    def _new_places(self) -> NDArray:
+        return new_buffer(self.slot_bin.shape[0], self.slot_bin.dtype)
+
+    def _places(self, slot_bin, destination, pieces, places) -> NDArray:
+        """Each slot's place (`batchplan.kernels.bin_layout.place_slots`), in ``places`` (may be ``slot_bin``)."""
+        place_slots(slot_bin, self.offsets, destination, *pieces, places)
+        return places
+
+    def _write_entries(self, places, values, out, threads: int) -> int:
+        """The shuffle undone on ``places``, then each entry (or its value) written to its place."""
+        total = self.start[-1]
+        block = total - self.start[1:]  # slots are placed longest first: length s's slots from here
+        unshuffle_by_group(self.keys, self.start, block, places, threads=threads)
+        counts = count_by_group(self.lengths, self.capacity + 1, threads)
+        cursors = block + np.cumsum(counts, axis=0) - counts
+        return sum(run_in_parts(scatter_entries, counts.shape[0], self.lengths, cursors, places, values, out))
+
+
+class Destinations:
+    """Where micro-batches go when laid out one after another (a layout's ``destinations``):
+    ``offsets`` (CSR over the micro-batches in order), a destination per bin or micro-batch
+    (-1: not laid out whole; scratch, taken once), and ``ranges``: for packed bins the
+    pieces ``(starts, ends, destinations)`` in member space, sorted by start; for laid-out
+    micro-batches every micro-batch's ``(starts, ends)``."""
+
+    def __init__(self, offsets: NDArray[np.int64], destination: NDArray[np.int64], ranges: tuple) -> None:
+        self.offsets, self._destination, self.ranges = offsets, destination, ranges
+
+    @property
+    def count(self) -> int:
+        return int(self.offsets[-1])
+
+    def take_destination(self) -> NDArray[np.int64]:
+        """The per-bin destinations, handed over (overwritten as they are used; not kept here)."""
+        destination, self._destination = self._destination, None
+        if destination is None:
+            raise ValueError("the destinations were used already")
+        return destination
+
+
+def count_by_group(groups: NDArray[np.integer], num_groups: int, threads: int) -> NDArray[np.int64]:
+    """Shape (parts, num_groups): items of each group in each part's share of ``groups``,
+    in parts for ``threads`` threads when the items far outnumber the groups (else one)."""
+    threads = max(1, threads)
+    parts = threads if groups.shape[0] >= 16 * num_groups * threads else 1
+    counts = np.zeros((parts, num_groups), dtype=np.int64)
+    run_in_parts(count_groups, parts, groups, counts)
+    return counts
+
+
+def _no_pieces() -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
+    none = np.zeros(0, dtype=np.int64)
+    return none, none, none
 
 
 def check_written(written: int, members: NDArray) -> None:

@@ -5,9 +5,13 @@ are written at random positions. numpy allocates them (numba's own allocations a
 avoided for these): numpy asks the kernel for transparent huge pages on large
 allocations, so scattered writes fault in 2 MiB at a time instead of 4 KiB, which is
 much of these passes' cost. Pages that are never written (a bound on the number of
-bins that is not reached) are never resident. Arrays whose data is dead once taken
-(the schedule after the rows are gathered) are reused as scratch: memory already
-faulted in costs less than new.
+bins that is not reached) are never resident.
+
+Where memory peaks, arrays are let go as soon as they are used rather than kept as
+scratch: an epoch's final layout writes each slot's place over best fit's bins, and the
+members are made only once every other per-entry array is gone
+(`batchplan.planning.bins`). A caller's dead array may still serve as scratch
+(`scratch_or_new`) where it costs no peak: memory already faulted in costs less than new.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ incomplete final step is dropped, and its entries listed.
 
 from __future__ import annotations
 
+import heapq
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,24 +38,36 @@ def complete_last_round(batches: MicroBatches, room, count: int, world_size: int
     # The last round as (start, end, lengths): split the largest in two until every rank
     # has one, then add empties; appended to the micro-batches at once.
     last = schedule[full:]
-    pairs = [
-        (int(start), int(end), lengths)
-        for start, end, (_, lengths) in zip(*batches.bounds(last), batches.ranges(last))
-    ]
-    while len(pairs) < world_size:
-        splittable = [i for i, (start, end, _) in enumerate(pairs) if end - start > 1]
-        if not splittable:
-            break
-        largest = max(splittable, key=lambda i: int(pairs[i][2].sum()))
-        start, end, lengths = pairs.pop(largest)
-        cut = _halving_point(lengths)
-        pairs += [(start, start + cut, lengths[:cut]), (start + cut, end, lengths[cut:])]
-    tokens = [int(lengths.sum()) for _, _, lengths in pairs] + [0] * (world_size - len(pairs))
-    pairs = [(start, end) for start, end, _ in pairs] + [(0, 0)] * (world_size - len(pairs))
+    pieces = _split_largest(zip(*batches.bounds(last), batches.range_lengths(last)), world_size)
+    tokens = [tokens for _, _, tokens in pieces] + [0] * (world_size - len(pieces))
+    pairs = [(start, end) for start, end, _ in pieces] + [(0, 0)] * (world_size - len(pieces))
     last = batches.extend(np.array(pairs, dtype=np.int64).reshape(-1, 2), np.array(tokens, dtype=np.int64))
     completed = room[: full + world_size]
     completed[full:] = last
     return completed, no_drop
+
+
+def _split_largest(last, world_size: int) -> list[tuple[int, int, int]]:
+    """``(start, end, tokens)`` of the last round's micro-batches (``(start, end, lengths)``) once
+    the one of most tokens that has two entries or more (the first made, among equals) is
+    split in two, again and again, until there are ``world_size`` or none can be split; in
+    the order they were made (a split one replaced by its halves at the end).
+    O(world_size log world_size): a heap of (-tokens, order made)."""
+    made = [(int(start), int(end), lengths, int(lengths.sum())) for start, end, lengths in last]
+    heap = [(-tokens, i) for i, (start, end, _, tokens) in enumerate(made) if end - start > 1]
+    heapq.heapify(heap)
+    split, count = set(), len(made)
+    while count < world_size and heap:
+        _, i = heapq.heappop(heap)
+        start, end, lengths, _ = made[i]
+        split.add(i)
+        cut = _halving_point(lengths)
+        for piece in ((start, start + cut, lengths[:cut]), (start + cut, end, lengths[cut:])):
+            made.append((*piece, int(piece[2].sum())))
+            if piece[1] - piece[0] > 1:
+                heapq.heappush(heap, (-made[-1][3], len(made) - 1))
+        count += 1
+    return [(start, end, tokens) for i, (start, end, _, tokens) in enumerate(made) if i not in split]
 
 
 def _halving_point(lengths: NDArray[np.int32]) -> int:

@@ -11,11 +11,11 @@ from batchplan.config import PlanConfig
 from batchplan.kernels.pack import most_bins
 from batchplan.kernels.pad import cut_padded
 from batchplan.plan import Entries, PackingBound, index_dtype
-from batchplan.planning.bins import PackedBins
+from batchplan.planning.bins import PackedBins, count_by_group
 from batchplan.planning.buffers import new_buffer
 from batchplan.planning.cutting_stock import pack_histogram
 from batchplan.planning.micro_batches import MicroBatches
-from batchplan.planning.randomness import permute, shuffle_by_group
+from batchplan.planning.randomness import KeyStream, permute
 from batchplan.planning.warmup import SeqlenWarmup
 
 __all__ = ["compute_costs", "form_micro_batches", "form_warmup_micro_batches"]
@@ -28,23 +28,28 @@ def form_micro_batches(
     shuffles run on ``threads`` threads (the same result for any number). Packing runs on the
     length histogram (`batchplan.planning.cutting_stock.pack_histogram`, near its lower
     bound, recorded as ``packing``); the seeded shuffle within each length decides which
-    entry takes each place, so packs differ between epochs."""
+    entry takes each place, so packs differ between epochs. That shuffle is drawn only when
+    members are laid out (`batchplan.planning.bins`): forming holds the bin of each slot,
+    4 bytes per entry below 2^31 entries."""
     count = lengths.shape[0]
     if config.mode == "pack":
         # The kernels' memory grows with the capacity; a capacity above all the tokens
         # packs exactly as the total does (one bin holds everything either way).
         capacity = int(min(config.max_tokens, lengths.sum(dtype=np.int64)))
-        keys = rng.integers(0, 2**32, size=count, dtype=np.uint32)
-        items = np.empty(count, dtype=index_dtype(count))
-        start = shuffle_by_group(lengths, capacity + 1, keys, items, threads=threads)
-        del keys  # 4 bytes per entry, free before packing
+        # The seeded order among entries of one length: drawn when members are laid out.
+        keys = KeyStream.draw_later(rng, count)
+        start = np.zeros(capacity + 2, dtype=np.int64)
+        np.cumsum(count_by_group(lengths, capacity + 1, threads).sum(axis=0), out=start[1:])
         histogram = np.diff(start)[: capacity + 1]
         # Best fit's arrays, sized for the most bins it can open (`batchplan.planning.buffers`).
         bound = most_bins(histogram, capacity)
-        buffers = (new_buffer(count, items.dtype), np.zeros(bound + 1, dtype=np.int64),
-                   new_buffer(bound, items.dtype), new_buffer(bound, np.int64))  # fmt: skip
+        index = index_dtype(count)
+        buffers = (new_buffer(count, index), np.zeros(bound + 1, dtype=np.int64),
+                   new_buffer(bound, index), new_buffer(bound, np.int64))  # fmt: skip
         packed = pack_histogram(histogram, capacity, buffers=buffers)
-        batches = MicroBatches.of_bins(PackedBins(items, start, packed.slot_bin, packed.offsets, packed.tokens, capacity))
+        del buffers
+        bins = PackedBins(lengths, start, keys, packed.slot_bin, packed.offsets, packed.tokens, capacity)
+        batches = MicroBatches.of_bins(bins)
         tokens = int(packed.tokens.sum())
         batches.packing = PackingBound(batches.count, tokens, packed.bound.bins, packed.bound.kind)
         return batches

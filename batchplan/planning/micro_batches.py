@@ -13,10 +13,10 @@ from collections.abc import Callable
 import numpy as np
 from numpy.typing import NDArray
 
-from batchplan.kernels.segments import lay_out_segments, range_sums
+from batchplan.kernels.segments import lay_out_segments, range_sums, scatter_segments, segment_destinations
 from batchplan.plan import PackingBound
-from batchplan.planning.bins import PackedBins, check_written
-from batchplan.planning.buffers import scratch_or_new
+from batchplan.planning.bins import Destinations, PackedBins, check_written
+from batchplan.planning.buffers import new_buffer, scratch_or_new
 
 __all__ = ["LaidOut", "MicroBatches"]
 
@@ -34,6 +34,15 @@ class LaidOut:
     def ranges(self, starts: NDArray[np.int64], ends: NDArray[np.int64]) -> list[tuple[NDArray, NDArray]]:
         return [(self.members[s:e], self.lengths[s:e]) for s, e in zip(starts, ends)]
 
+    def range_lengths(self, starts: NDArray[np.int64], ends: NDArray[np.int64]) -> list[NDArray[np.int32]]:
+        return [self.lengths[s:e] for s, e in zip(starts, ends)]
+
+    def range_members(self, starts: NDArray[np.int64], ends: NDArray[np.int64]) -> list[NDArray]:
+        return [self.members[s:e] for s, e in zip(starts, ends)]
+
+    def release_lengths(self) -> None:
+        self.lengths = None
+
     def length_sums(self, value: Callable, batches: MicroBatches) -> NDArray[np.float64]:
         return batches.range_sums(value(self.lengths.astype(np.float64)))
 
@@ -47,6 +56,18 @@ class LaidOut:
         check_written(written, members)
         return offsets, members
 
+    def destinations(self, batches: MicroBatches, order, sizes, threads: int) -> Destinations:
+        destination = new_buffer(batches.count, np.int64)
+        offsets = segment_destinations(batches.starts, batches.ends, order, destination)
+        return Destinations(offsets, destination, (batches.starts, batches.ends))
+
+    def lay_out(self, where: Destinations, threads: int) -> NDArray:
+        """The members laid out at ``where``, using these up (the lengths are let go first)."""
+        members, self.members, self.lengths = self.members, None, None
+        out = new_buffer(where.count, members.dtype)
+        check_written(scatter_segments(members, *where.ranges, where.take_destination(), out), out)
+        return out
+
 
 class MicroBatches:
     """Micro-batches of an epoch: micro-batch ``k`` holds entries ``members[starts[k]:ends[k]]``,
@@ -57,9 +78,13 @@ class MicroBatches:
     and let the final (rank, step, micro) order be gathered in one pass.
 
     Packed micro-batches come as `PackedBins` (micro-batch ``k < num_bins`` is bin ``k``;
-    later ones are pieces of bins, or empty): the hot path (`tokens`, `entry_sums`,
-    `length_sums`, `gather`) never lays their members out; asking for ``members`` or
-    ``lengths`` does, once, and the micro-batches continue on that layout.
+    later ones are pieces of bins, or empty): the hot path (`tokens`, `length_sums`,
+    `range_lengths`, `destinations` and `lay_out`) never lays their members out bin by bin
+    (`entry_sums` lays the summed values out once); asking for ``members`` or ``lengths``
+    does, once, and the micro-batches continue on that layout.
+
+    An epoch's plan lays the members out once, with `lay_out`, which uses the micro-batches
+    up; `release_lengths` lets laid-out lengths go once what is needed of them is known.
     """
 
     def __init__(
@@ -126,7 +151,7 @@ class MicroBatches:
 
     def _laid_out(self) -> LaidOut:
         if isinstance(self.layout, PackedBins):
-            self.layout = LaidOut(*self.layout.members())
+            self.layout = LaidOut(*self.layout.members(use_up=True))
         return self.layout
 
     @property
@@ -169,10 +194,21 @@ class MicroBatches:
         """``(members, lengths)`` of a few micro-batches."""
         return self.layout.ranges(*self.bounds(which))
 
+    def range_lengths(self, which: NDArray[np.int64]) -> list[NDArray[np.int32]]:
+        """Entry lengths of a few micro-batches (no entry is looked up)."""
+        return self.layout.range_lengths(*self.bounds(which))
+
     def members_of(self, which: NDArray[np.int64]) -> NDArray[np.int64]:
         """The entries of the given micro-batches, concatenated (int64)."""
-        parts = [members for members, _ in self.ranges(which)]
+        parts = self.layout.range_members(*self.bounds(which))
         return np.concatenate([np.zeros(0, dtype=np.int64), *parts]).astype(np.int64)
+
+    def release_lengths(self) -> None:
+        """Let go of the entries' lengths held beside the members (laid-out micro-batches):
+        what follows needs only what is cached (`tokens`) or asked for before. Packed bins
+        hold none (they read the entries' own lengths)."""
+        self.tokens()
+        self.layout.release_lengths()
 
     def longest(self) -> NDArray[np.int64]:
         """Pad mode: length of each micro-batch's first entry, its longest (windows are
@@ -199,3 +235,17 @@ class MicroBatches:
         ``scratch``: an int64 array free to overwrite, used for the per-micro-batch
         destinations when long enough (`batchplan.planning.buffers`)."""
         return self.layout.gather(self, order, sizes, threads, scratch)
+
+    def destinations(self, order: NDArray[np.integer], sizes: NDArray[np.int64], threads: int = 1) -> Destinations:
+        """Where the members of micro-batches ``order`` (of ``sizes`` entries, as for `gather`)
+        go when laid out one after another; its ``offsets`` are the CSR offsets."""
+        return self.layout.destinations(self, order, sizes, threads)
+
+    def lay_out(self, where: Destinations, threads: int = 1) -> NDArray:
+        """The members at ``where`` (`destinations`), as `gather` lays them out, using these
+        micro-batches up: they let go of every array before the members are made (only
+        ``packing`` is left), so that the peak holds the members and what laying them out
+        needs, nothing of the micro-batches as formed."""
+        layout, self.layout = self.layout, None
+        self._base = self._base_tokens = self._joined_cache = self._extra = None
+        return layout.lay_out(where, threads)

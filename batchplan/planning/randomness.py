@@ -4,18 +4,25 @@ and the shuffles that draw from them (all on threads with the same result for an
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+from collections.abc import Iterator
+
 import numpy as np
 from numpy.typing import NDArray
 
-from batchplan.kernels.shuffle import count_groups, scatter_groups, shuffle_groups
+from batchplan.kernels.bin_layout import unshuffle_groups
+from batchplan.kernels.shuffle import count_groups, scatter_groups, shuffle_group_range, shuffle_groups
 from batchplan.planning.threads import run_in_parts
 
 __all__ = [
-    "STREAM_ENTRY_ORDER", "STREAM_MICRO_BATCH_ORDER", "STREAM_ROUND_ORDER", "STREAM_SEQLEN_WARMUP", "epoch_rng",
-    "permute", "shuffle_by_group",
+    "STREAM_ENTRY_ORDER", "STREAM_MICRO_BATCH_ORDER", "STREAM_ROUND_ORDER", "STREAM_SEQLEN_WARMUP", "KeyStream",
+    "epoch_rng", "permute", "shuffle_by_group", "unshuffle_by_group",
 ]  # fmt: skip
 
-# Independent random streams of one epoch.
+# Keys drawn at a time when a `KeyStream` is read: 1 MiB (small beside any array of one
+# value per entry, and few calls: 4,000 for 10^9 keys).
+KEY_CHUNK = 1 << 18
 
 
 # Independent random streams of one epoch.
@@ -44,14 +51,59 @@ def permute(
 
     Items go to random groups of ~16,000, then are shuffled inside each group
     (`shuffle_by_group`): every swap stays in cache, ~4x faster than ``rng.permutation``
-    at 10^7 items, and 6 bytes of random draws per item. The same result on any number
-    of ``threads``.
+    at 10^7 items. The groups (2 bytes per item) are let go once the items are grouped,
+    and the swaps' keys are drawn a few groups at a time (`KeyStream`): at most the
+    output, ``carried`` and the groups are held. The same result on any number of
+    ``threads``.
     """
     count = out.shape[0]
     num_groups = 1 << min(max(count >> 14, 1).bit_length() - 1, 16)  # a power of two, <= 2^16
     groups = rng.integers(0, num_groups, size=count, dtype=np.uint16)
-    keys = rng.integers(0, 2**32, size=count, dtype=np.uint32)
-    shuffle_by_group(groups, num_groups, keys, out, first, values, carried, threads=threads)
+    keys = KeyStream.draw_later(rng, count)
+    start, cursors, parts = _group_cursors(groups, num_groups, threads)
+    run_in_parts(scatter_groups, parts, groups, cursors, out, first, values, carried)
+    del groups
+    bounds = _group_bounds(start, max(1, threads))
+    run_in_parts(_shuffle_part, len(bounds) - 1, keys, start, out, carried, bounds)
+
+
+def _shuffle_part(keys: KeyStream, start, items, carried, bounds: list[int], part: int, parts: int) -> None:
+    """`shuffle_groups` on the groups of positions ``bounds[part]:bounds[part + 1]``, with their keys
+    read a few whole groups at a time (a group is shuffled from its last position down)."""
+    spans = _group_bounds(start, max(1, (bounds[part + 1] - bounds[part]) // KEY_CHUNK), bounds[part], bounds[part + 1])
+    for (begin, end), chunk in zip(zip(spans[:-1], spans[1:]), keys.spans(spans)):
+        first_group, last_group = np.searchsorted(start, [begin, end], side="left")
+        shuffle_group_range(start, first_group, last_group, chunk, begin, items, carried)
+
+
+def _group_bounds(start: NDArray[np.int64], parts: int, low: int = 0, high: int | None = None) -> list[int]:
+    """Positions ``low:high`` (group starts; default: all) cut into about ``parts`` equal spans at
+    group starts: ``parts + 1`` non-decreasing bounds."""
+    high = int(start[-1]) if high is None else high
+    shares = [low + (high - low) * part // parts for part in range(parts)]
+    return [int(start[np.searchsorted(start, position, side="left")]) for position in shares] + [high]
+
+
+def _group_cursors(groups: NDArray[np.integer], num_groups: int, threads: int):
+    """``(start, cursors, parts)`` for writing items grouped (`scatter_groups`): the groups'
+    offsets, and where each part writes its first item of each group."""
+    # Per-part counts cost parts x num_groups: split only when the items far outnumber the
+    # groups (so those arrays stay small), and run any threads < 1 as one part, as
+    # run_in_parts does. One part (groups up to the capacity in pack mode, which may be
+    # large) needs only the counts, turned into cursors in place, and the offsets.
+    count = groups.shape[0]
+    threads = max(1, threads)
+    parts = threads if count >= 16 * num_groups * threads else 1
+    counts = np.zeros((parts, num_groups), dtype=np.int64)
+    run_in_parts(count_groups, parts, groups, counts)
+    start = np.zeros(num_groups + 1, dtype=np.int64)
+    np.cumsum(counts[0] if parts == 1 else counts.sum(axis=0), out=start[1:])
+    if parts == 1:
+        cursors = counts
+        cursors[0] = start[:-1]
+    else:  # each part writes a group's items after those of the parts before it: the one-part order
+        cursors = start[:-1] + np.cumsum(counts, axis=0) - counts
+    return start, cursors, parts
 
 
 def shuffle_by_group(
@@ -87,21 +139,83 @@ def shuffle_by_group(
                          f"{keys.shape[0]:,} keys, {items.shape[0]:,} items")  # fmt: skip
     if (values is None) != (carried is None) or (values is not None and values.shape[0] != count):
         raise ValueError("give values and carried together, one value per item")
-    # Per-part counts cost parts x num_groups: split only when the items far outnumber the
-    # groups (so those arrays stay small), and run any threads < 1 as one part, as
-    # run_in_parts does. One part (groups up to the capacity in pack mode, which may be
-    # large) needs only the counts, turned into cursors in place, and the offsets.
-    threads = max(1, threads)
-    parts = threads if count >= 16 * num_groups * threads else 1
-    counts = np.zeros((parts, num_groups), dtype=np.int64)
-    run_in_parts(count_groups, parts, groups, counts)
-    start = np.zeros(num_groups + 1, dtype=np.int64)
-    np.cumsum(counts[0] if parts == 1 else counts.sum(axis=0), out=start[1:])
-    if parts == 1:
-        cursors = counts
-        cursors[0] = start[:-1]
-    else:  # each part writes a group's items after those of the parts before it: the one-part order
-        cursors = start[:-1] + np.cumsum(counts, axis=0) - counts
+    start, cursors, parts = _group_cursors(groups, num_groups, threads)
     run_in_parts(scatter_groups, parts, groups, cursors, items, first, values, carried)
     run_in_parts(shuffle_groups, parts, start, keys, items, carried)
     return start
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyStream:
+    """``count`` random uint32 keys: what ``rng.integers(0, 2**32, count, dtype=np.uint32)`` draws
+    from ``rng``'s state when the stream is made, read back in chunks wherever they are needed
+    (never all held at once: 4 bytes per key)."""
+
+    bit_generator: np.random.BitGenerator  # a copy, at the first key
+    count: int
+
+    @classmethod
+    def draw_later(cls, rng: np.random.Generator, count: int) -> KeyStream:
+        """The next ``count`` keys of ``rng``; ``rng`` moves past them as if it had drawn them."""
+        stream = cls(copy.deepcopy(rng.bit_generator), count)
+        _skip_keys(rng, count)
+        return stream
+
+    def chunks(self, first: int, last: int, size: int | None = None) -> Iterator[tuple[int, NDArray[np.uint32]]]:
+        """Keys ``first:last``, in order, as ``(position of the first, keys)`` chunks of ``size``
+        (default `KEY_CHUNK`)."""
+        if not 0 <= first <= last <= self.count:
+            raise ValueError(f"keys {first:,}:{last:,} asked of a stream of {self.count:,}")
+        bounds = [*range(first, last, size or KEY_CHUNK), last]
+        yield from zip(bounds, self.spans(bounds))
+
+    def spans(self, bounds: list[int]) -> Iterator[NDArray[np.uint32]]:
+        """Keys ``bounds[0]:bounds[1]``, ``bounds[1]:bounds[2]``, ... (non-decreasing bounds), an array each."""
+        rng = np.random.Generator(copy.deepcopy(self.bit_generator))
+        _skip_keys(rng, bounds[0])
+        for first, last in zip(bounds[:-1], bounds[1:]):
+            yield rng.integers(0, 2**32, size=last - first, dtype=np.uint32)
+
+
+def _skip_keys(rng: np.random.Generator, count: int) -> None:
+    """Move ``rng`` past ``count`` uint32 draws without making them.
+
+    numpy draws a uint32 key as half of a 64-bit output and keeps the other half for the
+    next one (``has_uint32``): ``count`` keys use ``ceil`` of half of them, counting a half
+    kept from before. A bit generator that cannot jump ahead draws them in chunks.
+    """
+    if count <= 0:
+        return
+    if not hasattr(rng.bit_generator, "advance"):
+        for first in range(0, count, KEY_CHUNK):
+            rng.integers(0, 2**32, size=min(KEY_CHUNK, count - first), dtype=np.uint32)
+        return
+    if rng.bit_generator.state["has_uint32"]:
+        rng.integers(0, 2**32, size=1, dtype=np.uint32)  # takes the kept half
+        count -= 1
+    rng.bit_generator.advance(count // 2)  # whole outputs (advancing drops no kept half: none is left)
+    if count % 2:
+        rng.integers(0, 2**32, size=1, dtype=np.uint32)  # one half used, the other kept, as drawing does
+
+
+def unshuffle_by_group(
+    keys: KeyStream, start: NDArray[np.int64], block: NDArray[np.int64], values: NDArray, *, threads: int = 1
+) -> None:
+    """Undo on ``values`` the within-group shuffle `shuffle_by_group` makes with ``keys``
+    (`batchplan.kernels.bin_layout.unshuffle_groups`): group ``g`` holds item positions
+    ``start[g]:start[g + 1]`` and its values lie from ``block[g]`` on. Afterwards the value
+    the shuffle's position ``p`` held sits where item ``p`` was before the shuffle.
+
+    Keys are read in chunks; on ``threads`` threads, each takes whole groups (its own share
+    of the keys, read from its first position): the same result for any number.
+    """
+    count = int(start[-1])
+    if keys.count != count or values.shape[0] < count:
+        raise ValueError(f"{keys.count:,} keys and {values.shape[0]:,} values for {count:,} items")
+    bounds = _group_bounds(start, max(1, min(threads, count // KEY_CHUNK + 1)))
+    run_in_parts(_unshuffle_part, len(bounds) - 1, keys, start, block, values, bounds)
+
+
+def _unshuffle_part(keys: KeyStream, start, block, values, bounds: list[int], part: int, parts: int) -> None:
+    for position, chunk in keys.chunks(bounds[part], bounds[part + 1]):
+        unshuffle_groups(start, block, chunk, position, values)

@@ -17,7 +17,7 @@ from numpy.typing import NDArray
 from batchplan.config import PlanConfig
 from batchplan.errors import ConfigError
 from batchplan.kernels.assemble import lay_out_rows, take_scheduled
-from batchplan.plan import Entries, EpochPlan
+from batchplan.plan import Entries, EpochPlan, index_dtype
 from batchplan.planning.buffers import new_buffer
 from batchplan.planning.epoch_end import complete_last_round, drop_last_ramp_step, drop_last_step
 from batchplan.planning.forming import compute_costs
@@ -59,24 +59,15 @@ def schedule_epoch(
             "which were not given (resharding a plan built with --rampup is not supported yet)"
         )
     sizing = StepSizing.of(config, tokens_before or 0, batches)
-    # A permutation of the micro-batches after the first `ordered`, with room for the
-    # last round to be completed in place.
-    room = np.empty(batches.count + config.world_size, dtype=np.int64)
-    schedule = room[: batches.count]
-    schedule[:ordered] = np.arange(ordered)
-    permute(epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER), schedule[ordered:], first=ordered, threads=threads)
-    if config.drop_last:
-        if not config.has_rampup:
-            schedule, dropped = drop_last_step(batches, schedule, config, epoch)
-        num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
-    else:
-        num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
-        schedule, dropped = complete_last_round(batches, room, batches.count, config.world_size)
+    room, schedule, num_full, dropped = _shuffle(batches, config, epoch, ordered, threads)
     compute = None if config.cost_coefficient is None else _costs_of(batches, config, costs)
+    # What is needed of the entries' lengths is known now (tokens, longest): let them go.
+    longest = batches.longest() if config.mode == "pad" else None
+    batches.release_lengths()
     kept = min(num_full, -(-ordered // config.world_size) * config.world_size)  # whole rounds
     # Each scheduled micro-batch's values, gathered once and written where balancing puts them.
     at = Scheduled.take(schedule, batches, compute, config, kept, num_full, epoch, threads)
-    del room, schedule, compute  # taken (`batchplan.planning.buffers`)
+    del room, schedule, compute  # taken
     if config.drop_last and config.has_rampup:
         # The ramp makes step boundaries depend on the order: decide on the final steps.
         step_offsets = cut_steps(at.tokens[:num_full], config, sizing)
@@ -84,7 +75,28 @@ def schedule_epoch(
         at = at.head(keep)
     else:
         step_offsets = cut_steps(at.tokens, config, sizing)
-    return _assemble(entries, config, epoch, batches, at, step_offsets, dropped, threads)
+    rows = Rows.lay_out(entries, config, batches, at, step_offsets, longest, threads)
+    del at, longest  # not needed once the rows are laid out
+    return _assemble(config, epoch, batches, rows, dropped, threads)
+
+
+def _shuffle(batches: MicroBatches, config: PlanConfig, epoch: int, ordered: int, threads: int):
+    """The micro-batches after the first ``ordered`` shuffled, and the epoch's end completed or
+    dropped (`epoch_end`): ``(room, schedule, whole rounds' micro-batches, dropped entries)``;
+    the schedule is written in ``room``, which has room to complete the last round in place."""
+    room = np.empty(batches.count + config.world_size, dtype=np.int64)
+    schedule = room[: batches.count]
+    schedule[:ordered] = np.arange(ordered)
+    permute(epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER), schedule[ordered:], first=ordered, threads=threads)
+    dropped = None  # under drop_last with a ramp-up: decided on the final steps
+    if config.drop_last:
+        if not config.has_rampup:
+            schedule, dropped = drop_last_step(batches, schedule, config, epoch)
+        num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
+    else:
+        num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
+        schedule, dropped = complete_last_round(batches, room, batches.count, config.world_size)
+    return room, schedule, num_full, dropped
 
 
 def _costs_of(batches: MicroBatches, config: PlanConfig, known: NDArray[np.float64] | None) -> NDArray[np.float64]:
@@ -104,7 +116,6 @@ class Scheduled:
     sizes: NDArray[np.int64]  # entries
     compute: NDArray[np.float64] | None  # predicted compute, with a cost coefficient
     by_compute: bool  # balance ranks by compute, else by tokens
-    buffer: NDArray[np.int64]  # where batch, tokens and sizes live: scratch once rows are laid out
 
     @classmethod
     def take(
@@ -128,7 +139,7 @@ class Scheduled:
             schedule, begin, end, window, round_order, config.world_size, table, values, by_compute, config.max_tokens,
             out, out_values,
         )  # fmt: skip
-        return cls(out[0], out[1], out[2], None if compute is None else out_values, by_compute, out.reshape(-1))
+        return cls(out[0], out[1], out[2], None if compute is None else out_values, by_compute)
 
     @property
     def costs(self) -> NDArray:
@@ -138,48 +149,70 @@ class Scheduled:
     def head(self, count: int) -> Scheduled:
         """The first ``count`` positions."""
         compute = None if self.compute is None else self.compute[:count]
-        return Scheduled(
-            self.batch[:count], self.tokens[:count], self.sizes[:count], compute, self.by_compute, self.buffer
-        )
+        return Scheduled(self.batch[:count], self.tokens[:count], self.sizes[:count], compute, self.by_compute)
 
 
-def _assemble(
-    entries, config, epoch, batches: MicroBatches, at: Scheduled, step_offsets, dropped, threads: int
-) -> EpochPlan:
-    """Assign ranks in each step, order micro-batches by (rank, step, micro), and compute
-    the per-row columns (`batchplan.kernels.assemble.lay_out_rows`)."""
-    world_size = config.world_size
-    no_values = np.zeros(0, dtype=np.int64)
-    loss = no_values if entries.loss_is_length_minus_one else batches.entry_sums(entries.loss_tokens)[at.batch]
-    compute = np.zeros(0, dtype=np.float64) if at.compute is None else at.compute
-    rows = new_buffer((4, step_offsets[-1]), np.int64)
-    cost = np.empty(step_offsets[-1] if at.compute is not None else 0, dtype=np.float64)
-    rank_rows = np.empty((3, step_offsets[-1] // world_size), dtype=np.int64)
-    step_sums = np.zeros((2, step_offsets.shape[0] - 1), dtype=np.int64)
-    run_in_parts(
-        lay_out_rows, threads,
-        step_offsets, at.costs, at.batch, at.tokens, at.sizes, loss, compute, world_size, rows, cost, rank_rows, step_sums,
-    )  # fmt: skip
-    step, micro, num_micro = rank_rows[0], rank_rows[1].astype(np.int32), rank_rows[2].astype(np.int32)
-    step_tokens, step_loss_tokens = step_sums
-    batch_of_row, tokens, loss_tokens, sizes = rows
-    # The schedule's arrays are dead once the rows are laid out: scratch for the layout.
-    offsets, members = batches.gather(batch_of_row, sizes, threads, scratch=at.buffer)
-    padded = sizes * batches.longest()[batch_of_row] if config.mode == "pad" else tokens
+@dataclasses.dataclass
+class Rows:
+    """The rows of an epoch, ordered by (rank, step, micro) (`batchplan.kernels.assemble.lay_out_rows`).
+    ``order`` (each row's micro-batch id and entries) is dropped once the members' places are known."""
+
+    order: NDArray[np.int64] | None  # shape (2, rows): micro-batch id, entries
+    values: NDArray[np.integer]  # shape (2, rows): tokens, loss tokens (int32 when they fit)
+    padded: NDArray[np.int64] | None  # pad mode: entries x longest
+    cost: NDArray[np.float64] | None
+    rank_rows: NDArray[np.int64]  # shape (3, rows per rank): step, micro, micro-batches in the step
+    step_sums: NDArray[np.int64]  # shape (2, steps): tokens, loss tokens
+
+    @classmethod
+    def lay_out(cls, entries, config: PlanConfig, batches: MicroBatches, at: Scheduled, step_offsets, longest, threads):
+        """Assign ranks in each step and order the micro-batches by (rank, step, micro).
+        ``longest``: pad mode, each micro-batch's longest entry (else None)."""
+        no_values = np.zeros(0, dtype=np.int64)
+        loss = no_values if entries.loss_is_length_minus_one else batches.entry_sums(entries.loss_tokens)[at.batch]
+        compute = np.zeros(0, dtype=np.float64) if at.compute is None else at.compute
+        count = step_offsets[-1]
+        # Tokens and loss tokens are kept in the plan: int32 when they fit (half the memory).
+        most = max(int(at.tokens.max(initial=0)), int(loss.max(initial=0)))
+        order, values = new_buffer((2, count), np.int64), new_buffer((2, count), index_dtype(most + 1))
+        cost = np.empty(count if at.compute is not None else 0, dtype=np.float64)
+        rank_rows = np.empty((3, count // config.world_size), dtype=np.int64)
+        step_sums = np.zeros((2, step_offsets.shape[0] - 1), dtype=np.int64)
+        run_in_parts(
+            lay_out_rows, threads,
+            step_offsets, at.costs, at.batch, at.tokens, at.sizes, loss, compute, config.world_size, order, values,
+            cost, rank_rows, step_sums,
+        )  # fmt: skip
+        padded = None if longest is None else order[1] * longest[order[0]]
+        return cls(order, values, padded, None if at.compute is None else cost, rank_rows, step_sums)
+
+
+def _assemble(config: PlanConfig, epoch: int, batches: MicroBatches, rows: Rows, dropped, threads: int) -> EpochPlan:
+    """The epoch's plan: the rows, and the members laid out in row order. The micro-batches
+    are used up, and each array is let go as soon as it is used, before the members are made."""
+    tokens, loss_tokens = rows.values
+    batch_of_row, sizes = rows.order
+    where = batches.destinations(batch_of_row, sizes, threads)
+    del batch_of_row, sizes
+    rows.order = None
+    where.offsets = where.offsets.astype(index_dtype(where.count + 1), copy=False)
+    packing = batches.packing
+    members = batches.lay_out(where, threads)
+    step, micro, num_micro = rows.rank_rows[0], rows.rank_rows[1].astype(np.int32), rows.rank_rows[2].astype(np.int32)
     return EpochPlan(
         epoch=epoch,
-        world_size=world_size,
-        offsets=offsets,
+        world_size=config.world_size,
+        offsets=where.offsets,
         members=members,
         rank_step=step,
         rank_micro=micro,
         rank_num_micro=num_micro,
         tokens=tokens,
         loss_tokens=loss_tokens,
-        padded_tokens=padded,
-        cost=None if at.compute is None else cost,
-        step_tokens=step_tokens,
-        step_loss_tokens=step_loss_tokens,
+        padded_tokens=tokens if rows.padded is None else rows.padded,
+        cost=rows.cost,
+        step_tokens=rows.step_sums[0],
+        step_loss_tokens=rows.step_sums[1],
         dropped_entries=dropped,
-        packing=batches.packing,
+        packing=packing,
     )
