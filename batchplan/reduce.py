@@ -1,13 +1,13 @@
 """Reductions in plain numpy (no numba: readers use them): per segment of CSR offsets
-(segment ``k`` is ``values[offsets[k]:offsets[k + 1]]``; empty segments reduce to 0), and
-per group of unsorted labels."""
+(segment ``k`` is ``values[offsets[k]:offsets[k + 1]]``; empty segments reduce to 0), per
+group of unsorted labels, and occurrences into a small saturating counter."""
 
 from __future__ import annotations
 
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["segment_max", "segment_sum", "sum_by_group"]
+__all__ = ["add_counts", "segment_max", "segment_sum", "sum_by_group"]
 
 
 def segment_sum(values: NDArray, offsets: NDArray[np.int64]) -> NDArray:
@@ -20,7 +20,8 @@ def segment_sum(values: NDArray, offsets: NDArray[np.int64]) -> NDArray:
         if nonempty.size:
             out[nonempty] = np.add.reduceat(values.astype(np.float64, copy=False), offsets[nonempty])
         return out
-    total = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values, dtype=np.int64)])
+    total = np.zeros(values.shape[0] + 1, dtype=np.int64)
+    np.cumsum(values, dtype=np.int64, out=total[1:])  # with ``out``, numpy casts int32 10x faster
     return total[offsets[1:]] - total[offsets[:-1]]
 
 
@@ -41,3 +42,13 @@ def sum_by_group(groups: NDArray[np.integer], values: NDArray, num_groups: int) 
     sums = np.zeros(num_groups, dtype=dtype)
     np.add.at(sums, groups, values)
     return sums
+
+
+def add_counts(counts: NDArray[np.unsignedinteger], values: NDArray[np.integer], limit: int) -> None:
+    """Add how often each value occurs in ``values`` to ``counts[value]``, in place, stopping at
+    ``limit`` (at most ``counts``' largest value). Exact where ``counts[values] += 1`` counts a
+    repeated value once; sorts ``values``: for a few million at a time."""
+    if values.size == 0:
+        return
+    unique, times = np.unique(values, return_counts=True)
+    counts[unique] = np.minimum(counts[unique].astype(np.int64) + times, limit)

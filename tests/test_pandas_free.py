@@ -27,7 +27,7 @@ from batchplan import PlanConfig
 from batchplan.formats.arrow import list_lengths, list_offsets, list_values, numpy_of
 from batchplan.formats.plan_file import open_plan
 from batchplan.formats.plan_writer import write_plan
-from batchplan.operations.epoch_checks import EpochChecker
+from batchplan.operations.epoch_checks import Rows
 from batchplan.operations.validate import check_plan
 from batchplan.planning.epochs import build_plan
 from batchplan.reports.summary import summarize_plan
@@ -232,13 +232,11 @@ def test_summary_and_checks_use_only_the_plan_interface(plans, name):
 
 
 def test_the_epoch_checks_read_every_column_as_its_dtype(plans):
-    """`EpochChecker` reads the epoch's columns as pyarrow would convert them."""
-    plan = open_plan(plans["spans"])
-    checker = EpochChecker(plan, 1, None, None, plan.metadata["steps_per_epoch"][0], 0,
-                           (np.zeros(plan.num_samples, bool), np.zeros((0, 3), np.int64)))  # fmt: skip
-    table = plan.read_epoch(1)
+    """`Rows`, the epoch checks' reader, reads columns as pyarrow would convert them."""
+    table = open_plan(plans["spans"]).read_epoch(1)
+    rows = Rows(table)
     for name in ("step", "tokens", "cost", "micro"):
         expected = table.column(name).to_numpy()
-        assert checker.numbers(name).dtype == expected.dtype and np.array_equal(checker.numbers(name), expected)
-    assert np.array_equal(checker.entries("samples"), table.column("samples").combine_chunks().flatten().to_numpy())
-    assert np.array_equal(checker.offsets, table.column("samples").combine_chunks().offsets.to_numpy())
+        assert rows.numbers(name).dtype == expected.dtype and np.array_equal(rows.numbers(name), expected)
+    assert np.array_equal(rows.entries("samples"), table.column("samples").combine_chunks().flatten().to_numpy())
+    assert np.array_equal(rows.offsets, table.column("samples").combine_chunks().offsets.to_numpy())

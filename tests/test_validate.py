@@ -241,6 +241,38 @@ def test_overlapping_pieces_are_a_coverage_violation(write_built_plan, tmp_path)
     assert any("[coverage]" in p for p in ref.check_guarantees(broken, lengths))
 
 
+def test_sample_planned_three_times_is_named_with_its_count(good):
+    """The checks count a sample into one byte saturating at two; the message still names
+    the exact count."""
+    lengths, mode = good["lengths"], good["config"].mode
+    rows = [(batch, i) for batch in good["batches"][:2] for i in range(len(batch["samples"]))]
+    extra = min((s for batch, i in rows for s in batch["samples"][i]), key=lambda s: lengths[s])
+    hosts = [(batch, i) for batch, i in rows if extra not in batch["samples"][i]
+             and load(lengths, batch["samples"][i] + [extra], mode) <= 1024][:2]  # fmt: skip
+    for batch, i in hosts:
+        batch["samples"][i].append(extra)
+    path = forge(good)
+    messages = [str(v) for v in check_plan(open_plan(path), lengths)]
+    assert messages == [f"[coverage] epoch 0: 1 samples are not planned exactly once (sample {extra:,} appears 3 times)"]
+
+
+def test_piece_beside_its_whole_sample_is_an_overlap(write_built_plan, tmp_path):
+    """A sample planned whole gets a second, partial entry: the checks sort it with the
+    sample's whole entry and find the overlap."""
+    lengths = np.array([2500, 40, 900, 300, 77, 1100], dtype=np.int32)
+    path, _ = write_built_plan(lengths, PlanConfig(max_tokens=1024, oversize="split"))
+    schema, metadata, batches = read_rows(path)
+    batch = batches[0]
+    row = next(r for r, samples in enumerate(batch["samples"]) if 1 in samples)
+    batch["samples"][row].append(1)  # sample 1 (40 tokens) is planned whole; now also [10, 15)
+    batch["starts"][row].append(10)
+    batch["lengths"][row].append(5)
+    broken = tmp_path / "broken.arrow"
+    write_rows(broken, schema, metadata, batches, rehash=True)
+    assert "[coverage] epoch 0: two pieces of a sample overlap" in [str(v) for v in check_plan(open_plan(broken), lengths)]
+    assert "[coverage] epoch 0: two pieces of a sample overlap" in [str(v) for v in check_plan(open_plan(broken))]
+
+
 # --------------------------------------------------------------------------- bytes on disk
 
 

@@ -18,7 +18,11 @@ epochs before the resumed one must be empty, steps and token counts run on from 
 parent's, and coverage of the resumed epoch counts what the parent trained before
 (``consumed``): together they hold every sample exactly once.
 
-Vectorised numpy: a plan of the 16 M-sample Wikipedia file checks in seconds.
+Vectorised numpy, one rank's record batch at a time (`batchplan.operations.epoch_checks`): a
+plan of the 16 M-sample Wikipedia file checks in seconds. Memory: the dataset's lengths (4 bytes
+per sample), one byte per sample for coverage (two for a resharded plan's resumed epoch), the
+pieces of split samples (`batchplan.operations.coverage`), one rank's rows and a few numbers per
+step, whatever the world size.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from numpy.typing import NDArray
 from batchplan.errors import PlanFormatError
 from batchplan.formats.bitmap import decode_bitmap
 from batchplan.formats.lengths import fingerprint_lengths, read_lengths
-from batchplan.formats.plan_file import PlanFile, open_plan
+from batchplan.formats.plan_file import OpenedPlan, open_plan
 from batchplan.operations.epoch_checks import EpochChecker, Violation
 
 __all__ = ["Violation", "check_plan", "validate_plan"]
@@ -44,7 +48,7 @@ PathLike = str | os.PathLike
 
 
 def check_plan(
-    plan: PlanFile,
+    plan: OpenedPlan,
     lengths: NDArray[np.integer] | None = None,
     loss_tokens: NDArray[np.integer] | None = None,
 ) -> list[Violation]:
@@ -76,7 +80,7 @@ def check_plan(
             if epoch < lineage.first_epoch:
                 found += _check_trained_on_parent(plan, epoch)
                 continue
-            trained = lineage.trained_before(epoch, plan.num_samples)
+            trained = lineage.trained_before(epoch)
             checker = EpochChecker(plan, epoch, lengths, loss_tokens, step_base, tokens_base, trained)
             found += checker.run()
         except (PlanFormatError, pa.ArrowException, OSError, ValueError, IndexError, TypeError, KeyError) as error:
@@ -89,7 +93,7 @@ def check_plan(
     return found
 
 
-def validate_plan(plan: PathLike | PlanFile, dataset: PathLike | Sequence[PathLike] | None = None) -> list[Violation]:
+def validate_plan(plan: PathLike | OpenedPlan, dataset: PathLike | Sequence[PathLike] | None = None) -> list[Violation]:
     """Every violated guarantee of a plan file (an empty list when it is sound), checked
     against the dataset's lengths when ``dataset`` (its files) is given; `check_plan` for
     lengths already in memory."""
@@ -114,14 +118,15 @@ class _Lineage:
     consumed_whole: NDArray[np.bool_] | None = None  # samples trained before first_step
     consumed_spans: NDArray[np.int64] | None = None  # shape (n, 3): pieces trained before it
 
-    def trained_before(self, epoch: int, num_samples: int) -> tuple[NDArray[np.bool_], NDArray[np.int64]]:
-        """What the parent trained of ``epoch`` before ``first_step``: (whole samples, pieces)."""
+    def trained_before(self, epoch: int) -> tuple[NDArray[np.bool_] | None, NDArray[np.int64]]:
+        """What the parent trained of ``epoch`` before ``first_step``: (whole samples, or None
+        for none; pieces)."""
         if epoch != self.first_epoch or self.consumed_whole is None:
-            return np.zeros(num_samples, dtype=bool), np.zeros((0, 3), dtype=np.int64)
+            return None, np.zeros((0, 3), dtype=np.int64)
         return self.consumed_whole, self.consumed_spans
 
 
-def _read_lineage(plan: PlanFile) -> tuple[_Lineage, list[Violation]]:
+def _read_lineage(plan: OpenedPlan) -> tuple[_Lineage, list[Violation]]:
     meta = plan.metadata
     if "resharded_from" not in meta and "first_step" not in meta:
         return _Lineage(), []
@@ -152,7 +157,7 @@ def _non_negative(value) -> int:
     return value
 
 
-def _check_trained_on_parent(plan: PlanFile, epoch: int) -> list[Violation]:
+def _check_trained_on_parent(plan: OpenedPlan, epoch: int) -> list[Violation]:
     rows = sum(plan.read_rank(epoch, rank).num_rows for rank in range(plan.world_size))
     if rows or plan.metadata["steps_per_epoch"][epoch] or plan.metadata["rows_per_rank"][epoch]:
         return [Violation("integrity", f"epoch {epoch}: trained on the parent plan before step "
@@ -160,7 +165,7 @@ def _check_trained_on_parent(plan: PlanFile, epoch: int) -> list[Violation]:
     return []
 
 
-def _check_dataset(plan: PlanFile, lengths, loss_tokens) -> list[Violation]:
+def _check_dataset(plan: OpenedPlan, lengths, loss_tokens) -> list[Violation]:
     if lengths.shape[0] != plan.num_samples:
         return [Violation("dataset", f"plan is for {plan.num_samples:,} samples, the dataset has {lengths.shape[0]:,}")]
     recorded = plan.metadata.get("lengths_fingerprint")
@@ -171,14 +176,14 @@ def _check_dataset(plan: PlanFile, lengths, loss_tokens) -> list[Violation]:
     return []
 
 
-def _check_drop_last_allowed(plan: PlanFile) -> list[Violation]:
+def _check_drop_last_allowed(plan: OpenedPlan) -> list[Violation]:
     dropped = plan.metadata.get("dropped", {})
     if dropped.get("drop_last") and not plan.metadata["config"].get("drop_last"):
         return [Violation("coverage", "samples are listed as dropped by drop_last, but the plan was built without it")]
     return []
 
 
-def _check_dropped_reasons(plan: PlanFile, lengths) -> list[Violation]:
+def _check_dropped_reasons(plan: OpenedPlan, lengths) -> list[Violation]:
     found = []
     dropped = plan.metadata.get("dropped", {})
     max_tokens = plan.metadata["max_tokens"]
