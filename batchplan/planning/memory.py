@@ -10,27 +10,28 @@ arrays. Peak resident memory is estimated as::
          [+ spans: entries x (span_fixed + epochs x span_held)]
          [+ cost model: entries x at_once x cost_work]
 
-with the constants below, fitted to the peak resident set ("Maximum resident set size" of
-``/usr/bin/time -v``) of 43 builds, each run two or three times (the highest peak kept: with
-2 threads, whether the two epochs' working arrays overlap moves a peak by up to 25 %), of::
+with the constants below, fitted by ``python -m bench.memory_fit`` to the peak resident set of
+54 builds, each that build's own (``os.wait4`` of the child), of::
 
-    BATCHPLAN_THREADS=T /usr/bin/time -v python -m batchplan_cli.main build lengths.parquet \
-        -o plan.arrow --max-tokens C --mode M --world-size 64 --epochs E --oversize truncate|split -q
+    BATCHPLAN_THREADS=T python -m batchplan_cli.main build lengths.parquet -o plan \
+        --max-tokens C --mode M --world-size W --epochs E --oversize truncate|split \
+        --layout file|directory [--hidden-size 4096] -q
 
-on lognormal lengths (``bench.build.lognormal_lengths``: median 300 tokens, clipped at
-8,192, or 32,768 to split at 8,192): 1e4 to 1e8 samples, 1 to 4 epochs, 1 and 2 threads,
-pack and pad, max_tokens 512 to 8,192 (665 to 9.6 M micro-batches per epoch), truncate and
-split, with and without ``--hidden-size 4096``; and on the Wikipedia BERT lengths (16.3 M
-samples, pack 512, 1 and 2 epochs); batchplan 0.1.0, numpy 2.4, numba 0.68, pyarrow 26,
-Linux x86-64, 2 cores. More epochs and threads are extrapolated. The fit is non-negative
-least squares on relative errors, reweighted (Lawson) to minimise the worst error, an
-under-estimate (a build let through that runs out of memory) counting three times an
-over-estimate; it has no term per micro-batch per epoch planned at once (its fitted
-weight is 0). With micro-batches estimated from the lengths as below, every estimate was within
--7 % / +21 % of the measured peak (1e7 samples, 1 epoch, pack 8,192: 0.46-0.47 GiB measured,
-0.52 GiB estimated; 1e8 samples: 2.45 GiB measured, 2.97 GiB estimated; pad, which holds
-more per sample than the shared constants say, 3.15 and 3.06 GiB). It is an estimate:
-other length distributions, library versions and the allocator move it;
+on lognormal lengths (``bench.scale.write_lognormal``: median 300 tokens, clipped at the cap,
+or at 4 x the cap to split), varied one or two terms at a time around pack, 8,192, truncate
+(no cuts), 1 epoch, 1 thread, 64 ranks, one file: 1e5 to 3e7 samples (1e8 for three builds),
+1, 2 and 4 epochs, 1 and 2 threads, pack and pad, max_tokens 512, 2,048 and 8,192, split, the
+cost model, plan directories (1 or 2 epochs held, as `MemoryEstimate.with_epochs` counts them)
+and 1,024 ranks; batchplan 0.1.0, numpy 2.4, numba 0.68, pyarrow 26, Linux x86-64, 2 cores,
+each build run once. The constants are the whole, non-negative numbers (HiGHS) that minimise
+the worst relative error, an under-estimate (a build let through that runs out of memory)
+counting three times an over-estimate. Every estimate is within -11 % / +33 % of its measured
+peak: small builds err high (1e5 samples: 0.20 GiB measured, 0.26 GiB estimated), as do pack
+1e8 (1 epoch, 8,192: 1.40 GiB measured, 1.81 GiB estimated) and split at 512 (+33 % at 3e7);
+pack 512 at 3e7 (1.58 GiB measured, 1.41 GiB estimated), split at 8,192 and a plan directory
+holding 1 of 2 epochs (-10 %) err low: spans cost more per entry at a large cap than at a small
+one, and a directory build holds ~4 bytes per entry more than one epoch of a plan file. It is
+an estimate: other length distributions, library versions and the allocator move it;
 docs/reliability.md has the table.
 
 ``kernel(max_tokens)`` is what the kernels allocate per length or capacity value:
@@ -72,14 +73,14 @@ __all__ = [
 SKIP_VARIABLE = "BATCHPLAN_MEMORY_CHECK"  # "0": build even when the estimate does not fit
 
 # Measured constants (bytes; see the module docstring for how).
-BASE_BYTES = 249 * 2**20  # Python, numpy, pyarrow, numba, typer (~208 MiB measured at 1e4 samples) and margin
-ENTRY_FIXED = 8  # lengths read, entries
-ENTRY_HELD = 3  # per epoch, until the plan is written
-ENTRY_WORK = 13  # per epoch planned at once
-ROW_HELD = 87  # per micro-batch, per epoch (the fit puts per-micro-batch planning arrays here too)
-SPAN_FIXED = 16  # per entry with --oversize truncate|split cutting samples
-SPAN_HELD = 13  # per entry per epoch (starts/lengths columns)
-COST_WORK = 2  # per entry per epoch planned at once, with a cost model
+BASE_BYTES = 263 * 2**20  # Python, numpy, pyarrow, numba, typer (~195 MiB measured at 1e5 samples) and margin
+ENTRY_FIXED = 6  # lengths read, entries
+ENTRY_HELD = 2  # per epoch, until the plan is written
+ENTRY_WORK = 6  # per epoch planned at once
+ROW_HELD = 45  # per micro-batch, per epoch (the fit puts per-micro-batch planning arrays here too)
+SPAN_FIXED = 43  # per entry with --oversize truncate|split cutting samples
+SPAN_HELD = 0  # per entry per epoch (starts/lengths columns; the fit puts them in SPAN_FIXED)
+COST_WORK = 1  # per entry per epoch planned at once, with a cost model
 # Micro-batches per max_tokens of kept tokens: pack fills ~100 % of them, pad ~83 %.
 ROWS_PER_CAP = {"pack": 1.0, "pad": 1.2}
 
@@ -229,8 +230,8 @@ def check_build_memory(estimate: MemoryEstimate) -> None:
         f"this build needs an estimated {at_least}{_gib(estimate.num_bytes)} of memory "
         f"({estimate.num_entries:,} {'entries (samples and pieces)' if estimate.has_spans else 'samples'}"
         f"{per_epoch}, {estimate.epochs} epoch(s), {estimate.at_once} planned "
-        f"at once) but {_gib(free)} is available; use {' or '.join(fixes)}; the estimate is within ~20 % of "
-        f"measured peaks, set {SKIP_VARIABLE}=0 to build anyway"
+        f"at once) but {_gib(free)} is available; use {' or '.join(fixes)}; the estimate is within -11 %/+33 % "
+        f"of measured peaks, set {SKIP_VARIABLE}=0 to build anyway"
     )
 
 
