@@ -6,7 +6,7 @@
 
 For each case: write the lengths to Parquet (not timed), run `batchplan build` once to
 warm the numba cache, then time it as a subprocess (wall time, peak resident memory
-from getrusage) and, in the same run, `numpy.random.default_rng(0).permutation(N)`:
+of that child, from os.wait4) and, in the same run, `numpy.random.default_rng(0).permutation(N)`:
 the work no plan can avoid. Also timed: a build of 1,000 samples, the fixed cost of any
 build (interpreter, imports, loading the cached numba kernels), reported beside the
 ratio without it, and whether that build imports pandas (``imports_pandas``): training
@@ -27,7 +27,6 @@ import argparse
 import importlib.util
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,16 @@ def lognormal_lengths(num_samples: int, max_tokens: int, seed: int = 0) -> np.nd
 
 def write_lengths(lengths: np.ndarray, path: Path) -> None:
     pq.write_table(pa.table({"length": lengths}), path, row_group_size=1 << 22)
+
+
+def write_lengths_apart(num_samples: int, max_tokens: int, path: Path) -> None:
+    """`write_lengths` of `lognormal_lengths` in a child process. Made here, the lengths and
+    Arrow's write buffers (kept by its memory pool) would stay resident in this process, and
+    a build started from it would count them in its peak: a forked child's maximum resident
+    set includes the parent's pages it held until it ran the new program."""
+    code = "import sys; from pathlib import Path; from bench.build import lognormal_lengths, write_lengths; " \
+           "write_lengths(lognormal_lengths(int(sys.argv[1]), int(sys.argv[2])), Path(sys.argv[3]))"
+    subprocess.run([sys.executable, "-c", code, str(num_samples), str(max_tokens), str(path)], check=True)
 
 
 _PERMUTATION = """
@@ -84,17 +93,20 @@ def build_command(dataset: Path, output: Path, args) -> list[str]:
 
 
 def run_build(dataset: Path, output: Path, args) -> tuple[float, float]:
-    """Wall seconds and peak RSS (GiB) of one `batchplan build` subprocess, writing a new
-    plan as a first build does (a plan left at ``output`` is deleted before the timer starts:
-    replacing it would add the file system's delete of the old file, ~0.12 s for 652 MiB)."""
+    """Wall seconds and peak RSS (GiB: that child's own, from `os.wait4`) of one `batchplan
+    build` subprocess, writing a new plan as a first build does (a plan left at ``output`` is
+    deleted before the timer starts: replacing it would add the file system's delete of the
+    old file, ~0.12 s for 652 MiB)."""
     output.unlink(missing_ok=True)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    command = [sys.executable, *build_command(dataset, output, args)]
     start = time.perf_counter()
-    subprocess.run([sys.executable, *build_command(dataset, output, args)], check=True)
+    child = subprocess.Popen(command)
+    _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - start
-    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    # ru_maxrss of children is the max over all children so far: report it only if it grew.
-    return wall, max(peak_kib, before) / 2**20
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise subprocess.CalledProcessError(child.returncode, command)
+    return wall, usage.ru_maxrss / 2**20
 
 
 def build_imports_pandas(dataset: Path, output: Path, args) -> str:
@@ -160,19 +172,19 @@ def main() -> None:
         tmp = Path(tmp)
         if args.file is None:
             dataset = tmp / "lengths.parquet"
-            write_lengths(lognormal_lengths(int(args.samples), args.max_tokens), dataset)
+            write_lengths_apart(int(args.samples), args.max_tokens, dataset)
             name = f"lognormal {int(args.samples):.0e}"
         else:
             dataset, name = args.file, args.file.stem
         num_samples = pq.ParquetFile(dataset).metadata.num_rows
         plan = tmp / "plan.arrow"
         run_build(dataset, plan, args)  # warm the numba cache and the page cache
-        wall = min(_paused(args.pause, run_build, dataset, plan, args)[0] for _ in range(args.repeats))
+        timed = [_paused(args.pause, run_build, dataset, plan, args) for _ in range(args.repeats)]
+        wall, peak = min(run[0] for run in timed), max(run[1] for run in timed)
         # The fixed cost of any build (interpreter, imports, loading the cached kernels).
         tiny = tmp / "tiny.parquet"
         write_lengths(lognormal_lengths(1000, args.max_tokens), tiny)
         startup = min(_paused(args.pause, run_build, tiny, tmp / "tiny.arrow", args)[0] for _ in range(3))
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
         pandas = build_imports_pandas(tiny, tmp / "tiny.arrow", args)  # not timed, nor in the peak
         permutation = time_permutation(num_samples, pause=args.pause)
         row = {

@@ -73,6 +73,14 @@ def write_lognormal(path: Path, num_samples: int, max_tokens: int) -> None:
             writer.write_table(pa.table({"length": lengths}, schema=schema), row_group_size=1 << 22)
 
 
+def write_lognormal_apart(path: Path, num_samples: int, max_tokens: int) -> None:
+    """`write_lognormal` in a child process: this process stays small, so the builds it starts
+    do not count its pages (a forked child's peak includes what it held before its exec)."""
+    code = "import sys; from pathlib import Path; from bench.scale import write_lognormal; " \
+           "write_lognormal(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))"
+    subprocess.run([sys.executable, "-c", code, str(path), str(num_samples), str(max_tokens)], check=True)
+
+
 def build(dataset: Path, output: Path, max_tokens: int, world_size: int) -> tuple[float, float]:
     """Wall seconds and peak RSS (GiB, that child's own: `os.wait4`) of one directory build."""
     command = [sys.executable, "-m", "batchplan_cli.main", "build", str(dataset), "-o", str(output),
@@ -115,11 +123,11 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         tmp = Path(tmp)
-        write_lognormal(tmp / "tiny.parquet", 1000, args.max_tokens)
+        write_lognormal_apart(tmp / "tiny.parquet", 1000, args.max_tokens)
         build(tmp / "tiny.parquet", tmp / "tiny", args.max_tokens, 8)  # warm the numba cache
         for samples in map(int, args.samples):
             dataset = tmp / f"lengths-{samples}.parquet"
-            write_lognormal(dataset, samples, args.max_tokens)
+            write_lognormal_apart(dataset, samples, args.max_tokens)
             rows = []
             for world_size in args.open_world_sizes or [args.world_size]:
                 plan = tmp / f"plan-{samples}-{world_size}"

@@ -106,7 +106,7 @@ def write_batches(path: Path, schema: pa.Schema, metadata: dict[str, Any], batch
                     if deferred:
                         hashed.append(hasher.submit(hash_next, batch))
                     writer.write_batch(batch.replace_schema_metadata(schema.metadata))
-                    while hashed and hashed[0].done():
+                    while hashed and (hashed[0].done() or len(hashed) > 2):  # at most 2 batches wait
                         hashed.pop(0).result()
             for waiting in hashed:
                 waiting.result()
