@@ -49,14 +49,36 @@ def write_lengths(lengths: np.ndarray, path: Path) -> None:
     pq.write_table(pa.table({"length": lengths}), path, row_group_size=1 << 22)
 
 
-def write_lengths_apart(num_samples: int, max_tokens: int, path: Path) -> None:
-    """`write_lengths` of `lognormal_lengths` in a child process. Made here, the lengths and
-    Arrow's write buffers (kept by its memory pool) would stay resident in this process, and
-    a build started from it would count them in its peak: a forked child's maximum resident
-    set includes the parent's pages it held until it ran the new program."""
-    code = "import sys; from pathlib import Path; from bench.build import lognormal_lengths, write_lengths; " \
-           "write_lengths(lognormal_lengths(int(sys.argv[1]), int(sys.argv[2])), Path(sys.argv[3]))"
-    subprocess.run([sys.executable, "-c", code, str(num_samples), str(max_tokens), str(path)], check=True)
+def write_lognormal_lengths(path: str, num_samples: int, max_tokens: int) -> None:
+    write_lengths(lognormal_lengths(num_samples, max_tokens), Path(path))
+
+
+def run_in_child(function: str, *args: str | int) -> None:
+    """``module.function(*args)`` (named ``"module:function"``) in a child process. Made here,
+    large arrays and Arrow's buffers (kept by its memory pool) would stay resident in this
+    process, and a build it starts afterwards would count them in its peak (`run_measured`)."""
+    module, name = function.split(":")
+    code = f"import json, sys; from {module} import {name}; {name}(*json.loads(sys.argv[1]))"
+    subprocess.run([sys.executable, "-c", code, json.dumps([str(a) if isinstance(a, Path) else a for a in args])],
+                   check=True)  # fmt: skip
+
+
+def run_measured(command: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Wall seconds and peak RSS (GiB) of one child process: its own maximum resident set
+    (`os.wait4`), which also counts the pages of this process it held before it ran its
+    program: keep this process small (`run_in_child`).
+
+    Raises:
+        subprocess.CalledProcessError: the child failed.
+    """
+    start = time.perf_counter()
+    child = subprocess.Popen(command, env=env)
+    _, status, usage = os.wait4(child.pid, 0)
+    wall = time.perf_counter() - start
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise subprocess.CalledProcessError(child.returncode, command)
+    return wall, usage.ru_maxrss / 2**20
 
 
 _PERMUTATION = """
@@ -68,6 +90,13 @@ print(time.perf_counter() - start)
 """
 
 
+def permutation_in_child(num_samples: int) -> float:
+    """Seconds of `numpy.random.default_rng(0).permutation(num_samples)` in a new process."""
+    found = subprocess.run([sys.executable, "-c", _PERMUTATION, str(num_samples)], check=True,
+                           capture_output=True, text=True)  # fmt: skip
+    return float(found.stdout)
+
+
 def time_permutation(num_samples: int, repeats: int = 3, pause: float = 0.0) -> float:
     """Best of ``repeats``; with a ``pause``, each in a new process after sleeping that long
     (as `run_build` then runs: on fresh memory)."""
@@ -75,9 +104,7 @@ def time_permutation(num_samples: int, repeats: int = 3, pause: float = 0.0) -> 
     for _ in range(repeats):
         if pause:
             time.sleep(pause)
-            found = subprocess.run([sys.executable, "-c", _PERMUTATION, str(num_samples)], check=True,
-                                   capture_output=True, text=True)  # fmt: skip
-            best = min(best, float(found.stdout))
+            best = min(best, permutation_in_child(num_samples))
             continue
         start = time.perf_counter()
         np.random.default_rng(0).permutation(num_samples)
@@ -93,20 +120,12 @@ def build_command(dataset: Path, output: Path, args) -> list[str]:
 
 
 def run_build(dataset: Path, output: Path, args) -> tuple[float, float]:
-    """Wall seconds and peak RSS (GiB: that child's own, from `os.wait4`) of one `batchplan
-    build` subprocess, writing a new plan as a first build does (a plan left at ``output`` is
-    deleted before the timer starts: replacing it would add the file system's delete of the
-    old file, ~0.12 s for 652 MiB)."""
+    """Wall seconds and peak RSS (GiB, `run_measured`) of one `batchplan build` subprocess,
+    writing a new plan as a first build does (a plan left at ``output`` is deleted before the
+    timer starts: replacing it would add the file system's delete of the old file, ~0.12 s
+    for 652 MiB)."""
     output.unlink(missing_ok=True)
-    command = [sys.executable, *build_command(dataset, output, args)]
-    start = time.perf_counter()
-    child = subprocess.Popen(command)
-    _, status, usage = os.wait4(child.pid, 0)
-    wall = time.perf_counter() - start
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode:
-        raise subprocess.CalledProcessError(child.returncode, command)
-    return wall, usage.ru_maxrss / 2**20
+    return run_measured([sys.executable, *build_command(dataset, output, args)])
 
 
 def build_imports_pandas(dataset: Path, output: Path, args) -> str:
@@ -172,7 +191,7 @@ def main() -> None:
         tmp = Path(tmp)
         if args.file is None:
             dataset = tmp / "lengths.parquet"
-            write_lengths_apart(int(args.samples), args.max_tokens, dataset)
+            run_in_child("bench.build:write_lognormal_lengths", dataset, int(args.samples), args.max_tokens)
             name = f"lognormal {int(args.samples):.0e}"
         else:
             dataset, name = args.file, args.file.stem

@@ -34,7 +34,6 @@ import multiprocessing
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
@@ -44,6 +43,7 @@ import numpy as np
 
 from batchplan.config import PlanConfig
 from batchplan.planning import memory
+from bench.build import run_measured
 
 UNDER_WEIGHT = 3  # an under-estimate (a build let through that runs out of memory) counts 3 times
 TIE_BREAK = 0.01  # weight of the mean error beside the worst
@@ -113,13 +113,10 @@ def command(case: Case, dataset: Path, output: Path) -> list[str]:
 def peak_gib(case: Case, dataset: Path, output: Path) -> float:
     """The build's own peak resident set (GiB), its output deleted afterwards."""
     env = {**os.environ, "BATCHPLAN_THREADS": str(case.threads), "BATCHPLAN_MEMORY_CHECK": "0"}
-    child = subprocess.Popen(command(case, dataset, output), env=env)
-    _, status, usage = os.wait4(child.pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    shutil.rmtree(output, ignore_errors=True) if output.is_dir() else output.unlink(missing_ok=True)
-    if code:
-        raise SystemExit(f"build failed ({code}): {' '.join(command(case, dataset, output))}")
-    return usage.ru_maxrss / 2**20
+    try:
+        return run_measured(command(case, dataset, output), env=env)[1]
+    finally:
+        shutil.rmtree(output, ignore_errors=True) if output.is_dir() else output.unlink(missing_ok=True)
 
 
 def model_inputs(case: Case, lengths: np.ndarray) -> memory.MemoryEstimate:

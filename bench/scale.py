@@ -24,27 +24,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.build import lognormal_lengths
+from bench.build import lognormal_lengths, permutation_in_child, run_in_child, run_measured
 
 CHUNK = 10**7
-
-_PERMUTATION = """
-import sys, time
-import numpy as np
-start = time.perf_counter()
-np.random.default_rng(0).permutation(int(sys.argv[1]))
-print(time.perf_counter() - start)
-"""
 
 _OPEN = """
 import json, os, sys, time
@@ -73,33 +63,11 @@ def write_lognormal(path: Path, num_samples: int, max_tokens: int) -> None:
             writer.write_table(pa.table({"length": lengths}, schema=schema), row_group_size=1 << 22)
 
 
-def write_lognormal_apart(path: Path, num_samples: int, max_tokens: int) -> None:
-    """`write_lognormal` in a child process: this process stays small, so the builds it starts
-    do not count its pages (a forked child's peak includes what it held before its exec)."""
-    code = "import sys; from pathlib import Path; from bench.scale import write_lognormal; " \
-           "write_lognormal(Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))"
-    subprocess.run([sys.executable, "-c", code, str(path), str(num_samples), str(max_tokens)], check=True)
-
-
 def build(dataset: Path, output: Path, max_tokens: int, world_size: int) -> tuple[float, float]:
-    """Wall seconds and peak RSS (GiB, that child's own: `os.wait4`) of one directory build."""
-    command = [sys.executable, "-m", "batchplan_cli.main", "build", str(dataset), "-o", str(output),
-               "--max-tokens", str(max_tokens), "--world-size", str(world_size), "--epochs", "1",
-               "--layout", "directory", "-q"]  # fmt: skip
-    start = time.perf_counter()
-    child = subprocess.Popen(command)
-    _, status, usage = os.wait4(child.pid, 0)
-    wall = time.perf_counter() - start
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode:
-        raise SystemExit(f"build failed ({child.returncode}): {' '.join(command)}")
-    return wall, usage.ru_maxrss / 2**20
-
-
-def permutation_seconds(num_samples: int) -> float:
-    found = subprocess.run([sys.executable, "-c", _PERMUTATION, str(num_samples)], check=True,
-                           capture_output=True, text=True)  # fmt: skip
-    return float(found.stdout)
+    """Wall seconds and peak RSS (GiB, `bench.build.run_measured`) of one directory build."""
+    return run_measured([sys.executable, "-m", "batchplan_cli.main", "build", str(dataset), "-o", str(output),
+                         "--max-tokens", str(max_tokens), "--world-size", str(world_size), "--epochs", "1",
+                         "--layout", "directory", "-q"])  # fmt: skip
 
 
 def open_seconds(plan: Path, rank: int, world_size: int) -> dict:
@@ -123,11 +91,11 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         tmp = Path(tmp)
-        write_lognormal_apart(tmp / "tiny.parquet", 1000, args.max_tokens)
+        run_in_child("bench.scale:write_lognormal", tmp / "tiny.parquet", 1000, args.max_tokens)
         build(tmp / "tiny.parquet", tmp / "tiny", args.max_tokens, 8)  # warm the numba cache
         for samples in map(int, args.samples):
             dataset = tmp / f"lengths-{samples}.parquet"
-            write_lognormal_apart(dataset, samples, args.max_tokens)
+            run_in_child("bench.scale:write_lognormal", dataset, samples, args.max_tokens)
             rows = []
             for world_size in args.open_world_sizes or [args.world_size]:
                 plan = tmp / f"plan-{samples}-{world_size}"
@@ -139,7 +107,7 @@ def main() -> None:
                     row["open_ms"] = [round(o["seconds"] * 1000, 1) for o in opens]
                     row["files_read"] = opens[0]["plan_files"]
                 rows.append(row)
-            permutation = permutation_seconds(samples)
+            permutation = permutation_in_child(samples)
             for row in rows:
                 row["permutation_s"] = round(permutation, 2)
                 row["ratio"] = round(row["build_s"] / permutation, 2)
