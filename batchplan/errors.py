@@ -12,6 +12,7 @@ __all__ = [
     "DatasetError",
     "PlanFormatError",
     "PlanMismatchError",
+    "one_line",
 ]
 
 
@@ -33,3 +34,9 @@ class PlanFormatError(BatchPlanError):
 
 class PlanMismatchError(BatchPlanError):
     """A plan is used with a dataset, rank or world size it was not built for."""
+
+
+def one_line(error: BaseException) -> str:
+    """A library's error text as one line (pyarrow's messages may span lines of C++ context),
+    to be quoted inside one of ours."""
+    return " ".join(str(error).split())

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from batchplan.errors import DatasetError
+from batchplan.errors import DatasetError, one_line
 
 __all__ = ["StreamFile", "is_datasets_folder", "list_arrow_files"]
 
@@ -133,7 +133,7 @@ class StreamFile:
             raise self._error(error) from error
 
     def _error(self, error: BaseException) -> DatasetError:
-        detail = " ".join(str(error).split())
+        detail = one_line(error)
         return DatasetError(
             f"{self.path}: not a readable Arrow IPC stream ({detail}); expected the Arrow files that "
             f"Dataset.save_to_disk writes into {self.folder}; the folder is damaged: {_RESAVE}"

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
-from batchplan.errors import DatasetError
+from batchplan.errors import DatasetError, one_line
 from batchplan.formats.arrow import numpy_of, valid
 from batchplan.formats.datasets_folder import StreamFile, is_datasets_folder, list_arrow_files
 from batchplan.formats.storage import Storage, for_each_file, is_uri, names_of, order_key, storage_error, uri_hint
@@ -280,7 +280,7 @@ def _read_error(path: str, error: BaseException, what: str, fix: str) -> Dataset
     """A read error as one line; a URI's I/O error says what to check on the store."""
     if is_uri(path) and isinstance(error, OSError):
         return storage_error(path, error)
-    return DatasetError(f"{path}: {what} ({_one_line(error)}){'; ' + fix if fix else ''}")
+    return DatasetError(f"{path}: {what} ({one_line(error)}){'; ' + fix if fix else ''}")
 
 
 def _open_source(files: DatasetFiles, index: int) -> _ParquetFile | StreamFile:
@@ -377,8 +377,3 @@ def _where(counts: list[tuple[str, int]], sample: int) -> str:
             return f"{path} (row {sample - start:,})"
         start += rows
     return "dataset"
-
-
-def _one_line(error: BaseException) -> str:
-    """pyarrow messages may span lines (C++ context); errors are printed as one line."""
-    return " ".join(str(error).split())

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from batchplan.errors import DatasetError
+from batchplan.errors import DatasetError, one_line
 
 __all__ = [
     "MAX_THREADS",
@@ -164,7 +164,7 @@ class ParquetObject:
 def storage_error(name: str, error: OSError) -> DatasetError:
     """``error`` from reading URI ``name`` as one line, with what to check."""
     store = _STORES.get(_URI.match(name).group(1).lower(), "S3")
-    return DatasetError(f"{name}: cannot read from {store} ({_one_line(error)}); {_HINTS[store]}")
+    return DatasetError(f"{name}: cannot read from {store} ({one_line(error)}); {_HINTS[store]}")
 
 
 def for_each_file(
@@ -224,7 +224,7 @@ def _call(uri: str, function, *args):
         raise storage_error(uri, error) from error
     except (pa.ArrowException, ValueError) as error:
         raise DatasetError(
-            f"{uri}: not a usable URI ({_one_line(error)}); expected s3://BUCKET/PREFIX or gs://BUCKET/PREFIX, "
+            f"{uri}: not a usable URI ({one_line(error)}); expected s3://BUCKET/PREFIX or gs://BUCKET/PREFIX, "
             "optionally with pyarrow's query parameters, e.g. ?endpoint_override=HOST:PORT&scheme=http"
         ) from error
 
@@ -246,7 +246,3 @@ def _root(uri: str, path: str) -> str:
 def _name(uri: str, path: str) -> str:
     """A file's URI: the scheme and its filesystem path (bucket/key), no query or credentials."""
     return f"{urlsplit(uri).scheme.lower()}://{path}"
-
-
-def _one_line(error: BaseException) -> str:
-    return " ".join(str(error).split())
