@@ -4,17 +4,10 @@
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-
-def loaded_after(statement: str, watch: tuple[str, ...] = ("numba", "torch", "typer")) -> set[str]:
-    code = f"import sys; {statement}; print(' '.join(sorted(m for m in {watch!r} if m in sys.modules)))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return set(result.stdout.split())
+from _modules import loaded_after
 
 
 def test_import_batchplan_is_light():

@@ -14,14 +14,14 @@ come from the list offsets (`test_trainer_dataset_lengths_come_from_the_list_off
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
+from _modules import loaded_after
+from _plan_views import RankReader
 
 from batchplan import PlanConfig
 from batchplan.formats.arrow import list_lengths, list_offsets, list_values, numpy_of
@@ -35,10 +35,7 @@ from batchplan.reports.summary import summarize_plan
 
 def imports_pandas(statement: str) -> bool:
     """Whether running ``statement`` in a fresh interpreter leaves pandas in ``sys.modules``."""
-    code = f"import sys\n{statement}\nprint('pandas loaded:', 'pandas' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout.strip().splitlines()[-1] == "pandas loaded: True"
+    return "pandas" in loaded_after(statement, watch=("pandas",))
 
 
 @pytest.fixture(scope="module")
@@ -207,28 +204,12 @@ def test_list_lengths_of_fixed_size_lists():
 # -- one record batch or epoch at a time ----------------------------------------------------------
 
 
-class PlanInterface:
-    """A plan that exposes only what every plan layout has (a file, a directory of epoch
-    files): no ``read_all``, no reader internals."""
-
-    MEMBERS = ("metadata", "schema", "world_size", "num_epochs", "num_samples", "num_steps", "read_rank",
-               "read_epoch", "verify", "path")  # fmt: skip
-
-    def __init__(self, plan) -> None:
-        self._plan = plan
-
-    def __getattr__(self, name: str):
-        if name not in self.MEMBERS:
-            raise AttributeError(f"{name} is not part of the plan interface")
-        return getattr(self._plan, name)
-
-
 @pytest.mark.parametrize("name", ["spans", "pad", "resharded"])
 def test_summary_and_checks_use_only_the_plan_interface(plans, name):
     plan = open_plan(plans[name])
-    assert summarize_plan(PlanInterface(plan)) == summarize_plan(plan)
+    assert summarize_plan(RankReader(plan)) == summarize_plan(plan)
     lengths = pq.read_table(plans["data"]).column("length").to_numpy()
-    assert check_plan(PlanInterface(plan), lengths) == []
+    assert check_plan(RankReader(plan), lengths) == []
 
 
 def test_the_epoch_checks_read_every_column_as_its_dtype(plans):

@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from _plan_views import RankReader
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,29 +26,6 @@ from batchplan.operations.coverage import EpochCoverage
 from batchplan.operations.reshard import reshard_plan_file
 from batchplan.operations.validate import check_plan
 from batchplan.reduce import add_counts
-
-# -- the plan interface: one rank's record batch at a time ---------------------------------------
-
-
-class RankReader:
-    """A plan that hands out one rank's record batch at a time (no ``read_epoch``, no
-    ``read_all``) and counts the reads of each (epoch, rank)."""
-
-    MEMBERS = ("metadata", "schema", "world_size", "num_epochs", "num_samples", "num_steps", "verify", "path")
-
-    def __init__(self, plan) -> None:
-        self._plan = plan
-        self.reads: Counter = Counter()
-
-    def read_rank(self, epoch: int, rank: int) -> pa.RecordBatch:
-        self.reads[epoch, rank] += 1
-        return self._plan.read_rank(epoch, rank)
-
-    def __getattr__(self, name: str):
-        if name not in self.MEMBERS:
-            raise AttributeError(f"{name} is not read by the checks")
-        return getattr(self._plan, name)
-
 
 LENGTHS = np.random.default_rng(3).integers(1, 700, 2_000).astype(np.int32)
 LENGTHS[::97] = 2_500  # oversize: split or truncated

@@ -1,0 +1,28 @@
+"""A plan seen through the interface every layout has, one rank's record batch at a time:
+readers that must stream (validate, the summary) are checked through it."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pyarrow as pa
+
+
+class RankReader:
+    """A plan that hands out one rank's record batch at a time (no ``read_epoch``, no
+    ``read_all``) and counts the reads of each (epoch, rank)."""
+
+    MEMBERS = ("metadata", "schema", "world_size", "num_epochs", "num_samples", "num_steps", "verify", "path")
+
+    def __init__(self, plan) -> None:
+        self._plan = plan
+        self.reads: Counter = Counter()
+
+    def read_rank(self, epoch: int, rank: int) -> pa.RecordBatch:
+        self.reads[epoch, rank] += 1
+        return self._plan.read_rank(epoch, rank)
+
+    def __getattr__(self, name: str):
+        if name not in self.MEMBERS:
+            raise AttributeError(f"{name} is not part of the one-rank-at-a-time plan interface")
+        return getattr(self._plan, name)
