@@ -16,7 +16,7 @@ from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
 
-__all__ = ["Entries", "EpochPlan", "PackingBound", "Plan", "index_dtype", "packing_fill"]
+__all__ = ["Entries", "EpochPlan", "Members", "PackingBound", "Plan", "index_dtype", "length_dtype", "packing_fill"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -24,22 +24,24 @@ class Entries:
     """What micro-batches hold: samples, or spans of samples (one entry per span).
 
     Attributes:
-        length: tokens of each entry (int32).
+        length: tokens of each entry: uint16 when every entry has fewer than 2^16 tokens,
+            else int32 (`length_dtype`).
         dropped: reason -> sample indices left out of every epoch.
         sample: dataset row of each entry (int32 below 2^31 samples, else int64), or
             None when entry ``i`` is sample ``i`` (nothing dropped or cut: no array).
         start: first token of each entry within its sample, or None when every
             entry is a whole sample.
-        loss_tokens: tokens carrying a label in each entry (int32), or None when every
-            entry has ``length - 1`` (no loss-token column: the planner then counts
-            them without a pass over entries, and keeps no array).
+        loss_tokens: tokens carrying a label in each entry (uint16 when every value is
+            below 2^16, else int32), or None when every entry has ``length - 1`` (no
+            loss-token column: the planner then counts them without a pass over entries,
+            and keeps no array).
     """
 
-    length: NDArray[np.int32]
+    length: NDArray[np.integer]
     dropped: dict[str, NDArray[np.int64]]
     sample: NDArray[np.integer] | None = None
     start: NDArray[np.int64] | None = None
-    loss_tokens: NDArray[np.int32] | None = None
+    loss_tokens: NDArray[np.integer] | None = None
 
     @property
     def num_entries(self) -> int:
@@ -69,14 +71,40 @@ def index_dtype(count: int) -> np.dtype:
     return np.dtype(np.int32) if count < 2**31 else np.dtype(np.int64)
 
 
+def length_dtype(longest: int) -> np.dtype:
+    """uint16 for token counts below 2^16 (half the memory of int32), else int32."""
+    return np.dtype(np.uint16) if longest < 2**16 else np.dtype(np.int32)
+
+
+class Members:
+    """An epoch's members (entry ids) in row order, held in one array. Planning may hand an
+    epoch members laid out a window at a time instead (`batchplan.planning.bins.PendingMembers`):
+    the same values from `between` and `all`."""
+
+    def __init__(self, array: NDArray[np.integer]) -> None:
+        self._array = array
+
+    @property
+    def count(self) -> int:
+        return int(self._array.shape[0])
+
+    def between(self, start: int, stop: int) -> NDArray[np.integer]:
+        """Members ``start:stop`` (a view)."""
+        return self._array[start:stop]
+
+    def all(self) -> NDArray[np.integer]:
+        return self._array
+
+
 @dataclasses.dataclass(frozen=True)
 class EpochPlan:
     """One epoch's micro-batches, rows ordered by (rank, step, micro).
 
     Every rank has the same number of rows (``rows_per_rank``); rank ``r`` holds rows
     ``r * rows_per_rank`` to ``(r + 1) * rows_per_rank``. Row ``i`` holds entries
-    ``members[offsets[i]:offsets[i + 1]]`` (indices into `Entries`). Every rank's rows
-    have the same (step, micro, num_micro) sequence: stored once, for one rank.
+    ``members[offsets[i]:offsets[i + 1]]`` (indices into `Entries`); `members_between`
+    reads a range of them without laying out all (a writer's way, rank after rank). Every
+    rank's rows have the same (step, micro, num_micro) sequence: stored once, for one rank.
 
     Index arrays and per-row counts are int32 where their values fit (`index_dtype`: half
     the memory of int64), else int64; sums over rows are int64.
@@ -85,7 +113,7 @@ class EpochPlan:
     epoch: int
     world_size: int
     offsets: NDArray[np.integer]  # int32 below 2^31 members
-    members: NDArray[np.integer]  # int32 below 2^31 entries
+    member_store: Members  # entry ids (int32 below 2^31 entries), laid out or a window at a time
     rank_step: NDArray[np.int64]  # epoch-local step of each of one rank's rows
     rank_micro: NDArray[np.int32]  # position in the step on the rank
     rank_num_micro: NDArray[np.int32]  # micro-batches per rank in the row's step
@@ -97,6 +125,15 @@ class EpochPlan:
     step_loss_tokens: NDArray[np.int64]
     dropped_entries: NDArray[np.int64]  # entries left out by drop_last
     packing: PackingBound | None = None  # pack mode: the micro-batches as packed, and their bound
+
+    @property
+    def members(self) -> NDArray[np.integer]:
+        """Every row's members, one after another (all laid out, and kept, on first use)."""
+        return self.member_store.all()
+
+    def members_between(self, start: int, stop: int) -> NDArray[np.integer]:
+        """Members ``start:stop``, e.g. ``offsets[first_row]:offsets[last_row + 1]``."""
+        return self.member_store.between(start, stop)
 
     @property
     def num_rows(self) -> int:

@@ -67,9 +67,10 @@ def main() -> None:
 
 
 def chunked_lognormal(num_samples: int, max_tokens: int, seed: int = 0) -> np.ndarray:
-    """`bench.build.lognormal_lengths`, the same values, drawn a chunk at a time."""
+    """`bench.build.lognormal_lengths`, the same values, drawn a chunk at a time; uint16 when
+    they fit, as `batchplan.formats.lengths.read_lengths` holds them."""
     rng = np.random.default_rng(seed)
-    lengths = np.empty(num_samples, dtype=np.int32)
+    lengths = np.empty(num_samples, dtype=np.uint16 if max_tokens < 2**16 else np.int32)
     for first in range(0, num_samples, _CHUNK):
         last = min(num_samples, first + _CHUNK)
         drawn = rng.lognormal(mean=np.log(300), sigma=1.0, size=last - first)

@@ -638,8 +638,8 @@ def test_packed_bins_give_the_bins_of_pack_segments(case, seed):
     slot_bin, offsets, tokens = pack_bins(items, start, max_tokens)
     # The same with the big outputs made by the caller (as the planner does, with numpy).
     bound = most_bins(np.diff(start)[: max_tokens + 1], max_tokens)
-    buffers = (np.empty(items.shape[0], dtype=items.dtype), np.zeros(bound + 1, dtype=np.int64),
-               np.empty(bound, dtype=items.dtype), np.empty(bound, dtype=np.int64))  # fmt: skip
+    buffers = (np.empty(items.shape[0], dtype=items.dtype), np.zeros(bound + 1, dtype=items.dtype),
+               np.empty(bound, dtype=items.dtype), np.empty(bound, dtype=items.dtype))  # fmt: skip
     again = pack_bins(items, start, max_tokens, *buffers)
     assert [a.tolist() for a in again] == [slot_bin.tolist(), offsets.tolist(), tokens.tolist()]
     members, member_lengths = fill_bins(items, start, slot_bin, offsets, max_tokens)
@@ -673,9 +673,9 @@ def random_layout(random: Random, offsets):
 @with_edges_and_seed
 def test_bin_layout_lays_out_the_shuffled_entries_bins_in_any_layout(case, seed):
     """Entries shuffled within each length with keys (`shuffle_by_group`), packed and filled into
-    bins: `place_slots`, `unshuffle_groups` (keys in chunks) and `scatter_entries` (in parts) lay
-    those bins (and pieces of bins, leaving the rest out) in any order, from the entries alone,
-    exactly as a gather of the filled bins does."""
+    bins: `place_slots`, `unshuffle_groups` (keys in chunks) and `scatter_entries` (in parts, and
+    a window at a time) lay those bins (and pieces of bins, leaving the rest out) in any order,
+    from the entries alone, exactly as a gather of the filled bins does."""
     random = Random(seed)
     lengths, _, max_tokens = case
     count, dtype = lengths.shape[0], random.choice([np.int32, np.int64])
@@ -713,13 +713,20 @@ def test_bin_layout_lays_out_the_shuffled_entries_bins_in_any_layout(case, seed)
         count_groups(lengths, counts, part, parts)
     cursors = block + np.cumsum(counts, axis=0) - counts
     laid = np.full(len(want), -1, dtype=dtype)
-    written = sum(scatter_entries(lengths, cursors, places, None, laid, part, parts) for part in range(parts))
+    written = sum(scatter_entries(lengths, cursors, places, None, laid, 0, part, parts) for part in range(parts))
     assert (laid.tolist(), written) == (want, len(want))
+    window = random.randint(1, max(1, len(want)))  # the same members, a window at a time
+    for first in range(0, len(want), window):
+        cursors = block + np.cumsum(counts, axis=0) - counts
+        laid = np.full(min(window, len(want) - first), -1, dtype=dtype)
+        written = sum(scatter_entries(lengths, cursors, places, None, laid, first, part, parts)
+                      for part in range(parts))  # fmt: skip
+        assert (laid.tolist(), written) == (want[first : first + window], laid.shape[0])
     values = (np.arange(count, dtype=np.int32) * 7) % 5  # values written instead of entries
     cursors = block + np.cumsum(counts, axis=0) - counts
     laid_values = np.full(len(want), -1, dtype=np.int32)
     for part in range(parts):
-        scatter_entries(lengths, cursors, places, values, laid_values, part, parts)
+        scatter_entries(lengths, cursors, places, values, laid_values, 0, part, parts)
     assert laid_values.tolist() == [int(values[m]) for m in want]
 
 

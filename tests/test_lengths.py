@@ -20,7 +20,7 @@ def test_reads_integer_length_column(tmp_path):
     path = write(tmp_path / "a.parquet", length=pa.array([3, 1, 4], pa.int64()), text=["x", "y", "z"])
     lengths = read_lengths(path)
     assert lengths.lengths.tolist() == [3, 1, 4]
-    assert lengths.lengths.dtype == np.int32
+    assert lengths.lengths.dtype == np.uint16  # every length below 2^16
     assert lengths.loss_tokens is None
     assert lengths.column == "length"
 

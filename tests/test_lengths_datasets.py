@@ -70,7 +70,7 @@ def test_folder_gives_the_lengths_and_fingerprint_of_the_same_parquet(tmp_path):
     for kwargs, column in (({}, "length"), ({"length_column": "absent"}, "input_ids")):
         from_folder = read_lengths(folder, **kwargs)
         from_parquet = read_lengths(tmp_path / "same.parquet", **kwargs)
-        assert from_folder.lengths.dtype == np.int32 and from_folder.column == from_parquet.column == column
+        assert from_folder.lengths.dtype == np.uint16 and from_folder.column == from_parquet.column == column
         assert from_folder.lengths.tolist() == from_parquet.lengths.tolist() == columns["length"]
         assert from_folder.fingerprint() == from_parquet.fingerprint()
     files = read_lengths(folder).files

@@ -263,7 +263,7 @@ def _shared_columns(schema, epoch: EpochPlan, step_base: int, before) -> dict[st
 
 def _rank_batch(schema, entries: Entries, epoch: EpochPlan, rank: int, rows: slice, shared) -> pa.RecordBatch:
     offsets = epoch.offsets[rows.start : rows.stop + 1]
-    members = epoch.members[offsets[0] : offsets[-1]]
+    members = epoch.members_between(int(offsets[0]), int(offsets[-1]))
     list_offsets = offsets - offsets[0]
     if list_offsets[-1] >= INT32_LIMIT:
         raise PlanFormatError("one rank's epoch holds more than 2^31 entries; raise world_size")

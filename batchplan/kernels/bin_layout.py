@@ -9,7 +9,8 @@ costs one index per entry; these kernels lay members out without it, in three pa
    of each slot (in place: the bins are read once, in slot order);
 2. `unshuffle_groups`: the shuffle undone on those places: afterwards the place of the
    k-th entry of length ``s`` in dataset order sits at the k-th position of the length's slots;
-3. `scatter_entries`: one pass over the entries in dataset order writes each to its place.
+3. `scatter_entries`: one pass over the entries in dataset order writes each to its place
+   (or, pass after pass, those whose places fall in a window: the members a window at a time).
 
 At the peak two arrays of one index per entry are held (places and members), not three
 (shuffled entries, bins of slots, members). The result is the same as filling the bins
@@ -33,8 +34,9 @@ def place_slots(slot_bin, offsets, destination, piece_starts, piece_ends, piece_
     Args:
         slot_bin: the bin of each slot (`batchplan.kernels.pack.pack_bins`).
         offsets: the bins' ranges of member space (``num_bins + 1``).
-        destination: int64 per bin: where its whole member list goes, or -1 (a bin cut into
-            pieces or left out). Overwritten (scratch): advanced past each slot placed.
+        destination: one per bin (int64, or int32 when the member space fits): where its
+            whole member list goes, or -1 (a bin cut into pieces or left out). Overwritten
+            (scratch): advanced past each slot placed.
         piece_starts, piece_ends, piece_destination: non-empty ranges of member space,
             sorted by start and not overlapping, each inside one bin whose destination is
             -1, and where each goes; slots of a -1 bin outside every piece are left out.
@@ -98,10 +100,10 @@ def unshuffle_groups(start, block, keys, first, values):
 
 
 @njit(cache=True, nogil=True)
-def scatter_entries(groups, cursors, places, values, out, part, parts):
+def scatter_entries(groups, cursors, places, values, out, first, part, parts):
     """Write this part's share of the entries to their places: entry ``i`` of group ``g`` takes
-    the next place of its group's stream (``places[cursors[part, g]]``, advanced); -1 leaves
-    it out.
+    the next place of its group's stream (``places[cursors[part, g]]``, advanced); a place
+    outside ``first:first + len(out)`` (-1: left out) is not written.
 
     Args:
         groups: the group (length) of each entry.
@@ -109,25 +111,27 @@ def scatter_entries(groups, cursors, places, values, out, part, parts):
             group (after the parts before it); advanced as it reads.
         places: each position's place (`place_slots`, then `unshuffle_groups`).
         values: None to write entry indices, else write ``values[i]`` for entry ``i``.
-        out: filled at the places (made by the caller, `batchplan.planning.buffers`: the
-            writes land at random).
+        out: filled at the places less ``first`` (made by the caller,
+            `batchplan.planning.buffers`: the writes land at random).
+        first: the place ``out[0]`` stands for (0: the whole layout; more: a window of it).
 
     Returns:
         How many entries this part wrote.
     """
     begin, end = share(groups.shape[0], part, parts)
     cursor = cursors[part]
+    stop = first + out.shape[0]
     written = 0
     for item in range(begin, end):
         group = groups[item]
         place = places[cursor[group]]
         cursor[group] += 1
-        if place < 0:
+        if place < first or place >= stop:
             continue
         if values is None:
-            out[place] = item
+            out[place - first] = item
         else:
-            out[place] = values[item]
+            out[place - first] = values[item]
         written += 1
     return written
 

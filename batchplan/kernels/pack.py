@@ -56,13 +56,13 @@ def most_bins(histogram, max_tokens):
 @njit(cache=True, nogil=True)
 def _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts, below, tokens):
     """Pack a histogram of lengths; returns ``(slot_bin, offsets, tokens)``: the bin of each
-    slot in placement order, the bins' offsets over the slots (int64, ``num_bins + 1``; bin
-    ``b`` has ``offsets[b + 1] - offsets[b]`` slots) and each bin's tokens (int64). Slots are placed
+    slot in placement order, the bins' offsets over the slots (``num_bins + 1``; bin
+    ``b`` has ``offsets[b + 1] - offsets[b]`` slots) and each bin's tokens. Slots are placed
     longest first, so slot k's length follows from the histogram. ``index`` is an array
     whose dtype (int32 or int64) bins are counted in. ``slot_bin`` (one per item, dtype of
-    ``index``), ``counts`` (int64 zeros, `most_bins` + 1), ``below`` (dtype of ``index``,
-    `most_bins`) and ``tokens`` (int64, `most_bins`) may come from the caller, else are made
-    here (None).
+    ``index``), ``counts`` (zeros, `most_bins` + 1), ``below`` and ``tokens`` (`most_bins`),
+    all of the dtype of ``index``, may come from the caller, else are made here (None); an
+    empty ``tokens`` leaves the bins' tokens out (returned empty).
     """
     slot_bin, counts, below = _buffers(histogram, max_tokens, index, slot_bin, counts, below)
     size = 1
@@ -117,7 +117,7 @@ def _buffers(histogram, max_tokens, index, slot_bin, counts, below):
     if counts is None or below is None:  # a caller that made them has the bound already
         bound = most_bins(histogram, max_tokens)
         if counts is None:
-            counts = np.zeros(bound + 1, dtype=np.int64)  # bin b's slots at b + 1: made offsets in place
+            counts = np.zeros(bound + 1, dtype=index.dtype)  # bin b's slots at b + 1: made offsets in place
         if below is None:
             below = np.empty(bound, dtype=index.dtype)
     return slot_bin, counts, below
@@ -162,9 +162,12 @@ def _one_each(left, length, fit, head, below, tree, size, slot_bin, counts, slot
 
 @njit(cache=True, nogil=True)
 def _bin_tokens(head, below, tree, size, max_tokens, num_bins, tokens):
-    """A bin's tokens: the capacity less the residual of the stack it ends on (none: full)."""
+    """A bin's tokens: the capacity less the residual of the stack it ends on (none: full).
+    An empty ``tokens`` from the caller: not wanted (returned as it is)."""
     if tokens is None:
-        tokens = np.empty(num_bins, dtype=np.int64)
+        tokens = np.empty(num_bins, dtype=below.dtype)
+    if tokens.shape[0] < num_bins:
+        return tokens[:0]
     tokens = tokens[:num_bins]
     tokens[:] = max_tokens
     for residual in range(1, max_tokens + 1):
@@ -222,14 +225,14 @@ def pack_bins(items, start, max_tokens, slot_bin=None, counts=None, below=None, 
     positions ``offsets[b]:offsets[b + 1]`` of the "member space" that `fill_bins`
     materialises and `batchplan.kernels.bin_layout` lays out in any order of bins.
 
-    The arrays it fills may be made by the caller (`batchplan.planning.buffers`): ``slot_bin`` (one per item, dtype
-    of ``items``), ``counts`` (int64 zeros) and ``below`` (dtype of ``items``) and ``tokens``
-    (int64), the last three ``most_bins(histogram, max_tokens)`` long (``counts`` one more).
+    The arrays it fills may be made by the caller (`batchplan.planning.buffers`), all of the
+    dtype of ``items``: ``slot_bin`` (one per item), ``counts`` (zeros), ``below`` and
+    ``tokens``, the last three ``most_bins(histogram, max_tokens)`` long (``counts`` one more).
 
     Returns:
         ``(slot_bin, offsets, tokens)``: the bin of each slot, the bins' offsets in member
-        space (int64, ``num_bins + 1``; a view of ``counts``) and their tokens (int64; a
-        view of ``tokens``).
+        space (``num_bins + 1``; a view of ``counts``) and their tokens (a view of
+        ``tokens``), of the dtype of ``items``.
     """
     histogram = np.diff(start)[: max_tokens + 1]
     return _best_fit_decreasing(histogram, max_tokens, items, slot_bin, counts, below, tokens)
@@ -258,10 +261,11 @@ def bin_destinations(order, sizes, offsets, destination, part, parts):
 
     Micro-batch ``k < num_bins`` is bin ``k`` whole; later ones are pieces of bins (or
     empty); ``sizes`` are the entry counts of ``order``'s micro-batches. For this part's
-    share of ``order``, fills ``offsets`` (int64, ``len(order) + 1``: the CSR offsets of the
-    result) and each whole bin's ``destination`` (int64, one per bin, -1 filled by the
-    caller). Both are made by the caller (`batchplan.planning.buffers`); each part sums the
-    sizes before its share itself, so the parts also fault in their share of ``offsets``.
+    share of ``order``, fills ``offsets`` (``len(order) + 1``: the CSR offsets of the
+    result) and each whole bin's ``destination`` (one per bin, -1 filled by the caller; both
+    int64, or int32 when the member space fits). Both are made by the caller
+    (`batchplan.planning.buffers`); each part sums the sizes before its share itself, so the
+    parts also fault in their share of ``offsets``.
     """
     num_bins = destination.shape[0]
     first, last = share(order.shape[0], part, parts)

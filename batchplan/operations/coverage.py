@@ -105,7 +105,8 @@ class EpochCoverage:
     def _kept(self, index) -> np.ndarray:
         """Tokens an epoch covers of the samples at ``index`` (an array or a slice)."""
         kept = self.lengths[index]
-        return kept if self.cap is None else np.minimum(kept, self.cap)
+        # The cap as int64: a Python int above the lengths' dtype (uint16) would not convert.
+        return kept if self.cap is None else np.minimum(kept, np.int64(self.cap))
 
     def _held(self, samples: NDArray[np.int64]) -> bool:
         """Whether any of ``samples`` is planned or was trained before the first step."""

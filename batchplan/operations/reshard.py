@@ -67,7 +67,7 @@ from batchplan.operations.parent_rows import (
     read_epoch,
     segment_positions,
 )
-from batchplan.plan import Entries, EpochPlan, Plan, index_dtype
+from batchplan.plan import Entries, EpochPlan, Members, Plan, index_dtype
 from batchplan.planning.micro_batches import MicroBatches
 from batchplan.planning.schedule import schedule_epoch
 from batchplan.reduce import sum_by_group
@@ -278,7 +278,7 @@ def _expand(scheduled: EpochPlan, part: ParentRows, entry_ids, dropped_ids) -> E
     return dataclasses.replace(
         scheduled,
         offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-        members=entry_ids[segment_positions(part.offsets, parent)],
+        member_store=Members(entry_ids[segment_positions(part.offsets, parent)]),
         tokens=tokens,
         loss_tokens=loss_tokens,
         padded_tokens=per_row(part.padded_tokens),
@@ -293,7 +293,7 @@ def _empty_epoch(epoch: int, config: PlanConfig, dropped: NDArray[np.int64]) -> 
     """An epoch with no rows: before the resumed one, or a resumed rest that drop_last dropped."""
     none64, none32 = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
     return EpochPlan(
-        epoch=epoch, world_size=config.world_size, offsets=np.zeros(1, dtype=np.int64), members=none64,
+        epoch=epoch, world_size=config.world_size, offsets=np.zeros(1, dtype=np.int64), member_store=Members(none64),
         rank_step=none64, rank_micro=none32, rank_num_micro=none32, tokens=none64, loss_tokens=none64,
         padded_tokens=none64, cost=None if config.cost_coefficient is None else np.zeros(0), step_tokens=none64,
         step_loss_tokens=none64, dropped_entries=dropped,

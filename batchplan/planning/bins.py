@@ -7,8 +7,10 @@ entries of each length shuffled with ``keys``). That order is never held: the bi
 the bin of each slot and the entries' lengths, and laying members out
 (`batchplan.kernels.bin_layout`) turns the bins into each slot's place, undoes the
 shuffle on the places, and writes every entry to its place in one pass over the entries.
-The planner's final layout does that in place (`PackedBins.lay_out`): the bins are used up,
-and the peak holds one index per entry twice (places, members) instead of three times.
+The planner's final layout does the first two in place (`PackedBins.lay_out`): the bins are
+used up, and the epoch keeps the places (one index per entry), from which a writer lays the
+members out a window at a time (`PendingMembers`): the peak holds one index per entry once,
+and a window of members.
 """
 
 from __future__ import annotations
@@ -23,14 +25,19 @@ from batchplan.kernels.bin_layout import bin_lengths, place_slots, scatter_entri
 from batchplan.kernels.pack import bin_destinations, bin_length_sums
 from batchplan.kernels.segments import range_sums
 from batchplan.kernels.shuffle import count_groups
+from batchplan.plan import Members, index_dtype
 from batchplan.planning.buffers import new_buffer
+from batchplan.planning.cutting_stock import pack_histogram
 from batchplan.planning.randomness import KeyStream, unshuffle_by_group
 from batchplan.planning.threads import run_in_parts
 
 if TYPE_CHECKING:
     from batchplan.planning.micro_batches import MicroBatches
 
-__all__ = ["Destinations", "PackedBins", "check_written", "count_by_group"]
+__all__ = [
+    "MEMBERS_AT_ONCE", "PARK_FROM_ENTRIES", "Destinations", "PackedBins", "PendingMembers", "check_written",
+    "count_by_group",
+]  # fmt: skip
 
 
 class PackedBins:
@@ -43,14 +50,52 @@ class PackedBins:
     longest first). `lay_out` uses the bins up; every other method leaves them as they are.
     """
 
-    def __init__(self, lengths, start, keys: KeyStream, slot_bin, offsets, tokens, capacity: int) -> None:
+    def __init__(
+        self, lengths, start, keys: KeyStream, slot_bin, offsets, tokens, capacity: int, pack_buffers=None
+    ) -> None:
         self.lengths: NDArray[np.integer] = lengths
         self.start: NDArray[np.int64] = start
         self.keys = keys
-        self.slot_bin: NDArray[np.integer] = slot_bin
-        self.offsets: NDArray[np.int64] = offsets
-        self.tokens: NDArray[np.int64] = tokens
+        self._slot_bin: NDArray[np.integer] | None = slot_bin
+        self.offsets: NDArray[np.integer] = offsets
+        self.tokens: NDArray[np.integer] = tokens
         self.capacity = capacity
+        # Best fit's (counts, tokens) arrays, to pack into again after `park`: large epochs
+        # whose bins are best fit's own (``offsets`` a view of them; not the LP's patterns).
+        repack = pack_buffers is not None and lengths.shape[0] >= PARK_FROM_ENTRIES
+        self._pack_buffers = pack_buffers if repack and np.may_share_memory(offsets, pack_buffers[0]) else None
+        self._parked = False
+
+    @property
+    def slot_bin(self) -> NDArray[np.integer]:
+        """The bin of each slot; after `park`, best fit packs the histogram again (the same bins)."""
+        if self._parked:
+            self._slot_bin = self._pack_again()
+            self._parked = False
+        return self._slot_bin
+
+    def park(self) -> None:
+        """Let the bin of each slot go (one index per entry) until it is needed again: large
+        epochs (`PARK_FROM_ENTRIES`) park it while they are scheduled, so the schedule's arrays
+        never share the peak with it. A smaller epoch keeps it (packing again costs time)."""
+        if self._pack_buffers is not None and self._slot_bin is not None:
+            self._slot_bin, self._parked = None, True
+
+    def _pack_again(self, last: bool = False) -> NDArray[np.integer]:
+        """Best fit decreasing on the same histogram, into its own arrays (``offsets`` and
+        ``tokens`` are views of them): they get the same values again. ``last``: for the
+        final layout, which needs no tokens: best fit's stacks of bins are kept in the
+        tokens' array instead of a new one, and the tokens are let go."""
+        counts, tokens = self._pack_buffers
+        counts[: self.num_bins + 1] = 0  # all it wrote (the rest was never touched: no pages)
+        slot_bin = new_buffer(int(self.start[-1]), counts.dtype)
+        histogram = np.diff(self.start)[: self.capacity + 1]
+        below, tokens = (tokens, tokens[:0]) if last else (None, tokens)
+        packed = pack_histogram(histogram, self.capacity, buffers=(slot_bin, counts, below, tokens))
+        same_tokens = last or np.array_equal(packed.tokens, self.tokens)
+        if not (np.array_equal(packed.offsets, self.offsets) and same_tokens):
+            raise AssertionError("packing the histogram again made other bins")
+        return packed.slot_bin
 
     @property
     def num_bins(self) -> int:
@@ -62,7 +107,7 @@ class PackedBins:
         slot_bin = self.slot_bin
         places = slot_bin if use_up else self._new_places()
         if use_up:
-            self.slot_bin = None
+            self._slot_bin = None
         places = self._places(slot_bin, self.offsets[:-1].astype(np.int64), _no_pieces(), places)
         del slot_bin
         members = new_buffer(places.shape[0], places.dtype)
@@ -138,9 +183,12 @@ class PackedBins:
         return where.offsets, self._members(places, where.count, threads)
 
     def destinations(self, batches: MicroBatches, order, sizes, threads: int) -> Destinations:
-        """Where micro-batches ``order`` (of ``sizes`` entries) go when laid out one after another."""
-        offsets = np.empty(order.shape[0] + 1, dtype=np.int64)
-        destination = new_buffer(self.num_bins, np.int64)
+        """Where micro-batches ``order`` (of ``sizes`` entries) go when laid out one after another.
+        Offsets and destinations are int32 when the member space fits (with `place_slots`'s
+        negative marks, down to ``-2 - entries``)."""
+        index = index_dtype(int(self.offsets[-1]) + 3)
+        offsets = np.empty(order.shape[0] + 1, dtype=index)
+        destination = new_buffer(self.num_bins, index)
         destination.fill(-1)
         run_in_parts(bin_destinations, threads, order, sizes, offsets, destination)
         pieces = np.flatnonzero(order >= self.num_bins)
@@ -150,16 +198,17 @@ class PackedBins:
         ranges = (piece_starts[by_start], piece_ends[by_start], offsets[pieces][by_start])
         return Destinations(offsets, destination, ranges)
 
-    def lay_out(self, where: Destinations, threads: int) -> NDArray:
-        """The members laid out at ``where``, using the bins up: each slot's place is written
-        over its bin, and the bins' arrays (and ``where``'s per-bin one) are let go before
-        the members are made. The micro-batches must hold no view of the bins
-        (`MicroBatches.lay_out` lets them go first)."""
-        slot_bin, self.slot_bin = self.slot_bin, None
+    def lay_out(self, where: Destinations, threads: int) -> PendingMembers:
+        """The members at ``where``, to be laid out a window at a time (`PendingMembers`),
+        using the bins up: each slot's place is written over its bin, the bins' arrays (and
+        ``where``'s per-bin one) are let go, and the shuffle is undone on the places. The
+        micro-batches must hold no view of the bins (`MicroBatches.lay_out` lets them go first)."""
+        slot_bin = self._pack_again(last=True) if self._parked else self._slot_bin
+        self._slot_bin = self.tokens = self._pack_buffers = None
         places = self._places(slot_bin, where.take_destination(), where.ranges, slot_bin)
         del slot_bin
-        self.offsets = self.tokens = None
-        return self._members(places, where.count, threads)
+        self.offsets = None
+        return PendingMembers(self.lengths, places, self._unshuffle(places, threads), where.count)
 
     def _members(self, places, count: int, threads: int) -> NDArray:
         members = new_buffer(count, places.dtype)
@@ -176,12 +225,79 @@ class PackedBins:
 
     def _write_entries(self, places, values, out, threads: int) -> int:
         """The shuffle undone on ``places``, then each entry (or its value) written to its place."""
+        return scatter_to_places(self.lengths, self._unshuffle(places, threads), places, values, out, 0)
+
+    def _unshuffle(self, places, threads: int) -> NDArray[np.int64]:
+        """The shuffle undone on ``places``; returns the cursors (per part of the entries, as
+        `count_by_group` splits them for ``threads``) that `scatter_to_places` starts from."""
         total = self.start[-1]
         block = total - self.start[1:]  # slots are placed longest first: length s's slots from here
         unshuffle_by_group(self.keys, self.start, block, places, threads=threads)
         counts = count_by_group(self.lengths, self.capacity + 1, threads)
-        cursors = block + np.cumsum(counts, axis=0) - counts
-        return sum(run_in_parts(scatter_entries, counts.shape[0], self.lengths, cursors, places, values, out))
+        return block + np.cumsum(counts, axis=0) - counts
+
+
+class PendingMembers(Members):
+    """An epoch's members in row order, laid out a window at a time from each slot's place
+    (`PackedBins.lay_out`): a window of at most `MEMBERS_AT_ONCE` (or the range asked, if
+    longer) is laid out by one pass over the entries and kept until a range outside it, or
+    the last member, is asked for. A writer asking for ranks in order makes one pass per
+    window; the peak holds the places and one window, not every member. `all` lays every
+    member out once, keeps them, and lets the places go."""
+
+    def __init__(self, lengths: NDArray[np.integer], places: NDArray, cursors: NDArray[np.int64], count: int) -> None:
+        super().__init__(None)
+        self._lengths, self._places, self._cursors, self._count = lengths, places, cursors, count
+        self._window = (0, places[:0])  # (first, members)
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def between(self, start: int, stop: int) -> NDArray:
+        if self._array is not None:
+            return self._array[start:stop]
+        start, stop = min(start, self._count), min(stop, self._count)  # as a slice of the array would
+        if not 0 <= start <= stop:
+            raise ValueError(f"members {start:,}:{stop:,} asked of {self._count:,}")
+        first, window = self._window
+        if not (first <= start and stop <= first + window.shape[0]):
+            self._window = first, window = start, self._lay_out(start, max(stop, start + MEMBERS_AT_ONCE))
+        if stop == self._count:  # read to the end: the window is let go (a reader may hold this view)
+            self._window = (0, self._places[:0])
+        return window[start - first : stop - first]
+
+    def all(self) -> NDArray:
+        if self._array is None:
+            self._window = (0, self._places[:0])
+            self._array = self._lay_out(0, self._count)
+            self._places = self._cursors = None
+        return self._array
+
+    def _lay_out(self, start: int, stop: int) -> NDArray:
+        """Members ``start:min(stop, count)``, by one pass over the entries."""
+        stop = min(stop, self._count)
+        members = new_buffer(stop - start, self._places.dtype)
+        written = scatter_to_places(self._lengths, self._cursors, self._places, None, members, start)
+        check_written(written, members)
+        return members
+
+
+# Epochs of at least this many entries park the bin of each slot while they are scheduled
+# (`PackedBins.park`): 2^27 (512 MiB of int32), where memory, not the time of packing again
+# (~1.5 s per 10^8 entries on this machine's cores), is what runs out.
+PARK_FROM_ENTRIES = 1 << 27
+
+# Members laid out per pass of `PendingMembers`: 2^26 (256 MiB of int32): 10^7 members in one
+# pass (as fast as all at once), 10^8 in 2, 10^9 in 15 (each pass reads every length and place).
+MEMBERS_AT_ONCE = 1 << 26
+
+
+def scatter_to_places(lengths, cursors, places, values, out, first: int) -> int:
+    """`scatter_entries` of every entry whose place is in ``first:first + len(out)``, in the
+    parts ``cursors`` holds a row for (on as many threads); ``cursors`` is left as it is."""
+    cursors = cursors.copy()
+    return sum(run_in_parts(scatter_entries, cursors.shape[0], lengths, cursors, places, values, out, first))
 
 
 class Destinations:

@@ -12,9 +12,11 @@ from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
 from batchplan.errors import DatasetError
-from batchplan.plan import Entries, index_dtype
+from batchplan.plan import Entries, index_dtype, length_dtype
 
 __all__ = ["make_entries"]
+
+_CHUNK = 1 << 20  # samples looked at a time when indexing the kept ones
 
 
 def make_entries(
@@ -23,6 +25,10 @@ def make_entries(
     loss_tokens: NDArray[np.integer] | None = None,
 ) -> Entries:
     """Turn sample lengths into entries under ``config.oversize`` and ``config.drop_empty``.
+
+    The entries' lengths (and loss tokens) are uint16 when every one is below 2^16, else
+    int32 (`batchplan.plan.length_dtype`): ``lengths`` itself when it has that dtype and
+    every sample is kept. Plans do not depend on the dtype given.
 
     Raises:
         DatasetError: empty samples without ``drop_empty``; oversize samples under
@@ -54,18 +60,36 @@ def make_entries(
             keep = lengths <= config.max_tokens if keep is None else keep & (lengths <= config.max_tokens)
 
     index = index_dtype(num_samples)
-    if keep is None:
-        sample = None  # entry i is sample i
-        kept_lengths = lengths.astype(np.int32, copy=False)
-        kept_loss = None if loss_tokens is None else np.asarray(loss_tokens).astype(np.int32, copy=False)
-    else:
-        sample = np.flatnonzero(keep).astype(index)
-        kept_lengths = lengths[sample].astype(np.int32, copy=False)
-        kept_loss = None if loss_tokens is None else np.asarray(loss_tokens)[sample].astype(np.int32)
+    sample = None if keep is None else _kept_samples(keep, index)  # None: entry i is sample i
+    kept = lengths if sample is None else lengths[sample]
     if oversize is not None and config.oversize in ("truncate", "split"):
         every = np.arange(num_samples, dtype=index) if sample is None else sample
-        return _spans(every, kept_lengths, config, dropped)
+        return _spans(every, kept, config, dropped)
+    # Oversize samples are dropped here: every kept length is at most max_tokens.
+    kept_lengths = kept.astype(length_dtype(min(longest, config.max_tokens)), copy=False)
+    kept_loss = None if loss_tokens is None else _narrow_loss(np.asarray(loss_tokens), sample)
     return Entries(length=kept_lengths, dropped=dropped, sample=sample, loss_tokens=kept_loss)
+
+
+def _kept_samples(keep: NDArray[np.bool_], index: np.dtype) -> NDArray[np.integer]:
+    """Indices of the kept samples as ``index``, found a chunk at a time (never an int64
+    index of them all: 8 bytes per sample)."""
+    sample = np.empty(int(np.count_nonzero(keep)), dtype=index)
+    filled = 0
+    for first in range(0, keep.shape[0], _CHUNK):
+        found = np.flatnonzero(keep[first : first + _CHUNK])
+        sample[filled : filled + found.shape[0]] = found + first
+        filled += found.shape[0]
+    return sample
+
+
+def _narrow_loss(loss_tokens: NDArray[np.integer], sample: NDArray[np.integer] | None) -> NDArray[np.integer]:
+    """The kept samples' loss tokens: uint16 when every one is in ``0..2^16 - 1``, else int32."""
+    kept = loss_tokens if sample is None else loss_tokens[sample]
+    if kept.dtype == np.uint16:
+        return kept
+    fits = kept.size and int(kept.min()) >= 0
+    return kept.astype(length_dtype(int(kept.max())) if fits else np.int32, copy=False)
 
 
 def _check_inputs(lengths, shortest: int, config: PlanConfig, has_loss_column: bool) -> None:
@@ -116,6 +140,7 @@ def _spans(sample, lengths, config: PlanConfig, dropped) -> Entries:
     # shape (entries,): index of each piece within its sample
     piece = np.arange(entry_sample.shape[0], dtype=np.int64) - np.repeat(first_piece, pieces)
     start = piece * cap
-    length = np.minimum(cap, np.repeat(lengths, pieces) - start).astype(np.int32)
+    # Some sample is longer than the cap here: the longest span has cap tokens.
+    length = np.minimum(cap, np.repeat(lengths, pieces) - start).astype(length_dtype(cap))
     # Each span is trained as its own sequence: its first token has no target (length - 1).
     return Entries(length=length, dropped=dropped, sample=entry_sample, start=start)

@@ -41,14 +41,16 @@ def form_micro_batches(
         start = np.zeros(capacity + 2, dtype=np.int64)
         np.cumsum(count_by_group(lengths, capacity + 1, threads).sum(axis=0), out=start[1:])
         histogram = np.diff(start)[: capacity + 1]
-        # Best fit's arrays, sized for the most bins it can open (`batchplan.planning.buffers`).
+        # Best fit's arrays, sized for the most bins it can open (`batchplan.planning.buffers`);
+        # the bins' offsets and tokens are int32 where they fit (held until members are laid out).
         bound = most_bins(histogram, capacity)
         index = index_dtype(count)
-        buffers = (new_buffer(count, index), np.zeros(bound + 1, dtype=np.int64),
-                   new_buffer(bound, index), new_buffer(bound, np.int64))  # fmt: skip
+        buffers = (new_buffer(count, index), np.zeros(bound + 1, dtype=index),
+                   new_buffer(bound, index), new_buffer(bound, index))  # fmt: skip
         packed = pack_histogram(histogram, capacity, buffers=buffers)
+        again = (buffers[1], buffers[3])  # to pack into again, if the bins are parked
         del buffers
-        bins = PackedBins(lengths, start, keys, packed.slot_bin, packed.offsets, packed.tokens, capacity)
+        bins = PackedBins(lengths, start, keys, packed.slot_bin, packed.offsets, packed.tokens, capacity, again)
         batches = MicroBatches.of_bins(bins)
         tokens = int(packed.tokens.sum())
         batches.packing = PackingBound(batches.count, tokens, packed.bound.bins, packed.bound.kind)

@@ -14,7 +14,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.kernels.segments import lay_out_segments, range_sums, scatter_segments, segment_destinations
-from batchplan.plan import PackingBound
+from batchplan.plan import Members, PackingBound, index_dtype
 from batchplan.planning.bins import Destinations, PackedBins, check_written
 from batchplan.planning.buffers import new_buffer, scratch_or_new
 
@@ -61,12 +61,12 @@ class LaidOut:
         offsets = segment_destinations(batches.starts, batches.ends, order, destination)
         return Destinations(offsets, destination, (batches.starts, batches.ends))
 
-    def lay_out(self, where: Destinations, threads: int) -> NDArray:
+    def lay_out(self, where: Destinations, threads: int) -> Members:
         """The members laid out at ``where``, using these up (the lengths are let go first)."""
         members, self.members, self.lengths = self.members, None, None
         out = new_buffer(where.count, members.dtype)
         check_written(scatter_segments(members, *where.ranges, where.take_destination(), out), out)
-        return out
+        return Members(out)
 
 
 class MicroBatches:
@@ -171,12 +171,14 @@ class MicroBatches:
             self._base_tokens = self.layout.formed_tokens(*self._base)
         return self._joined(self._base_tokens, self._extra[:, 2])
 
-    def token_table(self) -> NDArray[np.int64]:
+    def token_table(self) -> NDArray[np.integer]:
         """Shape (count, 2): tokens and entries of each micro-batch, side by side (one cache
-        line per micro-batch for kernels that read them at random)."""
+        line per micro-batch for kernels that read them at random); int32 when they fit."""
         (starts, ends), formed = self._base, self._base[0].shape[0]
-        table = np.empty((self.count, 2), dtype=np.int64)
-        table[:, 0] = self.tokens()
+        tokens = self.tokens()
+        most = max(int(tokens.max(initial=0)), int(ends.max(initial=0)))  # entries <= the last end
+        table = np.empty((self.count, 2), dtype=index_dtype(most + 1))
+        table[:, 0] = tokens
         np.subtract(ends, starts, out=table[:formed, 1])
         table[formed:, 1] = self._extra[:, 1] - self._extra[:, 0]
         return table
@@ -202,6 +204,12 @@ class MicroBatches:
         """The entries of the given micro-batches, concatenated (int64)."""
         parts = self.layout.range_members(*self.bounds(which))
         return np.concatenate([np.zeros(0, dtype=np.int64), *parts]).astype(np.int64)
+
+    def park(self) -> None:
+        """Packed bins of a large epoch let the bin of each slot go until it is needed again
+        (`batchplan.planning.bins.PackedBins.park`); otherwise nothing changes."""
+        if isinstance(self.layout, PackedBins):
+            self.layout.park()
 
     def release_lengths(self) -> None:
         """Let go of the entries' lengths held beside the members (laid-out micro-batches):
@@ -241,11 +249,12 @@ class MicroBatches:
         go when laid out one after another; its ``offsets`` are the CSR offsets."""
         return self.layout.destinations(self, order, sizes, threads)
 
-    def lay_out(self, where: Destinations, threads: int = 1) -> NDArray:
+    def lay_out(self, where: Destinations, threads: int = 1) -> Members:
         """The members at ``where`` (`destinations`), as `gather` lays them out, using these
         micro-batches up: they let go of every array before the members are made (only
-        ``packing`` is left), so that the peak holds the members and what laying them out
-        needs, nothing of the micro-batches as formed."""
+        ``packing`` is left), so that the peak holds the members (packed bins: the places
+        they are laid out from, a window at a time, `batchplan.planning.bins.PendingMembers`)
+        and what laying them out needs, nothing of the micro-batches as formed."""
         layout, self.layout = self.layout, None
         self._base = self._base_tokens = self._joined_cache = self._extra = None
         return layout.lay_out(where, threads)

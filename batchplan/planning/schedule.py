@@ -64,6 +64,10 @@ def schedule_epoch(
     # What is needed of the entries' lengths is known now (tokens, longest): let them go.
     longest = batches.longest() if config.mode == "pad" else None
     batches.release_lengths()
+    # With a loss-tokens column, each micro-batch's loss tokens are summed now, so that large
+    # packed epochs can park their bins until the members are laid out (`MicroBatches.park`).
+    loss = None if entries.loss_is_length_minus_one else batches.entry_sums(entries.loss_tokens)
+    batches.park()
     kept = min(num_full, -(-ordered // config.world_size) * config.world_size)  # whole rounds
     # Each scheduled micro-batch's values, gathered once and written where balancing puts them.
     at = Scheduled.take(schedule, batches, compute, config, kept, num_full, epoch, threads)
@@ -75,8 +79,8 @@ def schedule_epoch(
         at = at.head(keep)
     else:
         step_offsets = cut_steps(at.tokens, config, sizing)
-    rows = Rows.lay_out(entries, config, batches, at, step_offsets, longest, threads)
-    del at, longest  # not needed once the rows are laid out
+    rows = Rows.lay_out(config, batches, at, step_offsets, longest, loss, threads)
+    del at, longest, loss  # not needed once the rows are laid out
     return _assemble(config, epoch, batches, rows, dropped, threads)
 
 
@@ -84,7 +88,7 @@ def _shuffle(batches: MicroBatches, config: PlanConfig, epoch: int, ordered: int
     """The micro-batches after the first ``ordered`` shuffled, and the epoch's end completed or
     dropped (`epoch_end`): ``(room, schedule, whole rounds' micro-batches, dropped entries)``;
     the schedule is written in ``room``, which has room to complete the last round in place."""
-    room = np.empty(batches.count + config.world_size, dtype=np.int64)
+    room = np.empty(batches.count + config.world_size, dtype=index_dtype(batches.count + config.world_size))
     schedule = room[: batches.count]
     schedule[:ordered] = np.arange(ordered)
     permute(epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER), schedule[ordered:], first=ordered, threads=threads)
@@ -111,9 +115,9 @@ def _costs_of(batches: MicroBatches, config: PlanConfig, known: NDArray[np.float
 class Scheduled:
     """Micro-batches in schedule order, each with what the later stages need of it."""
 
-    batch: NDArray[np.int64]  # micro-batch id
-    tokens: NDArray[np.int64]
-    sizes: NDArray[np.int64]  # entries
+    batch: NDArray[np.integer]  # micro-batch id (int32 when ids, tokens and entries fit, as the next two)
+    tokens: NDArray[np.integer]
+    sizes: NDArray[np.integer]  # entries
     compute: NDArray[np.float64] | None  # predicted compute, with a cost coefficient
     by_compute: bool  # balance ranks by compute, else by tokens
 
@@ -131,9 +135,11 @@ class Scheduled:
         window = 0 if config.balance_window == 1 else config.balance_window * config.world_size
         num_rounds = (end - begin) // config.world_size if window else 0
         round_order = epoch_rng(config.seed, epoch, STREAM_ROUND_ORDER).permutation(num_rounds)
-        out = new_buffer((3, schedule.shape[0]), np.int64)
-        out_values = np.empty(schedule.shape[0] if compute is not None else 0, dtype=np.float64)
         table = batches.token_table()
+        # Ids, tokens and entries: int32 when they fit (half the memory at the planner's peak).
+        most = max(batches.count, int(table.max(initial=0)))
+        out = new_buffer((3, schedule.shape[0]), index_dtype(most + 1))
+        out_values = np.empty(schedule.shape[0] if compute is not None else 0, dtype=np.float64)
         run_in_parts(
             take_scheduled, threads,
             schedule, begin, end, window, round_order, config.world_size, table, values, by_compute, config.max_tokens,
@@ -157,7 +163,7 @@ class Rows:
     """The rows of an epoch, ordered by (rank, step, micro) (`batchplan.kernels.assemble.lay_out_rows`).
     ``order`` (each row's micro-batch id and entries) is dropped once the members' places are known."""
 
-    order: NDArray[np.int64] | None  # shape (2, rows): micro-batch id, entries
+    order: NDArray[np.integer] | None  # shape (2, rows): micro-batch id, entries (int32 when they fit)
     values: NDArray[np.integer]  # shape (2, rows): tokens, loss tokens (int32 when they fit)
     padded: NDArray[np.int64] | None  # pad mode: entries x longest
     cost: NDArray[np.float64] | None
@@ -165,16 +171,18 @@ class Rows:
     step_sums: NDArray[np.int64]  # shape (2, steps): tokens, loss tokens
 
     @classmethod
-    def lay_out(cls, entries, config: PlanConfig, batches: MicroBatches, at: Scheduled, step_offsets, longest, threads):
+    def lay_out(cls, config: PlanConfig, batches: MicroBatches, at: Scheduled, step_offsets, longest, loss, threads):
         """Assign ranks in each step and order the micro-batches by (rank, step, micro).
-        ``longest``: pad mode, each micro-batch's longest entry (else None)."""
+        ``longest``: pad mode, each micro-batch's longest entry (else None); ``loss``: each
+        micro-batch's loss tokens (else None: tokens less entries)."""
         no_values = np.zeros(0, dtype=np.int64)
-        loss = no_values if entries.loss_is_length_minus_one else batches.entry_sums(entries.loss_tokens)[at.batch]
+        loss = no_values if loss is None else loss[at.batch]
         compute = np.zeros(0, dtype=np.float64) if at.compute is None else at.compute
         count = step_offsets[-1]
         # Tokens and loss tokens are kept in the plan: int32 when they fit (half the memory).
         most = max(int(at.tokens.max(initial=0)), int(loss.max(initial=0)))
-        order, values = new_buffer((2, count), np.int64), new_buffer((2, count), index_dtype(most + 1))
+        ids = max(batches.count, int(at.sizes.max(initial=0)))
+        order, values = new_buffer((2, count), index_dtype(ids + 1)), new_buffer((2, count), index_dtype(most + 1))
         cost = np.empty(count if at.compute is not None else 0, dtype=np.float64)
         rank_rows = np.empty((3, count // config.world_size), dtype=np.int64)
         step_sums = np.zeros((2, step_offsets.shape[0] - 1), dtype=np.int64)
@@ -197,13 +205,13 @@ def _assemble(config: PlanConfig, epoch: int, batches: MicroBatches, rows: Rows,
     rows.order = None
     where.offsets = where.offsets.astype(index_dtype(where.count + 1), copy=False)
     packing = batches.packing
-    members = batches.lay_out(where, threads)
+    members = batches.lay_out(where, threads)  # packed bins: laid out a window at a time, when written
     step, micro, num_micro = rows.rank_rows[0], rows.rank_rows[1].astype(np.int32), rows.rank_rows[2].astype(np.int32)
     return EpochPlan(
         epoch=epoch,
         world_size=config.world_size,
         offsets=where.offsets,
-        members=members,
+        member_store=members,
         rank_step=step,
         rank_micro=micro,
         rank_num_micro=num_micro,

@@ -115,7 +115,8 @@ def add_warmup_pieces(
     if sample is None:  # entry i is sample i
         sample = np.arange(entries.num_entries, dtype=index_dtype(entries.num_entries))
     extended = Entries(
-        length=np.concatenate([entries.length, piece_length.astype(np.int32)]),
+        # A piece is part of its entry: it fits the entries' dtype (uint16 or int32).
+        length=np.concatenate([entries.length, piece_length.astype(entries.length.dtype)]),
         dropped=entries.dropped,
         sample=np.concatenate([sample, sample[source]]),
         start=np.concatenate([base_start, base_start[source] + offset]),
