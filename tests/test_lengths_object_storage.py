@@ -16,10 +16,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 import pytest
+from _corpus import write_corpus
 from _ddp_plans import free_port
 from batchplan_cli.main import app
 from typer.testing import CliRunner
@@ -35,23 +34,6 @@ moto_server = pytest.importorskip("moto.server", reason="moto[server] (the test 
 
 BUCKET = "corpus"
 PREFIX = f"s3://{BUCKET}/lengths"
-FOLDERS = ["", "a/", "a-b/", "a/deep/", "b/"]
-
-
-def write_corpus(root: Path, num_files: int, seed: int = 0) -> Path:
-    """``num_files`` Parquet files of 1-5 rows (length, loss, text) and one non-Parquet file."""
-    rng = np.random.default_rng(seed)
-    for index in range(num_files):
-        rows = int(rng.integers(1, 6))
-        length = rng.integers(1, 60, rows).astype(np.int32)
-        loss = (length * rng.random(rows)).astype(np.int32)
-        path = root / f"{FOLDERS[index % len(FOLDERS)]}shard-{index:05d}.parquet"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(pa.table({"length": length, "loss": loss, "text": ["x"] * rows}), path)
-    (root / "README.txt").write_text("not parquet: listed, never read")
-    return root
-
-
 def upload(local: Path, key: str) -> float:
     """Copies ``local`` under ``s3://corpus/KEY`` (pyarrow's threads); returns the seconds taken."""
     store, _ = pafs.FileSystem.from_uri(f"s3://{BUCKET}")

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path, PurePath
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 MAX_THREADS = 16
+GCS_RETRY_SECONDS = 60  # how long a gs:// read retries (a URI's own retry_limit_seconds wins)
 _URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
 _STORES = {"s3": "S3", "gs": "GCS", "gcs": "GCS"}
 _HINTS = {
@@ -94,7 +95,7 @@ class Storage:
                 prefix, a prefix without Parquet files, a store that cannot be reached.
         """
         store = _store_of(uri)
-        filesystem, path = _call(uri, pafs.FileSystem.from_uri, uri)
+        filesystem, path = _call(uri, pafs.FileSystem.from_uri, _with_retry_limit(uri))
         with self._lock:
             self._filesystems.setdefault(_root(uri, path), filesystem)
         info = _call(uri, filesystem.get_file_info, path)
@@ -134,7 +135,7 @@ class Storage:
             filesystem, size = self._filesystems.get(root), self._sizes.get(name)
         if filesystem is None:  # files listed by hand, not by `expand`: the URI's own filesystem
             _store_of(name)
-            filesystem = _call(name, pafs.FileSystem.from_uri, root)[0]
+            filesystem = _call(name, pafs.FileSystem.from_uri, _with_retry_limit(root))[0]
             with self._lock:
                 filesystem = self._filesystems.setdefault(root, filesystem)
         return ParquetObject(filesystem, path, size)
@@ -237,6 +238,18 @@ def _missing(uri: str, store: str, filesystem: pafs.FileSystem, path: str) -> Da
             f"check the bucket's name, or {_HINTS[store]}"
         )
     return DatasetError(f"{uri}: no such object or prefix; check the key (listing is case-sensitive)")
+
+
+def _with_retry_limit(uri: str) -> str:
+    """``uri`` for pyarrow: a ``gs://`` URI that sets no ``retry_limit_seconds`` gets
+    `GCS_RETRY_SECONDS`. Without credentials pyarrow's GCS client retries getting a token for
+    15 minutes before it reports anything; one minute still rides out a brief outage."""
+    parts = urlsplit(uri)
+    keys = [key for key, _ in parse_qsl(parts.query, keep_blank_values=True)]
+    if _STORES.get(parts.scheme.lower()) != "GCS" or "retry_limit_seconds" in keys:
+        return uri
+    limit = f"retry_limit_seconds={GCS_RETRY_SECONDS}"  # the query as given, this appended
+    return urlunsplit(parts._replace(query=f"{parts.query}&{limit}" if parts.query else limit))
 
 
 def _root(uri: str, path: str) -> str:
