@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from batchplan_cli.main import app
 from typer.testing import CliRunner
 
-from batchplan.operations.build import build_plan_file
 from batchplan.config import PlanConfig
 from batchplan.errors import BatchPlanError, PlanMismatchError
 from batchplan.formats.plan_file import open_plan
-from batchplan_cli.main import app
+from batchplan.operations.build import build_plan_file
 
 pytest.importorskip("matplotlib")
 
@@ -158,8 +158,8 @@ def test_compare_without_matplotlib_fails_before_computing(monkeypatch, tmp_path
 def test_a_resharded_plan_plots(tmp_path):
     """Steps of a resharded plan start at its first_step; the figure handles that."""
     from batchplan.formats.plan_writer import write_plan
-    from batchplan.planning.epochs import build_plan
     from batchplan.operations.reshard import reshard_plan_file
+    from batchplan.planning.epochs import build_plan
 
     lengths = np.random.default_rng(0).integers(1, 200, 5000).astype(np.int32)
     parent, child = tmp_path / "parent.arrow", tmp_path / "child.arrow"
@@ -186,3 +186,116 @@ def test_varying_micro_batches_per_step_and_schedule_ends_are_drawn(tmp_path):
     assert any(label.startswith("warmup ends") for label in labels)
     imbalance = [t.get_text() for t in figure.axes[3].get_legend().get_texts()]
     assert any(label.startswith("each epoch's last step") for label in imbalance)
+
+
+def micro_batch_values(plan) -> dict[str, np.ndarray]:
+    """The per-micro-batch values the histograms count, read row by row (the slow reference)."""
+    from batchplan.formats.plan_file import padded_tokens_column
+    from batchplan.reports.summary import samples_per_row
+
+    batches = [plan.read_rank(e, r) for e in range(plan.num_epochs) for r in range(plan.world_size)]
+    tokens = np.concatenate([b.column("tokens").to_numpy() for b in batches])
+    padded = np.concatenate([padded_tokens_column(b).to_numpy() for b in batches])
+    counts = np.concatenate([samples_per_row(b) for b in batches])
+    nonempty = counts > 0
+    return {"tokens": tokens, "padded": padded, "nonempty_tokens": tokens[nonempty],
+            "longest": padded[nonempty] // counts[nonempty]}  # fmt: skip
+
+
+def drawn_histograms(monkeypatch, plan) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(counts, bin edges) of every `Axes.hist` that `plot_plan` draws, in order."""
+    from matplotlib.axes import Axes
+
+    drawn, hist = [], Axes.hist
+
+    def recording(self, *args, **kwargs):
+        counts, edges, patches = hist(self, *args, **kwargs)
+        drawn.append((np.asarray(counts), np.asarray(edges)))
+        return counts, edges, patches
+
+    monkeypatch.setattr(Axes, "hist", recording)
+    figure = plot_plan(plan)
+    bars = [p.get_height() for p in figure.axes[0].patches]
+    assert bars == list(drawn[0][0])  # the lengths panel's bars are the counts recorded
+    return drawn
+
+
+def lengths_bins(values: np.ndarray) -> np.ndarray | int:
+    """The lengths panel's bins over the positive per-micro-batch values themselves."""
+    if values.size and values.max() > 20 * max(1.0, float(np.median(values))):
+        return np.geomspace(max(1, values.min()), values.max() + 1, 60)
+    return 60
+
+
+@pytest.mark.parametrize("mode", ["pack", "pad"])
+def test_histograms_count_exactly_the_micro_batch_values(tmp_path, monkeypatch, mode):
+    """Drawn from counts of each integer, every histogram has the counts and bins of one drawn
+    over the per-micro-batch values; pad lengths with a wide spread take geometric bins."""
+    from batchplan.formats.plan_writer import write_plan
+    from batchplan.planning.epochs import build_plan
+
+    rng = np.random.default_rng(7)
+    cap, lengths = 4096, rng.integers(1, 700, 4000)
+    if mode == "pad":  # mostly short samples, a few long: the longest per micro-batch spreads widely
+        cap, lengths = 512, np.where(rng.random(4000) < 0.995, rng.integers(1, 9, 4000), rng.integers(200, 513, 4000))
+    path = tmp_path / f"{mode}.arrow"
+    config = PlanConfig(max_tokens=cap, world_size=3, micro_batches=2, epochs=2, mode=mode)
+    write_plan(build_plan(lengths.astype(np.int32), config), path)
+    plan = open_plan(path)
+    drawn = drawn_histograms(monkeypatch, plan)
+    values = micro_batch_values(plan)
+    shown = values["longest" if mode == "pad" else "nonempty_tokens"]
+    shown = shown[shown > 0]
+    bins = lengths_bins(shown)
+    assert isinstance(bins, np.ndarray) == (mode == "pad")  # geometric bins in pad mode only
+    fill_bins = np.linspace(0, 100, 51)
+    expected = [np.histogram(shown, bins=bins), np.histogram(100.0 * values["tokens"] / cap, fill_bins)]
+    if mode == "pad":
+        expected.append(np.histogram(100.0 * values["padded"] / cap, fill_bins))
+    assert len(drawn) == len(expected)
+    for (counts, edges), (want_counts, want_edges) in zip(drawn, expected):
+        np.testing.assert_array_equal(edges, want_edges)
+        np.testing.assert_array_equal(counts, want_counts)
+    assert drawn[1][0].sum() == values["tokens"].size  # every micro-batch lies in 0..100 %
+
+
+def test_scan_memory_does_not_grow_with_micro_batches(tmp_path):
+    """The scan for the figure holds per-step numbers and counts of 0..max_tokens + 1, nothing
+    per micro-batch."""
+    from batchplan.formats.plan_writer import write_plan
+    from batchplan.planning.epochs import build_plan
+    from batchplan.reports.summary import scan_plan
+
+    lengths = np.random.default_rng(1).integers(1, 100, 20_000).astype(np.int32)
+    path = tmp_path / "many.arrow"
+    write_plan(build_plan(lengths, PlanConfig(max_tokens=256, world_size=4, micro_batches=2, mode="pad")), path)
+    plan = open_plan(path)
+    scan = scan_plan(plan, histograms=True)
+    assert scan.micro_batches > 10 * (256 + 2) and scan.micro_batches > 4 * plan.num_steps
+    assert sorted(scan.histograms) == ["longest", "nonempty_tokens", "padded", "tokens"]
+    for counts in scan.histograms.values():
+        assert counts.shape == (256 + 2,) and counts.dtype == np.int64
+    assert scan.histograms["tokens"].sum() == scan.micro_batches
+    arrays = [v for v in vars(scan).values() if isinstance(v, np.ndarray) and v.ndim]
+    assert arrays and all(a.size <= max(plan.num_steps, 256 + 2) for a in arrays)
+    assert scan_plan(plan).histograms is None
+
+
+def test_values_above_max_tokens_count_in_the_last_bucket(squad_plan, tmp_path):
+    """A corrupt plan (a micro-batch over max_tokens) still plots, and the note counts it."""
+    from batchplan.reports.summary import scan_plan
+
+    reader = pa.ipc.open_file(pa.memory_map(str(squad_plan)))
+    batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+    tokens = batches[0].column("tokens").to_numpy().copy()
+    tokens[0] = 4096 + 5
+    index = batches[0].schema.get_field_index("tokens")
+    batches[0] = batches[0].set_column(index, batches[0].schema.field(index), pa.array(tokens, pa.int64()))
+    corrupt = tmp_path / "corrupt.arrow"
+    with pa.OSFile(str(corrupt), "wb") as sink, pa.ipc.new_file(sink, reader.schema) as writer:
+        for batch in batches:
+            writer.write_batch(batch)
+    scan = scan_plan(open_plan(corrupt), histograms=True)
+    assert scan.histograms["tokens"][-1] == scan.histograms["nonempty_tokens"][-1] == 1
+    notes = [t.get_text() for t in plot_plan(open_plan(corrupt)).axes[0].texts]
+    assert any("1 > max_tokens" in note for note in notes)

@@ -9,6 +9,10 @@ when given): sample lengths, micro-batch fill, tokens per step, rank imbalance p
 step (tokens, and cost when the plan has a ``cost`` column), micro-batches per step,
 and the summary numbers. Series over steps longer than 2,000 points are drawn as
 the mean per bin of steps with a min-max band, so a 16 M-sample plan plots in seconds.
+The histograms of per-micro-batch values are drawn from counts of each integer
+0..max_tokens (`scan_plan`'s ``histograms``), with the bins the values themselves would
+get: memory is O(max_tokens) plus one record batch, whatever the plan's size (plus the
+lengths drawn, when given).
 """
 
 from __future__ import annotations
@@ -121,7 +125,7 @@ def plot_plan(plan: OpenedPlan, lengths: NDArray[np.integer] | None = None, leng
         lengths_label: the title of the lengths panel when ``lengths`` is given.
     """
     figure_class, _ = matplotlib_modules()
-    scan = scan_plan(plan, keep_rows=True)  # one pass over the plan, one record batch at a time
+    scan = scan_plan(plan, histograms=True)  # one pass over the plan, one record batch at a time
     data = _plan_arrays(plan, scan)
     summary = summarize_plan(plan, scan=scan)
     figure = figure_class(figsize=(16, 9), layout="constrained")
@@ -141,9 +145,7 @@ def _plan_arrays(plan: OpenedPlan, scan: PlanScan) -> dict[str, Any]:
         "mode": plan.metadata["mode"],
         "max_tokens": int(plan.metadata["max_tokens"]),
         "world_size": plan.world_size,
-        "tokens": scan.row_values("tokens"),
-        "padded": scan.row_values("padded"),
-        "counts": scan.row_values("counts"),
+        "histograms": scan.histograms,  # counts of each value 0..max_tokens, then above
         "step_tokens": scan.step_tokens,
         "token_imbalance": scan.token_imbalance,
         "micro_per_step": scan.step_micro_batches // plan.world_size,
@@ -158,26 +160,28 @@ def _plan_arrays(plan: OpenedPlan, scan: PlanScan) -> dict[str, Any]:
 def _lengths_panel(ax: Axes, data, lengths, label: str) -> None:
     cap = data["max_tokens"]
     if lengths is None:
-        nonempty = data["counts"] > 0
         if data["mode"] == "pad":
-            values = data["padded"][nonempty] // data["counts"][nonempty]
+            counts = data["histograms"]["longest"]
             label = "longest sample per micro-batch (no lengths: --dataset)"
         else:
-            values = data["tokens"][nonempty]
+            counts = data["histograms"]["nonempty_tokens"]
             label = "tokens per micro-batch (no lengths: --dataset)"
         unit = "micro-batches"
+        values, weights = _counted_values(counts)
+        number, over = int(counts.sum()), int(counts[cap + 1])
     else:
-        values = np.asarray(lengths)
+        values, weights = np.asarray(lengths), None
         unit = "samples" if label.startswith("sample") else "entries"
-    over = int((values > cap).sum())
-    note = f"{values.shape[0]:,} {unit}\n" + (f"{over:,} > max_tokens" if over else "all <= max_tokens")
-    values = values[values > 0]
-    if values.size and values.max() > 20 * max(1.0, float(np.median(values))):
+        number, over = values.shape[0], int((values > cap).sum())
+    note = f"{number:,} {unit}\n" + (f"{over:,} > max_tokens" if over else "all <= max_tokens")
+    positive = values > 0
+    values, weights = values[positive], None if weights is None else weights[positive]
+    if values.size and values.max() > 20 * max(1.0, _median(values, weights)):
         ax.set_xscale("log")
         bins = np.geomspace(max(1, values.min()), values.max() + 1, 60)
     else:
-        bins = 60
-    ax.hist(values, bins=bins, color="tab:blue")
+        bins = 60  # over values.min()..values.max(): the same with weights, as values are the ones counted
+    ax.hist(values, bins=bins, weights=weights, color="tab:blue")
     if values.size and cap > 1.5 * values.max():
         note += f" ({cap:,}, off the axis)"
     else:
@@ -195,19 +199,37 @@ def _lengths_panel(ax: Axes, data, lengths, label: str) -> None:
 
 def _fill_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     cap = data["max_tokens"]
-    real = 100.0 * data["tokens"] / cap
-    bins = np.linspace(0, 100, 51)
-    ax.hist(real, bins=bins, color="tab:green", alpha=0.7, label="real tokens")
+    tokens, weights = _counted_values(data["histograms"]["tokens"])
+    bins = np.linspace(0, 100, 51)  # above max_tokens (a corrupt plan): off the bins, not drawn
+    ax.hist(100.0 * tokens / cap, bins=bins, weights=weights, color="tab:green", alpha=0.7, label="real tokens")
     title = f"micro-batch fill: {summary['fill']:.3%} of max_tokens (steps but each epoch's last)"
     if data["mode"] == "pad":
-        padded = 100.0 * data["padded"] / cap
-        ax.hist(padded, bins=bins, histtype="step", color="black", label="with padding (count x longest)")
+        padded, weights = _counted_values(data["histograms"]["padded"])
+        ax.hist(100.0 * padded / cap, bins=bins, weights=weights, histtype="step", color="black",
+                label="with padding (count x longest)")  # fmt: skip
         title += f", padding {summary['padding_fraction']:.3%}"
     ax.set_yscale("log")
     ax.set_xlabel(f"% of max_tokens ({cap:,})")
     ax.set_ylabel("micro-batches")
     ax.set_title(title, fontsize=10)
     ax.legend(loc="upper left", fontsize=8)
+
+
+def _counted_values(counts: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    """The values a histogram of counts (`PlanScan.histograms`) counts, ascending, and how often
+    each: a histogram of ``values`` weighted by ``weights`` has the counts, in any bins, of one
+    over the values themselves (the last, above max_tokens, counted at max_tokens + 1)."""
+    values = np.flatnonzero(counts)
+    return values.astype(np.int64), counts[values]
+
+
+def _median(values: NDArray, weights: NDArray[np.int64] | None) -> float:
+    """`np.median` of ``values`` each repeated ``weights`` times (ascending values with weights)."""
+    if weights is None:
+        return float(np.median(values))
+    total = np.cumsum(weights)
+    middle = values[np.searchsorted(total, [(total[-1] - 1) // 2, total[-1] // 2], side="right")]
+    return (int(middle[0]) + int(middle[1])) / 2
 
 
 def _tokens_per_step_panel(ax: Axes, data, summary: dict[str, Any]) -> None:

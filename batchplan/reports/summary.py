@@ -29,7 +29,10 @@ before the resumed one are empty; the numbers cover the steps it holds.
 
 The plan is read one (epoch, rank) record batch at a time (`scan_plan`): memory holds one
 record batch, one epoch's sums per (step, rank) and a few numbers per step, never the whole
-table.
+table. With ``histograms`` (the figure, `batchplan.reports.plot`) it adds up to four counts of
+the integers 0..max_tokens and as many values waiting to be counted (8 MiB at most at
+max_tokens 131,072), not numbers per micro-batch: the 60 M micro-batches of a 10⁹-sample plan
+take no more than a small plan's.
 """
 
 from __future__ import annotations
@@ -55,10 +58,18 @@ _ZERO = np.int64(0)  # totals start as numpy int64, as the column sums added to 
 @dataclasses.dataclass
 class PlanScan:
     """What one pass over a plan's record batches gathers (`scan_plan`): a few numbers per
-    step, totals, and with ``keep_rows`` three numbers per micro-batch.
+    step, totals, and with ``histograms`` the counts of per-micro-batch values.
 
     Steps count from the plan's first step. Totals are numpy int64, as the sums of the
     columns they come from.
+
+    ``histograms`` maps a name to an int64 array of shape (max_tokens + 2,): entry ``v`` counts
+    the micro-batches whose value is ``v``, the last entry those above max_tokens (only a
+    corrupt plan has any; a value below 0 counts at 0). Its size is O(max_tokens) whatever the
+    plan's size:
+    - ``tokens``, ``padded``: tokens, padded tokens (``padded_tokens_column``) of every micro-batch;
+    - ``nonempty_tokens``: tokens of the non-empty micro-batches;
+    - ``longest`` (pad plans): the longest sample (padded // samples) of the non-empty ones.
     """
 
     step_tokens: NDArray[np.float64]  # (num_steps,): tokens of each step, all ranks
@@ -73,18 +84,13 @@ class PlanScan:
     regular_tokens: np.int64 = _ZERO  # over the regular steps (`statistics.regular_steps`)
     regular_micro_batches: int = 0
     first_step_longest: int | None = None  # the longest entry of the first step (plans with spans)
-    rows: dict[str, list[np.ndarray]] | None = None  # per micro-batch tokens, padded, counts: `keep_rows`
-
-    def row_values(self, name: str) -> np.ndarray:
-        """``tokens``, ``padded`` or ``counts`` of every micro-batch (epoch-major, then rank)."""
-        parts = self.rows[name]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32 if name == "counts" else np.int64)
+    histograms: dict[str, NDArray[np.int64]] | None = None  # counts of values 0..max_tokens (+ above): `histograms`
 
 
-def scan_plan(plan: OpenedPlan, *, keep_rows: bool = False) -> PlanScan:
+def scan_plan(plan: OpenedPlan, *, histograms: bool = False) -> PlanScan:
     """Per-step numbers and totals of ``plan``, read one (epoch, rank) record batch at a time;
-    ``keep_rows`` also keeps three numbers per micro-batch (`PlanScan.row_values`). Beyond
-    those, memory holds one record batch and one epoch's sums per (step, rank).
+    ``histograms`` also counts per-micro-batch values (`PlanScan.histograms`, O(max_tokens)).
+    Beyond those, memory holds one record batch and one epoch's sums per (step, rank).
 
     Raises:
         PlanFormatError: a record batch holds steps outside its epoch (`batchplan validate`
@@ -94,8 +100,8 @@ def scan_plan(plan: OpenedPlan, *, keep_rows: bool = False) -> PlanScan:
     summed = ("tokens", "cost") if "cost" in plan.schema.names else ("tokens",)
     scan = PlanScan(step_tokens=np.zeros(num_steps), token_imbalance=np.zeros(num_steps),
                     cost_imbalance=np.zeros(num_steps) if "cost" in summed else None,
-                    step_micro_batches=np.zeros(num_steps, np.int64),
-                    rows={"tokens": [], "padded": [], "counts": []} if keep_rows else None)  # fmt: skip
+                    step_micro_batches=np.zeros(num_steps, np.int64))  # fmt: skip
+    counters = _histogram_counters(plan) if histograms else None
     regular = regular_steps(num_steps, last_steps_of(plan.metadata["steps_per_epoch"]))
     first_step = int(plan.metadata.get("first_step", 0))
     bounds = np.concatenate([[0], np.cumsum(plan.metadata["steps_per_epoch"], dtype=np.int64)])
@@ -114,12 +120,14 @@ def scan_plan(plan: OpenedPlan, *, keep_rows: bool = False) -> PlanScan:
             for name, per_rank in sums.items():  # each (step, rank) lies in this record batch alone
                 per_rank[rank] = np.bincount(step - steps.start, weights=numpy_of(batch.column(name)),
                                              minlength=steps.stop - steps.start)  # fmt: skip
-            _add_batch(scan, batch, step, steps, regular)
+            _add_batch(scan, batch, step, steps, regular, counters)
             if "lengths" in batch.schema.names and steps.start == 0:
                 longest.append(_first_step_longest(batch, step))
         _add_epoch(scan, sums, steps)
     if "lengths" in plan.schema.names and scan.micro_batches:
         scan.first_step_longest = max(longest, default=0)
+    if counters is not None:
+        scan.histograms = {name: counter.flush() for name, counter in counters.items()}
     return scan
 
 
@@ -132,9 +140,9 @@ def _add_epoch(scan: PlanScan, sums: dict[str, np.ndarray], steps: slice) -> Non
         scan.cost_imbalance[steps] = step_imbalance(np.ascontiguousarray(sums["cost"].T))
 
 
-def _add_batch(scan: PlanScan, batch: pa.RecordBatch, step, steps: slice, regular) -> None:
-    """Add one (epoch, rank) record batch's counts and totals to ``scan``; its rows' ``step``
-    lie in ``steps``."""
+def _add_batch(scan: PlanScan, batch: pa.RecordBatch, step, steps: slice, regular, counters) -> None:
+    """Add one (epoch, rank) record batch's counts and totals to ``scan``, and its values to
+    ``counters`` (`_histogram_counters`, or None); its rows' ``step`` lie in ``steps``."""
     tokens = numpy_of(batch.column("tokens"))
     padded = numpy_of(padded_tokens_column(batch))
     counts = samples_per_row(batch)
@@ -147,9 +155,46 @@ def _add_batch(scan: PlanScan, batch: pa.RecordBatch, step, steps: slice, regula
     in_regular = regular[step]
     scan.regular_tokens += tokens[in_regular].sum()
     scan.regular_micro_batches += int(in_regular.sum())
-    if scan.rows is not None:
-        for name, values in (("tokens", tokens), ("padded", padded), ("counts", counts)):
-            scan.rows[name].append(values)
+    if counters is not None:
+        nonempty = counts > 0
+        counters["tokens"].add(tokens)
+        counters["padded"].add(padded)
+        counters["nonempty_tokens"].add(tokens[nonempty])
+        if "longest" in counters:  # pad: every sample of a micro-batch is padded to its longest
+            counters["longest"].add(padded[nonempty] // counts[nonempty])
+
+
+class _Counter:
+    """Counts of the integers 0..top (above: at top + 1; below 0: at 0), added a record batch at
+    a time. The values wait until there are as many as counts, then one `np.bincount` adds
+    them: the cost is linear in the values however small the record batches, and memory holds
+    at most top + 2 waiting values beyond the last record batch's."""
+
+    def __init__(self, top: int) -> None:
+        self.counts = np.zeros(top + 2, np.int64)
+        self._waiting: list[np.ndarray] = []
+        self._num_waiting = 0
+
+    def add(self, values: np.ndarray) -> None:
+        # clip copies: a view would keep the whole record batch alive while it waits
+        self._waiting.append(np.clip(values, 0, self.counts.shape[0] - 1).astype(np.int64, copy=False))
+        self._num_waiting += values.shape[0]
+        if self._num_waiting >= self.counts.shape[0]:
+            self.flush()
+
+    def flush(self) -> NDArray[np.int64]:
+        """Add the waiting values; returns the counts."""
+        if self._waiting:
+            values = np.concatenate(self._waiting)
+            self.counts += np.bincount(values, minlength=self.counts.shape[0])
+            self._waiting, self._num_waiting = [], 0
+        return self.counts
+
+
+def _histogram_counters(plan: OpenedPlan) -> dict[str, _Counter]:
+    """One `_Counter` per `PlanScan.histograms` entry of ``plan``."""
+    names = ["tokens", "padded", "nonempty_tokens"] + (["longest"] if plan.metadata["mode"] == "pad" else [])
+    return {name: _Counter(int(plan.metadata["max_tokens"])) for name in names}
 
 
 def _first_step_longest(batch: pa.RecordBatch, step) -> int:
