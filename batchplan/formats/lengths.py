@@ -11,9 +11,8 @@ and a local copy of it. Or it is one local folder written by Hugging Face
 Two passes over the files, each on up to 16 threads (object storage is latency-bound): the
 row counts (Parquet footers), then each file's column(s) into its slice of the result.
 Memory: 2 bytes per sample for lengths when every length is below 2^16 (uint16, the usual
-case), else 4 (int32); a loss-token column the same again, on its own. Reading holds 4
-bytes per sample (int32), narrowing 6 for a moment (the uint16 copy, made a chunk at a
-time), never 8; plus one batch per file in flight (at most 16). ``datasets`` is never
+case: read straight into it), else 4 (int32: a column with a larger value is read again);
+a loss-token column the same again, on its own; plus one batch per file in flight (at most 16). ``datasets`` is never
 imported, nor pandas for local files (objects are opened through ``pyarrow.dataset``, which
 imports pandas when it is installed).
 """
@@ -51,7 +50,7 @@ PathLike = str | os.PathLike
 _BATCH_ROWS = 1 << 20
 _INT32_MAX = np.iinfo(np.int32).max
 _UINT16_END = 1 << 16
-_CHUNK = 1 << 20  # values converted at a time when narrowing or hashing (4 MiB as int32)
+_CHUNK = 1 << 20  # values converted at a time when hashing (4 MiB as int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,39 +221,47 @@ def read_lengths(
     total = sum(counts)
     if total == 0:
         raise DatasetError(f"{files.folder or ', '.join(files.paths)}: dataset has 0 rows; nothing to plan")
-    # Each file fills its own slice: memory is the result plus the batches in flight, never a list of parts.
-    lengths = np.empty(total, dtype=np.int32)
-    loss = None if loss_tokens_column is None else np.empty(total, dtype=np.int32)
+    # Each file fills its own slice: memory is the result plus the batches in flight, never a
+    # list of parts. Columns are read into uint16 (lengths are almost always below 2^16); one
+    # holding a larger value anywhere is read again, into int32.
     starts = [0, *itertools.accumulate(counts)]
-
-    def read_file(index: int) -> None:
-        source = _open_source(files, index)
-        _read_into(source, columns, starts[index], starts[index + 1], lengths, loss)
-
     done = None if on_file is None else (lambda index: on_file(files.paths[index]))
-    for_each_file(len(files.paths), read_file, on_done=done)
+    dtypes = [np.uint16] * len(columns)
+    while True:
+        arrays = [np.empty(total, dtype=dtype) for dtype in dtypes]
+
+        def read_file(index: int, arrays=arrays) -> None:
+            _read_into(_open_source(files, index), columns, starts[index], starts[index + 1], *arrays)
+
+        try:
+            for_each_file(len(files.paths), read_file, on_done=done)
+            break
+        except _TooLarge as larger:
+            arrays = None
+            dtypes[larger.column] = np.int32
+    lengths, loss = arrays[0], (arrays[1] if len(arrays) > 1 else None)
     # Arrow's allocator keeps the freed read buffers for reuse (~0.2 GB); planning never reads
     # Arrow again: give them back.
     pa.default_memory_pool().release_unused()
     counted = tuple(zip(files.paths, counts))
     if loss is not None:
         _check_loss_tokens(counted, lengths, loss, loss_tokens_column)
-        loss = _narrowed(loss)
-    return SampleLengths(lengths=_narrowed(lengths), loss_tokens=loss, files=counted, column=column)
+    return SampleLengths(lengths=lengths, loss_tokens=loss, files=counted, column=column)
 
 
-def _narrowed(values: NDArray[np.int32]) -> NDArray[np.uint16] | NDArray[np.int32]:
-    """``values`` as uint16 when every one is in ``0..2^16 - 1``, else as they are.
+class _TooLarge(Exception):
+    """A value of ``columns[column]`` does not fit the uint16 array being filled."""
 
-    The copy is made a chunk at a time (the int32 array is let go by the caller): 6 bytes
-    per value at the peak, never 8.
-    """
-    if values.shape[0] == 0 or values.min() < 0 or values.max() >= _UINT16_END:
-        return values
-    narrow = np.empty(values.shape[0], dtype=np.uint16)
-    for start in range(0, values.shape[0], _CHUNK):
-        narrow[start : start + _CHUNK] = values[start : start + _CHUNK]
-    return narrow
+    def __init__(self, column: int) -> None:
+        super().__init__(column)
+        self.column = column
+
+
+def _fitted(values: NDArray, out: NDArray, column: int) -> NDArray:
+    """``values``, checked to fit ``out``'s dtype (a uint16 array would wrap larger ones)."""
+    if out.dtype == np.uint16 and values.size and values.max() >= _UINT16_END:
+        raise _TooLarge(column)
+    return values
 
 
 def _count_rows(files: DatasetFiles, columns: list[str] | None) -> list[int]:
@@ -272,7 +279,8 @@ def _count_rows(files: DatasetFiles, columns: list[str] | None) -> list[int]:
 
 
 def _read_into(
-    source: _ParquetFile | StreamFile, columns: list[str], start: int, end: int, lengths: NDArray, loss: NDArray | None
+    source: _ParquetFile | StreamFile, columns: list[str], start: int, end: int, lengths: NDArray,
+    loss: NDArray | None = None,
 ) -> None:
     """The lengths (and loss tokens) of one file, into samples ``start:end``."""
     row = start
@@ -281,9 +289,9 @@ def _read_into(
         if stop > end:
             break
         where = _Rows(str(source.path), file_row=row - start, sample=row)
-        lengths[row:stop] = _lengths_of(where, batch.column(columns[0]), columns[0])
+        lengths[row:stop] = _fitted(_lengths_of(where, batch.column(columns[0]), columns[0]), lengths, 0)
         if loss is not None:
-            loss[row:stop] = _integers_of(where, batch.column(columns[1]), columns[1])
+            loss[row:stop] = _fitted(_integers_of(where, batch.column(columns[1]), columns[1]), loss, 1)
         row = stop
     if row != end:
         raise DatasetError(
