@@ -22,17 +22,15 @@ import numpy as np
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 import pytest
-from _corpus import write_corpus
+from _corpus import assert_plans_equal, write_corpus
 from _ddp_plans import free_port
 from batchplan_cli.main import app
 from typer.testing import CliRunner
 
-from batchplan.config import PlanConfig
 from batchplan.errors import DatasetError
 from batchplan.formats.lengths import read_lengths
 from batchplan.formats.plan_file import open_plan
 from batchplan.formats.storage import GCS_RETRY_SECONDS, _with_retry_limit
-from batchplan.operations.build import build_plan_file
 
 pytest.importorskip("gcp_storage_emulator", reason="gcp-storage-emulator (the test extra) runs the GCS server")
 
@@ -108,19 +106,7 @@ def test_a_prefix_reads_like_its_local_copy(gcs):
 
 def test_a_plan_built_from_a_prefix_equals_the_local_one(gcs, tmp_path):
     local, endpoint = gcs
-    config = PlanConfig(max_tokens=64, world_size=2, epochs=2)
-    remote = build_plan_file(uri(NAME, endpoint), tmp_path / "remote.arrow", config, loss_tokens_column="loss")
-    copy = build_plan_file(local, tmp_path / "local.arrow", config, loss_tokens_column="loss")
-    assert all(name.startswith(f"{NAME}/") for name, _ in remote["dataset"]["files"])
-    assert remote["lengths_fingerprint"] == copy["lengths_fingerprint"]
-    unnamed = [{**meta, "dataset": {**meta["dataset"], "files": None}} for meta in (remote, copy)]
-    for meta in unnamed:
-        meta.pop("content_hash", None)  # hashes the metadata, names included
-    assert unnamed[0] == unnamed[1]
-    opened = open_plan(tmp_path / "remote.arrow"), open_plan(tmp_path / "local.arrow")
-    for epoch in range(config.epochs):
-        for rank in range(config.world_size):
-            assert opened[0].read_rank(epoch, rank).equals(opened[1].read_rank(epoch, rank))
+    assert_plans_equal(uri(NAME, endpoint), local, tmp_path, name=NAME)
 
 
 def test_cli_builds_and_validates_from_a_prefix(gcs, tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.fs as pafs
 import pytest
-from _corpus import write_corpus
+from _corpus import assert_plans_equal, write_corpus
 from _ddp_plans import free_port
 from batchplan_cli.main import app
 from typer.testing import CliRunner
@@ -87,23 +87,6 @@ def assert_read_like_local(prefix: str, local: Path) -> None:
     # Path order, not string order: a/ comes before a-b/.
     folders = [name[len(prefix) + 1 :].split("/")[0] for name, _ in remote.files]
     assert folders.index("a") < folders.index("a-b")
-
-
-def assert_plans_equal(prefix: str, local: Path, directory: Path) -> None:
-    """Plans built from ``prefix`` and ``local`` differ in nothing but the file names."""
-    config = PlanConfig(max_tokens=64, world_size=2, epochs=2)
-    remote = build_plan_file(prefix, directory / "remote.arrow", config, loss_tokens_column="loss")
-    copy = build_plan_file(local, directory / "local.arrow", config, loss_tokens_column="loss")
-    assert all(name.startswith(f"{prefix}/") for name, _ in remote["dataset"]["files"])
-    assert remote["lengths_fingerprint"] == copy["lengths_fingerprint"]
-    unnamed = [{**meta, "dataset": {**meta["dataset"], "files": None}} for meta in (remote, copy)]
-    for meta in unnamed:
-        meta.pop("content_hash", None)  # hashes the metadata, names included
-    assert unnamed[0] == unnamed[1]
-    opened = open_plan(directory / "remote.arrow"), open_plan(directory / "local.arrow")
-    for epoch in range(config.epochs):
-        for rank in range(config.world_size):
-            assert opened[0].read_rank(epoch, rank).equals(opened[1].read_rank(epoch, rank))
 
 
 def test_a_prefix_reads_like_its_local_copy(s3):
