@@ -34,7 +34,7 @@ def both_forms(lengths: np.ndarray, cap: int, seed: int) -> tuple[MicroBatches, 
     start = shuffle_by_group(lengths, capacity + 1, keys, items)
     slot_bin, offsets, tokens = pack_bins(items, start, capacity)
     members, member_lengths = fill_bins(items, start, slot_bin, offsets, capacity)
-    eager = MicroBatches(members, member_lengths, offsets[:-1].astype(np.int64), offsets[1:].astype(np.int64))
+    eager = MicroBatches.of_ranges(members, member_lengths, offsets[:-1].astype(np.int64), offsets[1:].astype(np.int64))
     packed = PackedBins(lengths, start, stream, slot_bin, offsets, tokens, capacity)
     assert [a.tolist() for a in packed.members()] == [members.tolist(), member_lengths.tolist()]
     return MicroBatches.of_bins(packed), eager, packed

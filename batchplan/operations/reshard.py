@@ -256,7 +256,7 @@ def _schedule(part: ParentRows, entry_ids, dropped_ids, config: PlanConfig, epoc
     starts = np.arange(count, dtype=np.int64)
     length = part.tokens.astype(np.int32)
     parents = Entries(sample=starts, start=None, length=length, loss_tokens=part.loss_tokens.astype(np.int32), dropped={})
-    batches = MicroBatches(members=starts.astype(index_dtype(count)), lengths=length, starts=starts, ends=starts + 1)
+    batches = MicroBatches.of_ranges(starts.astype(index_dtype(count)), length, starts, starts + 1)
     scheduled = schedule_epoch(parents, batches, config, epoch, costs=part.cost)
     return _expand(scheduled, part, entry_ids, dropped_ids)
 

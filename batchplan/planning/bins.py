@@ -16,8 +16,6 @@ and a window of members.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 import numpy as np
 from numpy.typing import NDArray
 
@@ -27,17 +25,12 @@ from batchplan.kernels.segments import range_sums
 from batchplan.kernels.shuffle import count_groups
 from batchplan.plan import Members, index_dtype
 from batchplan.planning.buffers import new_buffer
+from batchplan.planning.destinations import Destinations, check_written
 from batchplan.planning.cutting_stock import pack_histogram
 from batchplan.planning.randomness import KeyStream, unshuffle_by_group
 from batchplan.planning.threads import run_in_parts
 
-if TYPE_CHECKING:
-    from batchplan.planning.micro_batches import MicroBatches
-
-__all__ = [
-    "MEMBERS_AT_ONCE", "PARK_FROM_ENTRIES", "Destinations", "PackedBins", "PendingMembers", "check_written",
-    "count_by_group",
-]  # fmt: skip
+__all__ = ["MEMBERS_AT_ONCE", "PARK_FROM_ENTRIES", "PackedBins", "PendingMembers", "count_by_group"]
 
 
 class PackedBins:
@@ -102,6 +95,18 @@ class PackedBins:
     def num_bins(self) -> int:
         return int(self.tokens.shape[0])
 
+    # The micro-batches as formed are the bins; `MicroBatches` hands those added later (pieces
+    # of bins, empty ones; ids from ``num_bins`` on) to the methods below as ``extra``.
+    num_formed = num_bins
+
+    @property
+    def starts(self) -> NDArray[np.integer]:
+        return self.offsets[:-1]
+
+    @property
+    def ends(self) -> NDArray[np.integer]:
+        return self.offsets[1:]
+
     def members(self, use_up: bool = False) -> tuple[NDArray[np.integer], NDArray[np.int32]]:
         """The whole member space, bin after bin: ``(members, lengths)``; with ``use_up``, the
         places are written over the bins' slots (the bins are not used again)."""
@@ -155,35 +160,38 @@ class PackedBins:
             out[i] = (members[base + starts[i] : base + ends[i]], lengths[base + starts[i] : base + ends[i]])
         return out
 
-    def formed_tokens(self, starts: NDArray[np.int64], ends: NDArray[np.int64]) -> NDArray[np.int64]:
+    def formed_tokens(self) -> NDArray[np.integer]:
         return self.tokens
 
-    def length_sums(self, value: Callable, batches: MicroBatches) -> NDArray[np.float64]:
+    def length_sums(self, value: Callable, extra: NDArray[np.int64]) -> NDArray[np.float64]:
         """Per micro-batch, ``sum(value(length))`` over its entries: per bin from a table of
-        ``value`` over 0..capacity, then the pieces the last round split off."""
+        ``value`` over 0..capacity, then the pieces the last round split off (``extra``)."""
         table = value(np.arange(self.capacity + 1, dtype=np.float64))
         per_bin = bin_length_sums(table, self.start, self.slot_bin, self.num_bins, self.capacity)
-        if batches.count == self.num_bins:
+        if not extra.shape[0]:
             return per_bin
-        pieces = self.range_lengths(*batches.bounds(np.arange(self.num_bins, batches.count)))
+        pieces = self.range_lengths(extra[:, 0], extra[:, 1])
         return np.concatenate([per_bin, np.array([_float_sum(table[lengths]) for lengths in pieces])])
 
-    def entry_sums(self, values: NDArray[np.integer], batches: MicroBatches) -> NDArray[np.int64]:
+    def entry_sums(self, values: NDArray[np.integer], extra: NDArray[np.int64]) -> NDArray[np.int64]:
         """Per micro-batch, ``sum(values[entry])`` over its entries: ``values`` laid out in member
         space (as members would be), then summed range by range."""
         places = self._places(self.slot_bin, self.offsets[:-1].astype(np.int64), _no_pieces(), self._new_places())
         laid = new_buffer(self.slot_bin.shape[0], values.dtype)
         self._write_entries(places, values, laid, 1)
         del places
-        return range_sums(laid, batches.starts, batches.ends, np.zeros(batches.count, dtype=np.int64))
+        starts, ends = self.starts, self.ends
+        if extra.shape[0]:
+            starts, ends = np.concatenate([starts, extra[:, 0]]), np.concatenate([ends, extra[:, 1]])
+        return range_sums(laid, starts, ends, np.zeros(starts.shape[0], dtype=np.int64))
 
-    def gather(self, batches: MicroBatches, order, sizes, threads: int, scratch) -> tuple[NDArray[np.int64], NDArray]:
+    def gather(self, extra, order, sizes, threads: int, scratch) -> tuple[NDArray[np.int64], NDArray]:
         """`MicroBatches.gather`, leaving the bins as they are."""
-        where = self.destinations(batches, order, sizes, threads)
+        where = self.destinations(extra, order, sizes, threads)
         places = self._places(self.slot_bin, where.take_destination(), where.ranges, self._new_places())
         return where.offsets, self._members(places, where.count, threads)
 
-    def destinations(self, batches: MicroBatches, order, sizes, threads: int) -> Destinations:
+    def destinations(self, extra: NDArray[np.int64], order, sizes, threads: int) -> Destinations:
         """Where micro-batches ``order`` (of ``sizes`` entries) go when laid out one after another.
         Offsets and destinations are int32 when the member space fits (with `place_slots`'s
         negative marks, down to ``-2 - entries``)."""
@@ -194,7 +202,7 @@ class PackedBins:
         run_in_parts(bin_destinations, threads, order, sizes, offsets, destination)
         pieces = np.flatnonzero(order >= self.num_bins)
         pieces = pieces[sizes[pieces] > 0]
-        piece_starts, piece_ends = batches.bounds(order[pieces])
+        piece_starts, piece_ends = extra[order[pieces] - self.num_bins].T
         by_start = np.argsort(piece_starts, kind="stable")
         ranges = (piece_starts[by_start], piece_ends[by_start], offsets[pieces][by_start])
         return Destinations(offsets, destination, ranges)
@@ -301,28 +309,6 @@ def scatter_to_places(lengths, cursors, places, values, out, first: int) -> int:
     return sum(run_in_parts(scatter_entries, cursors.shape[0], lengths, cursors, places, values, out, first))
 
 
-class Destinations:
-    """Where micro-batches go when laid out one after another (a layout's ``destinations``):
-    ``offsets`` (CSR over the micro-batches in order), a destination per bin or micro-batch
-    (-1: not laid out whole; scratch, taken once), and ``ranges``: for packed bins the
-    pieces ``(starts, ends, destinations)`` in member space, sorted by start; for laid-out
-    micro-batches every micro-batch's ``(starts, ends)``."""
-
-    def __init__(self, offsets: NDArray[np.int64], destination: NDArray[np.int64], ranges: tuple) -> None:
-        self.offsets, self._destination, self.ranges = offsets, destination, ranges
-
-    @property
-    def count(self) -> int:
-        return int(self.offsets[-1])
-
-    def take_destination(self) -> NDArray[np.int64]:
-        """The per-bin destinations, handed over (overwritten as they are used; not kept here)."""
-        destination, self._destination = self._destination, None
-        if destination is None:
-            raise ValueError("the destinations were used already")
-        return destination
-
-
 def count_by_group(groups: NDArray[np.integer], num_groups: int, threads: int) -> NDArray[np.int64]:
     """Shape (parts, num_groups): items of each group in each part's share of ``groups``,
     in parts for ``threads`` threads when the items far outnumber the groups (else one)."""
@@ -336,11 +322,6 @@ def count_by_group(groups: NDArray[np.integer], num_groups: int, threads: int) -
 def _no_pieces() -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64]]:
     none = np.zeros(0, dtype=np.int64)
     return none, none, none
-
-
-def check_written(written: int, members: NDArray) -> None:
-    if written != members.shape[0]:
-        raise AssertionError(f"laid out {written:,} of {members.shape[0]:,} members: overlapping micro-batches")
 
 
 def _float_sum(values: NDArray[np.float64]) -> float:

@@ -8,7 +8,6 @@ incomplete final step is dropped, and its entries listed.
 from __future__ import annotations
 
 import heapq
-from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.typing import NDArray
@@ -16,10 +15,8 @@ from numpy.typing import NDArray
 from batchplan.config import PlanConfig
 from batchplan.errors import DatasetError
 from batchplan.planning.micro_batches import MicroBatches
+from batchplan.planning.scheduled import Scheduled
 from batchplan.planning.steps import StepSizing, cut_steps
-
-if TYPE_CHECKING:
-    from batchplan.planning.schedule import Scheduled
 
 __all__ = ["complete_last_round", "drop_last_ramp_step", "drop_last_step"]
 

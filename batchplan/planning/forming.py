@@ -61,7 +61,7 @@ def form_micro_batches(
         member_lengths = np.empty(count, dtype=np.int32)
         permute(rng, members, values=lengths, carried=member_lengths, threads=threads)
         offsets = cut_padded(members, member_lengths, config.shuffle_window, config.max_tokens, config.batch_multiple)
-    return MicroBatches(members, member_lengths, offsets[:-1], offsets[1:])
+    return MicroBatches.of_ranges(members, member_lengths, offsets[:-1], offsets[1:])
 
 
 def form_warmup_micro_batches(
@@ -97,7 +97,7 @@ def _concatenate(parts, num_entries: int) -> MicroBatches:
         starts.append(base + batches.starts[order])
         ends.append(base + batches.ends[order])
         base += batches.members.shape[0]
-    joined = MicroBatches(np.concatenate(members), np.concatenate(lengths), np.concatenate(starts), np.concatenate(ends))
+    joined = MicroBatches.of_ranges(np.concatenate(members), np.concatenate(lengths), np.concatenate(starts), np.concatenate(ends))
     packings = [batches.packing for batches, _, _ in parts]
     if packings and None not in packings:
         joined.packing = sum(packings[1:], packings[0])

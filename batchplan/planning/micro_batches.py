@@ -15,7 +15,8 @@ from numpy.typing import NDArray
 
 from batchplan.kernels.segments import lay_out_segments, range_sums, scatter_segments, segment_destinations
 from batchplan.plan import Members, PackingBound, index_dtype
-from batchplan.planning.bins import Destinations, PackedBins, check_written
+from batchplan.planning.bins import PackedBins
+from batchplan.planning.destinations import Destinations, check_written
 from batchplan.planning.buffers import new_buffer, scratch_or_new
 
 __all__ = ["LaidOut", "MicroBatches"]
@@ -23,13 +24,21 @@ __all__ = ["LaidOut", "MicroBatches"]
 
 class LaidOut:
     """Entries in memory: ``members`` (entry ids) and their ``lengths``, micro-batch after
-    micro-batch; a micro-batch is a (start, end) range of them."""
+    micro-batch; formed micro-batch ``k`` is the range ``starts[k]:ends[k]`` of them.
 
-    def __init__(self, members: NDArray[np.integer], lengths: NDArray[np.int32]) -> None:
+    Methods take the micro-batches added after forming as ``extra`` (shape (k, 2): start,
+    end), which follow the formed ones."""
+
+    def __init__(self, members: NDArray[np.integer], lengths: NDArray[np.int32], starts, ends) -> None:
         self.members, self.lengths = members, lengths
+        self.starts, self.ends = starts, ends
 
-    def formed_tokens(self, starts: NDArray[np.int64], ends: NDArray[np.int64]) -> NDArray[np.int64]:
-        return range_sums(self.lengths, starts, ends, np.zeros(starts.shape[0], dtype=np.int64))
+    @property
+    def num_formed(self) -> int:
+        return int(self.starts.shape[0])
+
+    def formed_tokens(self) -> NDArray[np.int64]:
+        return range_sums(self.lengths, self.starts, self.ends, np.zeros(self.num_formed, dtype=np.int64))
 
     def ranges(self, starts: NDArray[np.int64], ends: NDArray[np.int64]) -> list[tuple[NDArray, NDArray]]:
         return [(self.members[s:e], self.lengths[s:e]) for s, e in zip(starts, ends)]
@@ -43,30 +52,45 @@ class LaidOut:
     def release_lengths(self) -> None:
         self.lengths = None
 
-    def length_sums(self, value: Callable, batches: MicroBatches) -> NDArray[np.float64]:
-        return batches.range_sums(value(self.lengths.astype(np.float64)))
+    def bounds(self, extra: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        """Starts and ends of every micro-batch: the formed ones, then ``extra``."""
+        return joined(self.starts, extra[:, 0]), joined(self.ends, extra[:, 1])
 
-    def entry_sums(self, values: NDArray[np.integer], batches: MicroBatches) -> NDArray[np.int64]:
-        return batches.range_sums(values[self.members])
+    def length_sums(self, value: Callable, extra: NDArray[np.int64]) -> NDArray[np.float64]:
+        starts, ends = self.bounds(extra)
+        values = value(self.lengths.astype(np.float64))
+        return range_sums(values, starts, ends, np.zeros(starts.shape[0], dtype=np.float64))
 
-    def gather(self, batches: MicroBatches, order, sizes, threads: int, scratch) -> tuple[NDArray[np.int64], NDArray]:
-        destination = scratch_or_new(scratch, batches.count)
+    def entry_sums(self, values: NDArray[np.integer], extra: NDArray[np.int64]) -> NDArray[np.int64]:
+        starts, ends = self.bounds(extra)
+        return range_sums(values[self.members], starts, ends, np.zeros(starts.shape[0], dtype=np.int64))
+
+    def gather(self, extra, order, sizes, threads: int, scratch) -> tuple[NDArray[np.int64], NDArray]:
+        starts, ends = self.bounds(extra)
+        destination = scratch_or_new(scratch, starts.shape[0])
         members = np.empty(int(sizes.sum()), dtype=self.members.dtype)
-        offsets, written = lay_out_segments(self.members, batches.starts, batches.ends, order, destination, members)
+        offsets, written = lay_out_segments(self.members, starts, ends, order, destination, members)
         check_written(written, members)
         return offsets, members
 
-    def destinations(self, batches: MicroBatches, order, sizes, threads: int) -> Destinations:
-        destination = new_buffer(batches.count, np.int64)
-        offsets = segment_destinations(batches.starts, batches.ends, order, destination)
-        return Destinations(offsets, destination, (batches.starts, batches.ends))
+    def destinations(self, extra, order, sizes, threads: int) -> Destinations:
+        starts, ends = self.bounds(extra)
+        destination = new_buffer(starts.shape[0], np.int64)
+        offsets = segment_destinations(starts, ends, order, destination)
+        return Destinations(offsets, destination, (starts, ends))
 
     def lay_out(self, where: Destinations, threads: int) -> Members:
         """The members laid out at ``where``, using these up (the lengths are let go first)."""
         members, self.members, self.lengths = self.members, None, None
+        self.starts = self.ends = None
         out = new_buffer(where.count, members.dtype)
         check_written(scatter_segments(members, *where.ranges, where.take_destination(), out), out)
         return Members(out)
+
+
+def joined(formed: NDArray[np.int64], added: NDArray[np.int64]) -> NDArray[np.int64]:
+    """``formed`` then ``added`` (``formed`` itself when nothing was added: no copy of the many)."""
+    return np.concatenate([formed, added]) if added.shape[0] else formed
 
 
 class MicroBatches:
@@ -77,39 +101,34 @@ class MicroBatches:
     Start/end pairs (not offsets) let the last round split a micro-batch in place,
     and let the final (rank, step, micro) order be gathered in one pass.
 
-    Packed micro-batches come as `PackedBins` (micro-batch ``k < num_bins`` is bin ``k``;
-    later ones are pieces of bins, or empty): the hot path (`tokens`, `length_sums`,
-    `range_lengths`, `destinations` and `lay_out`) never lays their members out bin by bin
-    (`entry_sums` lays the summed values out once); asking for ``members`` or ``lengths``
-    does, once, and the micro-batches continue on that layout.
+    The layout holds the micro-batches as formed; the few that `extend` adds (split halves,
+    empty micro-batches) are kept here, apart (no copy of the many), and handed to the
+    layout's methods as an array. Packed micro-batches come as `PackedBins` (micro-batch
+    ``k < num_bins`` is bin ``k``): the hot path (`tokens`, `length_sums`, `range_lengths`,
+    `destinations` and `lay_out`) never lays their members out bin by bin (`entry_sums` lays
+    the summed values out once); asking for ``members`` or ``lengths`` does, once, and the
+    micro-batches continue on that layout.
 
     An epoch's plan lays the members out once, with `lay_out`, which uses the micro-batches
     up; `release_lengths` lets laid-out lengths go once what is needed of them is known.
     """
 
-    def __init__(
-        self,
-        members: NDArray[np.integer] | None,
-        lengths: NDArray[np.int32] | None,
-        starts: NDArray[np.int64],
-        ends: NDArray[np.int64],
-        *,
-        packed: PackedBins | None = None,
-    ) -> None:
-        if (members is None) != (packed is not None):
-            raise ValueError("give either members and lengths, or packed bins")
-        self.layout: LaidOut | PackedBins = packed if packed is not None else LaidOut(members, lengths)
-        # The micro-batches as formed, then the few `extend` adds (kept apart: no copy of the many).
-        self._base = (starts, ends)
-        self._base_tokens = None if packed is None else packed.tokens
+    def __init__(self, layout: LaidOut | PackedBins) -> None:
+        self.layout: LaidOut | PackedBins = layout
+        self._base_tokens = layout.tokens if isinstance(layout, PackedBins) else None
         self._extra = np.zeros((0, 3), dtype=np.int64)  # rows (start, end, tokens)
         self._joined_cache: tuple[NDArray[np.int64], NDArray[np.int64]] | None = None
         self.packing: PackingBound | None = None  # pack mode: as packed, and the bound
 
     @classmethod
+    def of_ranges(cls, members: NDArray[np.integer], lengths: NDArray[np.int32], starts, ends) -> MicroBatches:
+        """Micro-batch ``k`` = ``members[starts[k]:ends[k]]`` (of ``lengths``)."""
+        return cls(LaidOut(members, lengths, starts, ends))
+
+    @classmethod
     def of_bins(cls, packed: PackedBins) -> MicroBatches:
         """Micro-batch ``k`` = bin ``k``."""
-        return cls(None, None, packed.offsets[:-1], packed.offsets[1:], packed=packed)
+        return cls(packed)
 
     @property
     def starts(self) -> NDArray[np.int64]:
@@ -119,27 +138,27 @@ class MicroBatches:
     def ends(self) -> NDArray[np.int64]:
         return self._joined_bounds()[1]
 
+    @property
+    def _added(self) -> NDArray[np.int64]:
+        """Shape (k, 2): start and end of each micro-batch `extend` added."""
+        return self._extra[:, :2]
+
     def _joined_bounds(self) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
         """Starts and ends of all micro-batches, joined once per `extend`."""
         if self._joined_cache is None:
-            self._joined_cache = (
-                self._joined(self._base[0], self._extra[:, 0]), self._joined(self._base[1], self._extra[:, 1])
-            )
+            formed_starts, formed_ends = self.layout.starts, self.layout.ends
+            self._joined_cache = (joined(formed_starts, self._extra[:, 0]), joined(formed_ends, self._extra[:, 1]))
         return self._joined_cache
 
     def bounds(self, which: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
         """``(starts, ends)`` of a few micro-batches (without joining all of them)."""
         which = np.asarray(which, dtype=np.int64)
-        formed = which < self._base[0].shape[0]
+        formed = which < self.layout.num_formed
         starts, ends = np.empty(which.shape, dtype=np.int64), np.empty(which.shape, dtype=np.int64)
-        starts[formed], ends[formed] = self._base[0][which[formed]], self._base[1][which[formed]]
-        added = which[~formed] - self._base[0].shape[0]
+        starts[formed], ends[formed] = self.layout.starts[which[formed]], self.layout.ends[which[formed]]
+        added = which[~formed] - self.layout.num_formed
         starts[~formed], ends[~formed] = self._extra[added, 0], self._extra[added, 1]
         return starts, ends
-
-    @staticmethod
-    def _joined(base: NDArray[np.int64], extra: NDArray[np.int64]) -> NDArray[np.int64]:
-        return np.concatenate([base, extra]) if extra.shape[0] else base
 
     @property
     def members(self) -> NDArray[np.integer]:
@@ -151,12 +170,13 @@ class MicroBatches:
 
     def _laid_out(self) -> LaidOut:
         if isinstance(self.layout, PackedBins):
-            self.layout = LaidOut(*self.layout.members(use_up=True))
+            starts, ends = self.layout.starts, self.layout.ends
+            self.layout = LaidOut(*self.layout.members(use_up=True), starts, ends)
         return self.layout
 
     @property
     def count(self) -> int:
-        return int(self._base[0].shape[0] + self._extra.shape[0])
+        return self.layout.num_formed + int(self._extra.shape[0])
 
     def range_sums(self, values: NDArray) -> NDArray:
         """Sum of ``values[starts[k]:ends[k]]`` (values aligned with members) for each k:
@@ -168,13 +188,13 @@ class MicroBatches:
     def tokens(self) -> NDArray[np.int64]:
         """Tokens of each micro-batch."""
         if self._base_tokens is None:  # the micro-batches as formed (before `extend`), summed once
-            self._base_tokens = self.layout.formed_tokens(*self._base)
-        return self._joined(self._base_tokens, self._extra[:, 2])
+            self._base_tokens = self.layout.formed_tokens()
+        return joined(self._base_tokens, self._extra[:, 2])
 
     def token_table(self) -> NDArray[np.integer]:
         """Shape (count, 2): tokens and entries of each micro-batch, side by side (one cache
         line per micro-batch for kernels that read them at random); int32 when they fit."""
-        (starts, ends), formed = self._base, self._base[0].shape[0]
+        starts, ends, formed = self.layout.starts, self.layout.ends, self.layout.num_formed
         tokens = self.tokens()
         most = max(int(tokens.max(initial=0)), int(ends.max(initial=0)))  # entries <= the last end
         table = np.empty((self.count, 2), dtype=index_dtype(most + 1))
@@ -186,11 +206,11 @@ class MicroBatches:
     def length_sums(self, value: Callable[[NDArray[np.float64]], NDArray[np.float64]]) -> NDArray[np.float64]:
         """``sum(value(length))`` over each micro-batch's entries (float64, range by range);
         ``value`` works elementwise on float64 lengths."""
-        return self.layout.length_sums(value, self)
+        return self.layout.length_sums(value, self._added)
 
     def entry_sums(self, values: NDArray[np.integer]) -> NDArray[np.int64]:
         """``sum(values[entry])`` over each micro-batch's entries (int64)."""
-        return self.layout.entry_sums(values, self)
+        return self.layout.entry_sums(values, self._added)
 
     def ranges(self, which: NDArray[np.int64]) -> list[tuple[NDArray, NDArray]]:
         """``(members, lengths)`` of a few micro-batches."""
@@ -242,12 +262,12 @@ class MicroBatches:
         Packed bins are laid out on ``threads`` threads (the same result for any number).
         ``scratch``: an int64 array free to overwrite, used for the per-micro-batch
         destinations when long enough (`batchplan.planning.buffers`)."""
-        return self.layout.gather(self, order, sizes, threads, scratch)
+        return self.layout.gather(self._added, order, sizes, threads, scratch)
 
     def destinations(self, order: NDArray[np.integer], sizes: NDArray[np.int64], threads: int = 1) -> Destinations:
         """Where the members of micro-batches ``order`` (of ``sizes`` entries, as for `gather`)
         go when laid out one after another; its ``offsets`` are the CSR offsets."""
-        return self.layout.destinations(self, order, sizes, threads)
+        return self.layout.destinations(self._added, order, sizes, threads)
 
     def lay_out(self, where: Destinations, threads: int = 1) -> Members:
         """The members at ``where`` (`destinations`), as `gather` lays them out, using these
@@ -256,5 +276,5 @@ class MicroBatches:
         they are laid out from, a window at a time, `batchplan.planning.bins.PendingMembers`)
         and what laying them out needs, nothing of the micro-batches as formed."""
         layout, self.layout = self.layout, None
-        self._base = self._base_tokens = self._joined_cache = self._extra = None
+        self._base_tokens = self._joined_cache = self._extra = None
         return layout.lay_out(where, threads)

@@ -1,0 +1,102 @@
+"""A hash of every plan of the guarantee matrix (tests/test_guarantees.py), to show that a
+change to the planner or the writer leaves plans byte for byte as they were.
+
+    python -m bench.plan_hashes > before.txt        # on the old commit (or its checkout)
+    python -m bench.plan_hashes --compare before.txt
+
+Each line is ``case-id sha256-of-the-plan-file`` (the file as `write_plan` writes it, lengths
+fingerprint included); ``--compare`` prints the cases whose hash differs and exits 1 if any.
+A few more cases cover what the matrix does not: a sequence-length warmup, a ramp-up with
+drop_last, compute balance, a loss-tokens column with split samples, and a plan directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+
+
+def _extra_cases(make_case):
+    return [
+        make_case("lognormal", max_tokens=2048, mode="pack", world_size=8, seqlen_warmup_min=256,
+                  seqlen_warmup_tokens=2_000_000, epochs=2, oversize="split"),
+        make_case("lognormal", max_tokens=2048, mode="pack", world_size=8, micro_batches=2, rampup_start=8 * 2048,
+                  rampup_tokens=3_000_000, drop_last=True, epochs=2, oversize="split"),
+        make_case("sharegpt_dialogues", max_tokens=8192, mode="pack", world_size=16, hidden_size=4096,
+                  balance="compute", oversize="split", epochs=2),
+        make_case("heavy_tail", True, max_tokens=1024, mode="pack", world_size=4, oversize="drop", micro_batches=3),
+    ]  # fmt: skip
+
+
+def plan_hashes() -> dict[str, str]:
+    """``{case id: sha256 of its plan file}`` over the matrix and the extra cases."""
+    sys.path.insert(0, str(TESTS))
+    from conftest import build_and_write
+    from test_guarantees import CASES, loss_column_for, lengths_of, make_case
+
+    from batchplan.config import PlanConfig
+
+    hashes = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in CASES + _extra_cases(make_case):
+            try:
+                config = case.config
+            except TypeError:  # an option this version does not know
+                continue
+            lengths = lengths_of(case.dataset)
+            loss = loss_column_for(lengths) if case.loss_column else None
+            path = Path(tmp) / "plan.arrow"
+            try:
+                build_and_write(lengths, config, path, loss_tokens=loss)
+            except Exception as error:  # a case the planner refuses: its message is its hash
+                hashes[case.id] = "error:" + hashlib.sha256(str(error).encode()).hexdigest()[:16]
+                continue
+            hashes[case.id] = hashlib.sha256(path.read_bytes()).hexdigest()
+        hashes["directory"] = _directory_hash(Path(tmp), PlanConfig)
+    return hashes
+
+
+def _directory_hash(tmp: Path, config_type) -> str:
+    """The bytes of every epoch file of a plan directory built from a synthetic dataset."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchplan import build_plan_file
+
+    lengths = np.random.default_rng(7).lognormal(5.5, 1.0, 50_000).clip(1, 4096).astype(np.int32)
+    pq.write_table(pa.table({"length": lengths}), tmp / "data.parquet")
+    config = config_type(max_tokens=4096, world_size=8, epochs=3, oversize="split")
+    build_plan_file(tmp / "data.parquet", tmp / "plan-dir", config, layout="directory")
+    digest = hashlib.sha256()
+    for path in sorted((tmp / "plan-dir").rglob("epoch-*.arrow")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", type=Path, help="a file this command wrote before")
+    args = parser.parse_args()
+    hashes = plan_hashes()
+    if args.compare is None:
+        for case, digest in hashes.items():
+            print(case, digest)
+        return
+    before = dict(line.split() for line in args.compare.read_text().splitlines() if line.strip())
+    differ = [case for case in hashes if case in before and before[case] != hashes[case]]
+    missing = sorted(set(before) - set(hashes))
+    for case in differ:
+        print(f"differs: {case}")
+    print(f"{len(hashes) - len(differ)} of {len(hashes)} plans identical; {len(differ)} differ; {len(missing)} not built")
+    sys.exit(1 if differ else 0)
+
+
+if __name__ == "__main__":
+    main()
