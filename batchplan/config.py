@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from batchplan.errors import ConfigError
 
-__all__ = ["MODES", "OVERSIZE_POLICIES", "PlanConfig", "num_threads", "parse_pair"]
+__all__ = ["MODES", "OVERSIZE_POLICIES", "PlanConfig", "num_threads", "parse_count", "parse_pair"]
 
 MODES = ("pack", "pad")
 OVERSIZE_POLICIES = ("error", "drop", "truncate", "split")
@@ -267,7 +267,7 @@ def _check_pair(flag: str, form: str, first: object, second: object) -> bool:
 def parse_pair(flag: str, form: str, text: str | None) -> tuple[int, int] | tuple[None, None]:
     """``"A:B"`` -> ``(A, B)`` for an option such as ``--rampup START:TOKENS``; None -> (None, None).
 
-    Integers may use ``_`` separators and a ``k``/``M``/``G`` suffix (powers of 1,000).
+    Integers may use ``_`` separators and a ``k``/``M``/``G``/``T`` suffix (`parse_count`).
     """
     if text is None:
         return None, None
@@ -275,7 +275,7 @@ def parse_pair(flag: str, form: str, text: str | None) -> tuple[int, int] | tupl
     try:
         if len(parts) != 2:
             raise ValueError(text)
-        return _parse_count(parts[0]), _parse_count(parts[1])
+        return parse_count(parts[0]), parse_count(parts[1])
     except ValueError:
         raise ConfigError(
             f"{flag} takes {form} (two integers, e.g. 262144:100M), got {text!r}"
@@ -290,19 +290,25 @@ def parse_epoch_range(text: str | None, epochs: int) -> range | None:
     parts = text.split(":")
     try:
         if len(parts) == 1:
-            start = _parse_count(parts[0])
+            start = parse_count(parts[0])
             return range(start, start + 1)
         if len(parts) != 2:
             raise ValueError(text)
-        start = _parse_count(parts[0]) if parts[0].strip() else 0
-        return range(start, _parse_count(parts[1]) if parts[1].strip() else epochs)
+        start = parse_count(parts[0]) if parts[0].strip() else 0
+        return range(start, parse_count(parts[1]) if parts[1].strip() else epochs)
     except ValueError:
         raise ConfigError(f"--only-epochs takes START:STOP or EPOCH (0:4 = epochs 0 to 3), got {text!r}") from None
 
 
-def _parse_count(text: str) -> int:
+def parse_count(text: str) -> int:
+    """``"262_144"`` -> 262144, ``"100M"`` -> 10^8: digits with ``_`` separators and an optional
+    ``k``/``M``/``G``/``T`` suffix (powers of 1,000).
+
+    Raises:
+        ValueError: anything else (callers turn it into a `ConfigError` naming their option).
+    """
     text = text.strip()
-    scale = {"k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
+    scale = {"k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}.get(text[-1:], 1)
     digits = text[:-1] if scale > 1 else text
     if not digits.replace("_", "").isdigit():
         raise ValueError(text)

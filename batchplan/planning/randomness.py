@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -18,6 +19,7 @@ from batchplan.planning.threads import run_in_parts
 __all__ = [
     "STREAM_ENTRY_ORDER", "STREAM_MICRO_BATCH_ORDER", "STREAM_ROUND_ORDER", "STREAM_SEQLEN_WARMUP", "KeyStream",
     "epoch_rng", "permute", "shuffle_by_group", "unshuffle_by_group",
+    "STREAM_SOURCE_PASS", "source_pass_rng",
 ]  # fmt: skip
 
 # Keys drawn at a time when a `KeyStream` is read: 1 MiB (small beside any array of one
@@ -41,6 +43,19 @@ STREAM_SEQLEN_WARMUP = 3
 def epoch_rng(seed: int, epoch: int, stream: int) -> np.random.Generator:
     """The only source of randomness in batchplan."""
     return np.random.default_rng(np.random.SeedSequence([seed, epoch, stream]))
+
+
+# A mixture source's passes (`source_pass_rng`): keyed by the source's name, not its position.
+STREAM_SOURCE_PASS = 4
+
+
+def source_pass_rng(seed: int, source_name: str, pass_index: int) -> np.random.Generator:
+    """The stream of one pass over a mixture source: ``SeedSequence([seed, STREAM_SOURCE_PASS,
+    name digest, pass_index])``. The digest is the first 8 bytes of the SHA-256 of the name
+    (stable across processes, unlike ``hash``), so a source's passes do not change when
+    other sources are added, removed or reordered."""
+    digest = int.from_bytes(hashlib.sha256(source_name.encode("utf-8")).digest()[:8], "little")
+    return np.random.default_rng(np.random.SeedSequence([seed, STREAM_SOURCE_PASS, digest, pass_index]))
 
 
 def permute(

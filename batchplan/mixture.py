@@ -1,0 +1,244 @@
+"""A mixture: several named sources planned as one run, each with a weight or its own epochs.
+
+Two ways to size the sources, one per mixture:
+
+- ``tokens`` (the run's total tokens) with a ``weight`` per source: source ``s`` gets
+  ``weight_s / sum(weights) x tokens`` tokens (weights need not sum to 1; a weight of 0
+  contributes nothing);
+- no ``tokens``, an ``epochs`` per source (2.5 = two passes and half of a third): the shares
+  follow from the sizes.
+
+`Mixture` and `MixtureSource` are frozen, keyword-only dataclasses that check themselves
+(every error a one-line `ConfigError` naming the source and the key) and fingerprint
+themselves (canonical JSON, SHA-256), like `batchplan.config.PlanConfig`. A mixture file is
+read by `batchplan.formats.mixture_file.read_mixture`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+from typing import Any
+
+from batchplan.config import parse_count
+from batchplan.errors import ConfigError
+
+__all__ = ["MIXTURE_KEYS", "SOURCE_KEYS", "Mixture", "MixtureSource"]
+
+MIXTURE_KEYS = ("sources", "tokens")
+SOURCE_KEYS = ("name", "paths", "weight", "epochs", "length_column", "tokens_column", "loss_tokens_column")
+_COLUMN_KEYS = ("length_column", "tokens_column", "loss_tokens_column")
+# Names appear in plan metadata, reports and log keys: plain words only.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MixtureSource:
+    """One named dataset of a mixture.
+
+    Attributes:
+        name: unique within the mixture: letters, digits, ``_``, ``-`` and ``.``, starting
+            with a letter or digit. Sources are matched by name across re-plans.
+        paths: what a single-dataset build takes: Parquet files or directories, one
+            ``datasets`` folder, ``s3://`` or ``gs://`` URIs (a single string is one path).
+        weight: share of the run's tokens (with the mixture's ``tokens``), >= 0.
+        epochs: passes over the source (without ``tokens``), >= 0; may be fractional.
+        length_column, tokens_column, loss_tokens_column: the source's own columns, or None
+            for the build's.
+    """
+
+    name: str
+    paths: tuple[str, ...]
+    weight: float | None = None
+    epochs: float | None = None
+    length_column: str | None = None
+    tokens_column: str | None = None
+    loss_tokens_column: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.match(self.name):
+            raise ConfigError(
+                f"source name {self.name!r} is not a name; expected letters, digits, '_', '-' or '.', "
+                "starting with a letter or digit (e.g. web, code-v2); rename the source"
+            )
+        object.__setattr__(self, "paths", self._checked_paths())
+        for key in ("weight", "epochs"):
+            value = getattr(self, key)
+            if value is not None:
+                object.__setattr__(self, key, _non_negative(self.name, key, value))
+        for key in _COLUMN_KEYS:
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(
+                    f"source {self.name!r}: {key} must be a column name, got {value!r}; fix it or leave it out"
+                )
+
+    def _checked_paths(self) -> tuple[str, ...]:
+        paths = (self.paths,) if isinstance(self.paths, str) else self.paths
+        if not isinstance(paths, (list, tuple)) or not paths:
+            raise ConfigError(
+                f"source {self.name!r}: paths must be a non-empty list of dataset paths, got {self.paths!r}; "
+                "list its Parquet files or directories, a datasets folder, or s3:// / gs:// URIs"
+            )
+        for path in paths:
+            if not isinstance(path, str) or not path.strip():
+                raise ConfigError(f"source {self.name!r}: paths holds {path!r}; expected a path or URI string")
+        return tuple(paths)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The source as plain JSON-able values; keys left unset (None) are left out."""
+        values = {"name": self.name, "paths": list(self.paths)}
+        for key in SOURCE_KEYS[2:]:
+            if getattr(self, key) is not None:
+                values[key] = getattr(self, key)
+        return values
+
+    @classmethod
+    def from_dict(cls, values: object, *, position: int = 0) -> MixtureSource:
+        """A source from a mapping (a mixture file's entry); unknown keys are an error."""
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"sources[{position}] is {type(values).__name__} {values!r}; expected a mapping with name, paths "
+                "and weight or epochs"
+            )
+        label = repr(values["name"]) if isinstance(values.get("name"), str) else f"at position {position}"
+        unknown = sorted(str(key) for key in values if key not in SOURCE_KEYS)
+        if unknown:
+            raise ConfigError(f"source {label}: unknown keys {unknown}; the known keys are {list(SOURCE_KEYS)}")
+        for key in ("name", "paths"):
+            if key not in values:
+                raise ConfigError(f"source {label}: key {key!r} is missing; every source needs name and paths")
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Mixture:
+    """Sources in order (global sample indices follow it), sized by ``tokens`` or by each source's ``epochs``.
+
+    Attributes:
+        sources: the sources; source ``k``'s samples come after those of sources ``0..k-1``.
+        tokens: the run's total tokens (with a ``weight`` per source), or None (each source
+            has ``epochs``). Numbers (``2.0e9``) and strings with a k/M/G/T suffix (``"2G"``)
+            are read as whole token counts.
+    """
+
+    sources: tuple[MixtureSource, ...]
+    tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sources, (list, tuple)) or not self.sources:
+            raise ConfigError(
+                f"a mixture needs at least one source, got sources={self.sources!r}; list them under sources:"
+            )
+        object.__setattr__(self, "sources", tuple(self.sources))
+        if self.tokens is not None:
+            object.__setattr__(self, "tokens", parse_tokens(self.tokens))
+        seen: set[str] = set()
+        for source in self.sources:
+            if not isinstance(source, MixtureSource):
+                raise ConfigError(f"sources holds {source!r}; expected MixtureSource values")
+            if source.name in seen:
+                raise ConfigError(f"source {source.name!r} is named twice; every source needs its own name")
+            seen.add(source.name)
+        if self.tokens is None:
+            self._check_sized_by("epochs", "weight", "without tokens")
+        else:
+            self._check_sized_by("weight", "epochs", f"with tokens ({self.tokens:,})")
+
+    def _check_sized_by(self, key: str, other: str, mode: str) -> None:
+        """Every source has ``key`` and none has ``other``; not every ``key`` is 0."""
+        fix = (
+            "give the mixture tokens and each source a weight, or each source epochs and no tokens"
+        )
+        for source in self.sources:
+            if getattr(source, other) is not None:
+                raise ConfigError(f"source {source.name!r}: {other} is given in a mixture {mode}; {fix}")
+            if getattr(source, key) is None:
+                raise ConfigError(f"source {source.name!r}: {key} is missing in a mixture {mode}; {fix}")
+        if all(getattr(source, key) == 0 for source in self.sources):
+            raise ConfigError(
+                f"every source has {key} 0, so the mixture plans nothing; give at least one source {key} above 0"
+            )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(source.name for source in self.sources)
+
+    @property
+    def by_epochs(self) -> bool:
+        """Whether sources are sized by their own epochs (no ``tokens``)."""
+        return self.tokens is None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The mixture as plain JSON-able values (what a plan stores)."""
+        values: dict[str, Any] = {"sources": [source.to_dict() for source in self.sources]}
+        if self.tokens is not None:
+            values["tokens"] = self.tokens
+        return values
+
+    @classmethod
+    def from_dict(cls, values: object) -> Mixture:
+        """Inverse of `to_dict`, and what a mixture file holds; unknown keys are an error."""
+        if not isinstance(values, dict):
+            raise ConfigError(f"a mixture is a mapping with keys {list(MIXTURE_KEYS)}, got {type(values).__name__}")
+        unknown = sorted(str(key) for key in values if key not in MIXTURE_KEYS)
+        if unknown:
+            raise ConfigError(f"unknown mixture keys {unknown}; the known keys are {list(MIXTURE_KEYS)}")
+        sources = values.get("sources")
+        if not isinstance(sources, list) or not sources:
+            raise ConfigError(
+                f"a mixture needs a non-empty list under sources, got {sources!r}; list each source's name, "
+                "paths and weight or epochs"
+            )
+        return cls(
+            sources=tuple(MixtureSource.from_dict(entry, position=index) for index, entry in enumerate(sources)),
+            tokens=values.get("tokens"),
+        )
+
+    def fingerprint(self) -> str:
+        """SHA-256 (hex, 16 chars) of the canonical JSON of `to_dict`."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def parse_tokens(value: object) -> int:
+    """A token count: an integer, a whole float (``2.0e9``), or a string of either or with a
+    k/M/G/T suffix (``"2G"``, ``"2_000M"``); at least 1."""
+    count: int | None = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        count = value
+    elif isinstance(value, float) and math.isfinite(value) and value == int(value):
+        count = int(value)
+    elif isinstance(value, str):
+        try:
+            count = parse_count(value)
+        except ValueError:
+            try:
+                number = float(value)  # YAML 1.1 reads 2e9 (no dot) as a string
+            except ValueError:
+                number = math.nan
+            count = int(number) if math.isfinite(number) and number == int(number) else None
+    if count is None or count < 1:
+        raise ConfigError(
+            f"tokens must be a whole number of tokens >= 1 (e.g. 2000000000, 2.0e9, \"2G\" or \"2_000M\"), "
+            f"got {value!r}; fix the mixture's tokens"
+        )
+    return count
+
+
+def _non_negative(name: str, key: str, value: object) -> float:
+    """A weight or epochs value: a finite number >= 0 (numeric strings such as YAML's ``1e-3`` too)."""
+    number = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    if not math.isfinite(number) or number < 0:
+        raise ConfigError(f"source {name!r}: {key} must be a finite number >= 0, got {value!r}; fix its {key}")
+    return number

@@ -1,0 +1,190 @@
+"""Mixture sizing: which samples of each source a run uses, and in what order.
+
+A source's tokens target is ``weight_s / sum(weights) x tokens`` (a mixture with ``tokens``)
+or ``epochs_s x`` the source's tokens (a mixture sized by epochs). It is met in whole passes
+while a whole pass fits, then a partial pass: the prefix of one more pass whose tokens are
+nearest the rest of the target, so the planned tokens are within one document of the
+target. Pass ``p`` of a source is a fresh permutation of its samples drawn from
+`batchplan.planning.randomness.source_pass_rng` (seed, the source's *name*, ``p``): a source's
+order is a prefix of the same sequence of passes whatever the other sources are, and within
+a source no sample is used a (k+1)-th time before every sample was used k times.
+
+Cost: one permutation per pass (`batchplan.planning.randomness.permute`, about 4x faster
+than ``rng.permutation`` at 10^7); memory: the orders (4 bytes per selected sample below
+2^31 samples, else 8) plus, for a partial pass, one permutation of its source and a chunk
+of 2^20 prefix sums. No loop runs per sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from fractions import Fraction
+
+import numpy as np
+from numpy.typing import NDArray
+
+from batchplan.errors import DatasetError
+from batchplan.mixture import Mixture
+from batchplan.plan import index_dtype
+from batchplan.planning.randomness import permute, source_pass_rng
+
+__all__ = ["SourceSelection", "select_sources"]
+
+_CHUNK = 1 << 20  # prefix sums of a partial pass computed at a time (8 MiB)
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceSelection:
+    """What a run uses of one source.
+
+    Attributes:
+        name: the source's name.
+        offset: its first global sample index.
+        num_samples: its rows.
+        weight: its share of the run's tokens: the normalised weight (a mixture with
+            ``tokens``), or its planned tokens over all sources' (a mixture sized by epochs).
+        target_tokens: the tokens asked of it (whole tokens).
+        planned_tokens: the tokens of ``order``, within one document of ``target_tokens``.
+        passes: ``planned_tokens`` over the source's tokens (2.5: two passes and half of one).
+        order: global sample indices in the order they are used, pass after pass
+            (int32 when the mixture has fewer than 2^31 samples, else int64).
+    """
+
+    name: str
+    offset: int
+    num_samples: int
+    weight: float
+    target_tokens: int
+    planned_tokens: int
+    passes: float
+    order: NDArray[np.int32] | NDArray[np.int64]
+
+
+def select_sources(
+    mixture: Mixture,
+    lengths: NDArray[np.integer],
+    offsets: NDArray[np.integer],
+    *,
+    seed: int,
+    threads: int = 1,
+) -> tuple[SourceSelection, ...]:
+    """Size each source of ``mixture`` and draw the order of its selected samples.
+
+    Args:
+        mixture: the sources, with weights and ``tokens`` or with epochs.
+        lengths: tokens of every sample, sources one after another in the mixture's order.
+        offsets: ``len(mixture.sources) + 1`` bounds: source ``k`` is samples
+            ``offsets[k]:offsets[k + 1]``.
+        seed: the build's seed.
+        threads: threads for each permutation (the result is the same for any number).
+
+    Raises:
+        DatasetError: a source asked for tokens that has none (no samples, or all of length 0).
+    """
+    offsets = np.asarray(offsets, dtype=np.int64)
+    _check_offsets(mixture, lengths, offsets)
+    dtype = index_dtype(int(lengths.shape[0]))
+    bounds = [(int(offsets[k]), int(offsets[k + 1])) for k in range(len(mixture.sources))]
+    source_tokens = [int(lengths[start:end].sum(dtype=np.int64)) for start, end in bounds]
+    targets = _targets(mixture, source_tokens)
+    selections = []
+    for source, (start, end), tokens, target in zip(mixture.sources, bounds, source_tokens, targets):
+        if target > 0 and tokens == 0:
+            raise DatasetError(
+                f"source {source.name!r}: has {end - start:,} samples and 0 tokens but is asked for {target:,} "
+                f"tokens; give it samples with tokens, or set its {'epochs' if mixture.by_epochs else 'weight'} to 0"
+            )
+        order, planned = _draw_order(source.name, lengths, start, end, tokens, target, seed, dtype, threads)
+        selection = SourceSelection(
+            name=source.name,
+            offset=start,
+            num_samples=end - start,
+            weight=0.0,  # set below, once every source's planned tokens are known
+            target_tokens=target,
+            planned_tokens=planned,
+            passes=planned / tokens if tokens else 0.0,
+            order=order,
+        )
+        selections.append(selection)
+    shares = _shares(mixture, [selection.planned_tokens for selection in selections])
+    return tuple(dataclasses.replace(selection, weight=share) for selection, share in zip(selections, shares))
+
+
+def _check_offsets(mixture: Mixture, lengths: NDArray, offsets: NDArray[np.int64]) -> None:
+    count = len(mixture.sources)
+    if (
+        offsets.shape != (count + 1,)
+        or offsets[0] != 0
+        or offsets[-1] != lengths.shape[0]
+        or np.any(np.diff(offsets) < 0)
+    ):
+        raise ValueError(
+            f"offsets must be {count + 1} non-decreasing bounds from 0 to the {lengths.shape[0]:,} samples "
+            f"(one more than the {count} sources), got {offsets.tolist()}"
+        )
+
+
+def _targets(mixture: Mixture, source_tokens: list[int]) -> list[int]:
+    """Each source's target in whole tokens, computed exactly (fractions, rounded once)."""
+    if mixture.by_epochs:
+        targets = []
+        for source, tokens in zip(mixture.sources, source_tokens):
+            epochs = Fraction(source.epochs)
+            whole = math.floor(epochs)
+            targets.append(whole * tokens + round((epochs - whole) * tokens))
+        return targets
+    weights = [Fraction(source.weight) for source in mixture.sources]
+    total = sum(weights)
+    return [round(weight / total * mixture.tokens) for weight in weights]
+
+
+def _shares(mixture: Mixture, planned: list[int]) -> list[float]:
+    if not mixture.by_epochs:
+        total = sum(source.weight for source in mixture.sources)
+        return [source.weight / total for source in mixture.sources]
+    total = sum(planned)
+    return [tokens / total if total else 0.0 for tokens in planned]
+
+
+def _draw_order(
+    name: str, lengths: NDArray, start: int, end: int, tokens: int, target: int, seed: int, dtype: np.dtype,
+    threads: int,
+) -> tuple[NDArray, int]:
+    """Whole passes, then the prefix of one more nearest the rest: ``(order, planned tokens)``."""
+    count = end - start
+    if target == 0:
+        return np.empty(0, dtype=dtype), 0
+    whole, rest = divmod(target, tokens)
+    partial, partial_tokens = _partial_pass(name, lengths, start, count, rest, whole, seed, dtype, threads)
+    order = np.empty(whole * count + partial.shape[0], dtype=dtype)
+    for index in range(whole):
+        permute(source_pass_rng(seed, name, index), order[index * count : (index + 1) * count], start, threads=threads)
+    order[whole * count :] = partial
+    return order, whole * tokens + partial_tokens
+
+
+def _partial_pass(
+    name: str, lengths: NDArray, start: int, count: int, rest: int, index: int, seed: int, dtype: np.dtype,
+    threads: int,
+) -> tuple[NDArray, int]:
+    """The prefix of pass ``index`` whose tokens are nearest ``rest`` (a tie takes the shorter):
+    ``(its global sample indices, its tokens)``."""
+    if rest == 0:
+        return np.empty(0, dtype=dtype), 0
+    order = np.empty(count, dtype=dtype)
+    permute(source_pass_rng(seed, name, index), order, start, threads=threads)
+    done = 0
+    for first in range(0, count, _CHUNK):
+        sums = np.cumsum(lengths[order[first : first + _CHUNK]], dtype=np.int64)
+        sums += done
+        if sums[-1] < rest:
+            done = int(sums[-1])
+            continue
+        # sums[at] is the first prefix (of first + at + 1 samples) reaching rest; the one before it falls short.
+        at = int(np.searchsorted(sums, rest, side="left"))
+        before = int(sums[at - 1]) if at else done
+        if rest - before <= int(sums[at]) - rest:
+            return order[: first + at].copy(), before
+        return order[: first + at + 1].copy(), int(sums[at])
+    raise AssertionError(f"a partial pass of {rest:,} tokens is shorter than a whole pass")  # rest < tokens
