@@ -50,9 +50,10 @@ def built(tmp_path_factory) -> dict[str, Path]:
 def test_a_directory_holds_the_plan_of_a_file(built):
     file, directory = open_plan(built["file"]), open_plan(built["directory"])
     directory.verify()
-    assert sorted(p.name for p in built["directory"].iterdir()) == [
-        "epoch-00000.arrow", "epoch-00001.arrow", "epoch-00002.arrow", "epoch-00003.arrow", "manifest.json",
-    ]  # fmt: skip
+    plan = directory.metadata["plan"]
+    names = [f"epoch-{epoch:05d}.{plan}.arrow" for epoch in range(4)]
+    assert sorted(p.name for p in built["directory"].iterdir()) == [*names, "manifest.json"]
+    assert [f["name"] for f in directory.metadata["epoch_files"]] == names
     for epoch in range(RAMPED.epochs):
         for rank in range(RAMPED.world_size):
             assert directory.read_rank(epoch, rank).equals(file.read_rank(epoch, rank))
@@ -70,7 +71,7 @@ def test_epoch_files_count_steps_and_tokens_from_their_epoch(built):
     import pyarrow as pa
 
     directory = open_plan(built["directory"])
-    raw = pa.ipc.open_file(built["directory"] / "epoch-00002.arrow").get_batch(1)
+    raw = pa.ipc.open_file(_epoch_path(built["directory"], 2)).get_batch(1)
     shifted = directory.read_rank(2, 1)
     first_step = sum(directory.metadata["steps_per_epoch"][:2])
     assert raw.column("step")[0].as_py() == 0 and shifted.column("step")[0].as_py() == first_step
@@ -156,45 +157,54 @@ def test_an_incomplete_directory_says_which_epochs_are_missing(tmp_path):
 
 def test_a_missing_epoch_file_is_named(built, tmp_path):
     copy = _copy(built["directory"], tmp_path)
-    (copy / "epoch-00002.arrow").unlink()
-    with pytest.raises(PlanFormatError, match=r"epoch-00002\.arrow missing"):
+    _epoch_path(copy, 2).unlink()
+    with pytest.raises(PlanFormatError, match=r"epoch-00002\.[0-9a-f]{16}\.arrow missing"):
         open_plan(copy)
 
 
 def test_a_corrupt_epoch_file_is_named(built, tmp_path):
     copy = _copy(built["directory"], tmp_path)
-    path = copy / "epoch-00001.arrow"
+    path = _epoch_path(copy, 1)
     data = bytearray(path.read_bytes())
     at = data.index(b"ARROW1", 8) - 64  # inside the last record batch, before the footer
     data[at] ^= 0xFF
     path.write_bytes(bytes(data))
     plan = open_plan(copy)
-    with pytest.raises(PlanFormatError, match=r"epoch-00001\.arrow"):
+    with pytest.raises(PlanFormatError, match=path.name):
         plan.verify()
     result = cli("validate", copy)
-    assert result.returncode == 1 and "epoch-00001.arrow" in result.stderr + result.stdout
+    assert result.returncode == 1 and path.name in result.stderr + result.stdout
     path.write_bytes(bytes(data[: len(data) // 2]))  # cut short
-    with pytest.raises(PlanFormatError, match=r"epoch-00001\.arrow.*truncated"):
+    with pytest.raises(PlanFormatError, match=rf"{path.name}.*truncated"):
         open_plan(copy).read_rank(1, 0)
 
 
-def test_an_epoch_file_of_another_plan_is_refused(built, tmp_path):
-    other = tmp_path / "other"
+def test_epoch_files_of_other_settings_never_complete_a_plan(tmp_path):
+    """Epoch files carry their plan's fingerprint in their name: a range built with other
+    settings leaves the epochs of this plan missing, and completing it removes the other's."""
+    directory = tmp_path / "plan"
     config = PlanConfig(max_tokens=384, world_size=2, epochs=2)
-    build_plan_file(SQUAD, other, config, only_epochs=range(0, 1))
-    with pytest.raises(ConfigError, match=r"epoch-00000\.arrow belong to another plan"):
-        build_plan_file(SQUAD, other, PlanConfig(max_tokens=384, world_size=2, epochs=2, seed=1), only_epochs=range(1, 2))
+    other = PlanConfig(max_tokens=384, world_size=2, epochs=2, seed=1)
+    build_plan_file(SQUAD, directory, config, only_epochs=range(0, 1))
+    assert build_plan_file(SQUAD, directory, other, only_epochs=range(1, 2)) == {"missing_epochs": [0]}
+    assert build_plan_file(SQUAD, directory, config, only_epochs=range(1, 2))["seed"] == 0
+    listed = [f["name"] for f in open_plan(directory).metadata["epoch_files"]]
+    assert sorted(p.name for p in directory.iterdir()) == sorted([*listed, "manifest.json"])
+    assert validate_plan(directory, SQUAD) == []
+
+
+def test_an_epoch_file_of_another_plan_is_refused(built, tmp_path):
     copy = _copy(built["directory"], tmp_path)
     whole = tmp_path / "seed1"
     build_plan_file(DIALOGUES, whole, PlanConfig(**{**RAMPED.to_dict(), "seed": 1}), layout="directory")
-    (copy / "epoch-00001.arrow").write_bytes((whole / "epoch-00001.arrow").read_bytes())
-    with pytest.raises(PlanFormatError, match=r"epoch-00001\.arrow: not the epoch file the manifest lists"):
+    _epoch_path(copy, 1).write_bytes(_epoch_path(whole, 1).read_bytes())
+    with pytest.raises(PlanFormatError, match=r"epoch-00001\.\w{16}\.arrow: not the epoch file the manifest lists"):
         open_plan(copy).read_rank(1, 0)
 
 
 def test_an_epoch_file_alone_points_to_its_directory(built):
     with pytest.raises(PlanFormatError, match=r"one epoch's file of a plan directory; open the directory"):
-        open_plan(built["directory"] / "epoch-00000.arrow")
+        open_plan(_epoch_path(built["directory"], 0))
 
 
 def test_bad_layouts_and_ranges_are_refused(tmp_path):
@@ -225,6 +235,11 @@ def test_epoch_ranges_parse():
 def test_the_manifest_is_canonical_json(built):
     raw = (built["directory"] / "manifest.json").read_bytes()
     assert raw == json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":")).encode()
+
+
+def _epoch_path(directory: Path, epoch: int) -> Path:
+    """Epoch ``epoch``'s file, as the directory's manifest names it."""
+    return directory / json.loads((directory / "manifest.json").read_bytes())["epoch_files"][epoch]["name"]
 
 
 def _copy(directory: Path, tmp_path: Path) -> Path:

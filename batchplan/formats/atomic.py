@@ -1,22 +1,30 @@
 """Files replaced atomically: written to a temporary beside the target, synced, renamed
 onto it; a failed write leaves the previous file as it was, and temporaries of killed
-writers are removed by the next write."""
+writers are removed by the next write. A target that is a symbolic link is written
+through: its target file is replaced and the link stays."""
 
 from __future__ import annotations
 
 import contextlib
 import glob
 import os
+import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["atomic_path"]
+__all__ = ["atomic_path", "remove_stale_temporaries"]
+
+# .NAME.PID.RANDOM.tmp, as atomic_path names them (mkstemp's RANDOM has no dot)
+_TEMPORARY = re.compile(r"\.(.+)\.(\d+)\.[^.]+\.tmp")
 
 
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
-    """A temporary path beside ``path``, renamed onto it on success, removed on failure."""
+    """A temporary path beside ``path`` (beside its target, if ``path`` is a symbolic link),
+    renamed onto it on success, removed on failure."""
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     _remove_stale_temporaries(path)
     handle, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     os.close(handle)
@@ -30,6 +38,18 @@ def atomic_path(path: Path) -> Iterator[Path]:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def remove_stale_temporaries(directory: Path, keep: Callable[[str], bool] = lambda _name: False) -> list[str]:
+    """Delete the temporaries in ``directory`` whose writer is gone (a kill -9), except those
+    of targets named ``name`` with ``keep(name)``; return the names deleted."""
+    removed = []
+    for child in directory.iterdir():
+        match = _TEMPORARY.fullmatch(child.name)
+        if match and not keep(match[1]) and not _process_alive(int(match[2])):
+            child.unlink(missing_ok=True)
+            removed.append(child.name)
+    return removed
 
 
 def _remove_stale_temporaries(path: Path) -> None:
@@ -47,6 +67,8 @@ def _process_alive(pid: int) -> bool:
         return False
     except PermissionError:  # exists, owned by someone else
         return True
+    except OverflowError:  # not a process id
+        return False
     return True
 
 

@@ -110,18 +110,19 @@ def _read_and_estimate(
 
 def _build_directory(output: Path, config: PlanConfig, lengths, source, fingerprint, epochs: range, progress):
     """Plan ``epochs`` and write each one's file as soon as it is planned; then the manifest,
-    if every epoch's file is there."""
-    from batchplan.formats.directory_writer import complete_directory, prepare_directory, write_epoch_file
+    if every epoch's file is there (`batchplan.formats.directory_writer`: the plan already
+    there stays whole until then)."""
+    from batchplan.formats.directory_writer import DirectoryWriter
     from batchplan.formats.plan_writer import header_metadata
     from batchplan.planning.epochs import plan_epochs, prepare_entries
 
     prepared = prepare_entries(lengths.lengths, config, loss_tokens=lengths.loss_tokens)
     header = header_metadata(config, prepared.num_samples, prepared.entries, source, fingerprint)
-    prepare_directory(output)
-    advance = _stage(progress, "planning and writing epochs", len(epochs) * config.world_size)
-    for epoch in plan_epochs(prepared, config, epochs):
-        write_epoch_file(output, header, prepared.entries, epoch, on_batch=lambda _: advance(1))
-    manifest, missing = complete_directory(output, header)
+    with DirectoryWriter(output, header) as writer:
+        advance = _stage(progress, "planning and writing epochs", len(epochs) * config.world_size)
+        for epoch in plan_epochs(prepared, config, epochs):
+            writer.write_epoch(prepared.entries, epoch, on_batch=lambda _: advance(1))
+        manifest, missing = writer.complete()
     return manifest if manifest is not None else {"missing_epochs": missing}
 
 
