@@ -125,6 +125,7 @@ class EpochPlan:
     step_loss_tokens: NDArray[np.int64]
     dropped_entries: NDArray[np.int64]  # entries left out by drop_last
     packing: PackingBound | None = None  # pack mode: the micro-batches as packed, and their bound
+    source: NDArray[np.int16] | None = None  # a mixture's: each row's source (-1: empty), else None
 
     @property
     def members(self) -> NDArray[np.integer]:

@@ -681,3 +681,44 @@ class _EpochCheck:
         if tokens > limit:
             self.add("dropped", f"drop_last dropped {len(last)} samples of {tokens} tokens, more than "
                      f"an incomplete step holds ({limit})")  # fmt: skip
+
+
+def interleave_by_share(
+    parts: Sequence[Sequence[int]], tokens: Sequence[int], shares: Sequence[float], seats: int
+) -> list[int]:
+    """Blocks of ``seats`` places; in each, a source takes the floor or the ceiling of
+    ``block size x its micro-batches / all`` (its floor first when the places left are all
+    owed), and each place goes to the source due first on its own clock,
+    ``(tokens taken + half the next) / share``, ties to the lowest; when no source can take a
+    place within its quota, any source with micro-batches left."""
+    import math
+
+    total = sum(len(part) for part in parts)
+    cursors, taken, out = [0] * len(parts), [0.0] * len(parts), []
+    for block in range(0, total, seats):
+        size = min(seats, total - block)
+        quota = [size * len(part) / total for part in parts]
+        low, high = [math.floor(q) for q in quota], [math.ceil(q) for q in quota]
+        in_block = [0] * len(parts)
+        for place in range(size):
+            left = [len(part) - cursor for part, cursor in zip(parts, cursors)]
+            owed = sum(max(0, min(lo, got + n) - got) for lo, got, n in zip(low, in_block, left))
+            must = owed >= size - place
+
+            def allowed(s, bounded):
+                if left[s] == 0:
+                    return False
+                return not bounded or (in_block[s] < high[s] and not (must and in_block[s] >= low[s]))
+
+            for bounded in (True, False):
+                due = {s: (taken[s] + tokens[parts[s][cursors[s]]] / 2) / shares[s]
+                       for s in range(len(parts)) if allowed(s, bounded)}
+                if due:
+                    break
+            source = min(due, key=lambda s: (due[s], s))
+            batch = parts[source][cursors[source]]
+            out.append(batch)
+            taken[source] += tokens[batch]
+            cursors[source] += 1
+            in_block[source] += 1
+    return out

@@ -20,13 +20,13 @@ from numpy.typing import NDArray
 __all__ = ["arrow_array", "list_lengths", "list_offsets", "list_values", "numpy_of", "valid"]
 
 # numpy dtypes of the plan's primitive Arrow types.
-_NUMPY_TYPES = {pa.int32(): np.int32, pa.int64(): np.int64, pa.float64(): np.float64}
+_NUMPY_TYPES = {pa.int16(): np.int16, pa.int32(): np.int32, pa.int64(): np.int64, pa.float64(): np.float64}
 
 ArrowColumn = pa.Array | pa.ChunkedArray
 
 
 def arrow_array(values: NDArray, arrow_type: pa.DataType) -> pa.Array:
-    """``values`` as an Arrow array of ``arrow_type`` (int32, int64 or float64), over the same
+    """``values`` as an Arrow array of ``arrow_type`` (int16, int32, int64 or float64), over the same
     memory when the dtype matches."""
     values = np.ascontiguousarray(values, dtype=_NUMPY_TYPES[arrow_type])
     return pa.Array.from_buffers(arrow_type, values.shape[0], [None, pa.py_buffer(values)])

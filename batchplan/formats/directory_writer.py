@@ -112,6 +112,7 @@ class DirectoryWriter:
             header["has_spans"],
             has_cost=header["attention_coefficient"] is not None,
             has_padded=header["mode"] == "pad",
+            has_source=header.get("mixture") is not None,
         )
         batches = epoch_batches(schema, entries, epoch, 0, 0, on_batch)
         name = epoch_file_name(epoch.epoch, self.plan)

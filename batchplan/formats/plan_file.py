@@ -91,9 +91,11 @@ def plan_schema(
     *,
     has_cost: bool = False,
     has_padded: bool = True,
+    has_source: bool = False,
 ) -> pa.Schema:
     """The schema of a plan; ``samples`` holds int32 below 2^31 samples, else int64.
-    ``padded_tokens`` is written in pad mode only (pack mode: it would equal ``tokens``)."""
+    ``padded_tokens`` is written in pad mode only (pack mode: it would equal ``tokens``);
+    ``source`` in a mixture's plan only (each micro-batch's source, -1 when empty)."""
     index = pa.int32() if num_samples < INT32_LIMIT else pa.int64()
     fields = [
         pa.field("epoch", pa.int32(), nullable=False),
@@ -113,6 +115,8 @@ def plan_schema(
         fields = [field for field in fields if field.name != "padded_tokens"]
     if has_cost:
         fields.append(pa.field("cost", pa.float64(), nullable=False))
+    if has_source:
+        fields.append(pa.field("source", pa.int16(), nullable=False))
     if has_spans:
         fields.append(pa.field("starts", pa.list_(pa.field("item", pa.int64(), nullable=False)), nullable=False))
         fields.append(pa.field("lengths", pa.list_(pa.field("item", pa.int32(), nullable=False)), nullable=False))
@@ -268,7 +272,7 @@ def expected_schema(metadata: dict[str, Any]) -> pa.Schema:
     has_cost = metadata.get("attention_coefficient") is not None
     has_padded = metadata["mode"] == "pad"  # format-version-1 pack plans have it too: allowed
     return plan_schema(int(metadata["num_samples"]), bool(metadata.get("has_spans")), has_cost=has_cost,
-                       has_padded=has_padded)  # fmt: skip
+                       has_padded=has_padded, has_source=metadata.get("mixture") is not None)  # fmt: skip
 
 
 def check_columns(schema: pa.Schema, metadata: dict[str, Any], path: Path) -> None:

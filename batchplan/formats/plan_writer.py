@@ -49,6 +49,7 @@ def write_plan(
     lengths_fingerprint: str | None = None,
     on_batch: Callable[[int], None] | None = None,
     lineage: dict[str, Any] | None = None,
+    mixture: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write ``plan`` atomically to ``path``; return the metadata written.
 
@@ -62,12 +63,16 @@ def write_plan(
         lineage: for a plan continuing another (`batchplan.operations.reshard`): keys merged into
             the metadata. Its ``first_step`` and ``tokens_before_first_step`` shift the
             ``step`` and ``tokens_before_step`` columns, so they run on from the parent's.
+        mixture: a mixture's plan: its sources (the metadata key ``mixture``); the rows
+            then say their source (``EpochPlan.source``).
     """
     path = Path(path)
     if not path.parent.is_dir():
         raise PlanFormatError(f"{path}: directory {path.parent} does not exist; create it first")
-    metadata = plan_metadata(plan, dataset=dataset, lengths_fingerprint=lengths_fingerprint, lineage=lineage)
-    schema = _schema_of(plan.num_samples, plan.entries.has_spans, plan.config)
+    metadata = plan_metadata(
+        plan, dataset=dataset, lengths_fingerprint=lengths_fingerprint, lineage=lineage, mixture=mixture
+    )
+    schema = _schema_of(plan.num_samples, plan.entries.has_spans, plan.config, has_source=mixture is not None)
     batches = _record_batches(schema, plan, on_batch)
     if lineage:
         shifts = {"step": lineage.get("first_step", 0),
@@ -131,22 +136,24 @@ def _write_failed(path: Path, error: OSError, existed: bool) -> OSError:
     return failed
 
 
-def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None, lineage=None) -> dict[str, Any]:
+def plan_metadata(
+    plan: Plan, *, dataset=None, lengths_fingerprint=None, lineage=None, mixture=None
+) -> dict[str, Any]:
     """The JSON metadata of a plan (everything but the content hash); ``lineage`` keys last."""
-    header = header_metadata(plan.config, plan.num_samples, plan.entries, dataset, lengths_fingerprint)
+    header = header_metadata(plan.config, plan.num_samples, plan.entries, dataset, lengths_fingerprint, mixture)
     parts = [epoch_metadata(plan.entries, epoch) for epoch in plan.epochs]
     return {**merge_metadata(header, parts), **(lineage or {})}
 
 
 def header_metadata(
-    config: PlanConfig, num_samples: int, entries: Entries, dataset=None, lengths_fingerprint=None
+    config: PlanConfig, num_samples: int, entries: Entries, dataset=None, lengths_fingerprint=None, mixture=None
 ) -> dict[str, Any]:
-    """What a plan's metadata says before any epoch is planned."""
+    """What a plan's metadata says before any epoch is planned (``mixture``: a mixture's sources)."""
     from importlib.metadata import version
 
     from batchplan import __version__
 
-    return {
+    header = {
         "format_version": FORMAT_VERSION,
         "num_samples": num_samples,
         "num_entries": entries.num_entries,
@@ -171,6 +178,9 @@ def header_metadata(
             "highspy": version("highspy"),  # the packer's LP solver
         },
     }
+    if mixture is not None:
+        header["mixture"] = mixture
+    return header
 
 
 def epoch_metadata(entries: Entries, epoch: EpochPlan) -> dict[str, Any]:
@@ -205,9 +215,9 @@ def merge_metadata(header: dict[str, Any], parts: list[dict[str, Any]]) -> dict[
     }
 
 
-def _schema_of(num_samples: int, has_spans: bool, config: PlanConfig) -> pa.Schema:
+def _schema_of(num_samples: int, has_spans: bool, config: PlanConfig, *, has_source: bool = False) -> pa.Schema:
     has_cost = config.cost_coefficient is not None
-    return plan_schema(num_samples, has_spans, has_cost=has_cost, has_padded=_has_padded(config))
+    return plan_schema(num_samples, has_spans, has_cost=has_cost, has_padded=_has_padded(config), has_source=has_source)
 
 
 def _has_padded(config: PlanConfig) -> bool:
@@ -278,6 +288,8 @@ def _rank_batch(schema, entries: Entries, epoch: EpochPlan, rank: int, rows: sli
         columns["padded_tokens"] = epoch.padded_tokens[rows]
     if epoch.cost is not None:
         columns["cost"] = epoch.cost[rows]
+    if "source" in schema.names:
+        columns["source"] = epoch.source[rows]
     if entries.has_spans:
         columns["starts"] = _list_array(list_offsets, entries.start[members], schema.field("starts").type)
         columns["lengths"] = _list_array(list_offsets, entries.length[members], schema.field("lengths").type)

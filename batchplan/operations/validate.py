@@ -41,6 +41,7 @@ from batchplan.formats.bitmap import decode_bitmap
 from batchplan.formats.lengths import fingerprint_lengths, read_lengths
 from batchplan.formats.plan_file import OpenedPlan, open_plan
 from batchplan.operations.epoch_checks import EpochChecker, Violation
+from batchplan.operations.mixture_checks import check_mixture
 
 __all__ = ["Violation", "check_plan", "validate_plan"]
 
@@ -73,7 +74,7 @@ def check_plan(
             return found
         found += _check_dropped_reasons(plan, lengths)
     lineage, problems = _read_lineage(plan)
-    found += problems
+    found += problems + check_mixture(plan)
     step_base, tokens_base = lineage.first_step, lineage.tokens_before
     for epoch in range(plan.num_epochs):
         try:
@@ -93,11 +94,19 @@ def check_plan(
     return found
 
 
-def validate_plan(plan: PathLike | OpenedPlan, dataset: PathLike | Sequence[PathLike] | None = None) -> list[Violation]:
+def validate_plan(
+    plan: PathLike | OpenedPlan,
+    dataset: PathLike | Sequence[PathLike] | None = None,
+    *,
+    mixture: PathLike | None = None,
+) -> list[Violation]:
     """Every violated guarantee of a plan file (an empty list when it is sound), checked
-    against the dataset's lengths when ``dataset`` (its files) is given; `check_plan` for
-    lengths already in memory."""
+    against the dataset's lengths when ``dataset`` (its files) is given, or a mixture's plan
+    against its sources' when ``mixture`` (its file) is; `check_plan` for lengths already in
+    memory."""
     plan = open_plan(plan) if isinstance(plan, (str, os.PathLike)) else plan
+    if mixture is not None:
+        return _validate_mixture_plan(plan, mixture)
     if not dataset:
         return check_plan(plan)
     source = plan.metadata.get("dataset") or {}
@@ -105,6 +114,20 @@ def validate_plan(plan: PathLike | OpenedPlan, dataset: PathLike | Sequence[Path
     lengths = read_lengths(
         dataset, length_column=column, tokens_column=column, loss_tokens_column=source.get("loss_tokens_column")
     )
+    return check_plan(plan, lengths.lengths, lengths.loss_tokens)
+
+
+def _validate_mixture_plan(plan: OpenedPlan, mixture: PathLike) -> list[Violation]:
+    from batchplan.formats.mixture_file import read_mixture, read_mixture_lengths
+
+    if "mixture" not in plan.metadata:
+        return [Violation("dataset", "the plan was built from one dataset, not a mixture; pass --dataset")]
+    source = plan.metadata.get("dataset") or {}
+    lengths = read_mixture_lengths(read_mixture(mixture), length_column=source.get("length_column", "length"))
+    recorded = plan.metadata.get("lengths_fingerprint")
+    if recorded is not None and recorded != lengths.fingerprint():
+        return [Violation("dataset", f"the mixture's lengths fingerprint {lengths.fingerprint()} differs from the "
+                          f"plan's {recorded}; the plan was built for other sources or data")]  # fmt: skip
     return check_plan(plan, lengths.lengths, lengths.loss_tokens)
 
 
@@ -169,6 +192,8 @@ def _check_dataset(plan: OpenedPlan, lengths, loss_tokens) -> list[Violation]:
     if lengths.shape[0] != plan.num_samples:
         return [Violation("dataset", f"plan is for {plan.num_samples:,} samples, the dataset has {lengths.shape[0]:,}")]
     recorded = plan.metadata.get("lengths_fingerprint")
+    if "mixture" in plan.metadata:  # a mixture's fingerprint is over its sources' (`_validate_mixture_plan`)
+        return []
     actual = fingerprint_lengths(lengths, loss_tokens)
     if recorded is not None and recorded != actual:
         return [Violation("dataset", f"lengths fingerprint {actual} differs from the plan's {recorded}; "

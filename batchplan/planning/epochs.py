@@ -38,6 +38,7 @@ from batchplan.errors import DatasetError
 from batchplan.plan import Entries, EpochPlan, Plan
 from batchplan.planning.entries import make_entries
 from batchplan.planning.forming import form_micro_batches, form_warmup_micro_batches
+from batchplan.planning.mixture_epochs import MixtureEntries, plan_mixture_epoch
 from batchplan.planning.randomness import STREAM_ENTRY_ORDER, STREAM_SEQLEN_WARMUP, epoch_rng
 from batchplan.planning.schedule import schedule_epoch
 from batchplan.planning.threads import epoch_threads
@@ -75,11 +76,29 @@ def build_plan(
 
 @dataclasses.dataclass(frozen=True)
 class PreparedEntries:
-    """What every epoch is planned from: the entries (with epoch 0's warmup pieces, if any)."""
+    """What every epoch is planned from: the entries (with epoch 0's warmup pieces, if any),
+    or a mixture's entries with each epoch's part of every source."""
 
     num_samples: int
     entries: Entries
     warmup: SeqlenWarmup | None
+    mixture: MixtureEntries | None = None
+
+    @classmethod
+    def of_mixture(cls, num_samples: int, mixture: MixtureEntries) -> PreparedEntries:
+        return cls(num_samples, mixture.entries, None, mixture)
+
+    def tokens_before_epochs(self, epochs: int) -> NDArray[np.int64]:
+        """Shape (epochs + 1,): tokens of the run before each epoch (and in all), when every
+        epoch holds its entries once (without drop_last)."""
+        if self.mixture is not None:
+            per_epoch = [self.mixture.epoch_tokens(epoch) for epoch in range(epochs)]
+        else:
+            num_base = self.entries.num_entries if self.warmup is None else self.warmup.num_base
+            per_epoch = [int(self.entries.length[:num_base].sum(dtype=np.int64))] * epochs
+        before = np.zeros(epochs + 1, dtype=np.int64)
+        np.cumsum(per_epoch, out=before[1:])
+        return before
 
 
 def prepare_entries(
@@ -113,21 +132,17 @@ def plan_epochs(prepared: PreparedEntries, config: PlanConfig, epochs: range | N
     before ``epochs``, which are not yielded).
     """
     wanted = range(config.epochs) if epochs is None else epochs
-    entries, warmup = prepared.entries, prepared.warmup
-    num_base = entries.num_entries if warmup is None else warmup.num_base
-    epoch_tokens = int(entries.length[:num_base].sum(dtype=np.int64))
+    before = prepared.tokens_before_epochs(config.epochs)
     epoch, tokens_before = 0, 0
     if config.has_rampup and config.drop_last:
         while epoch < wanted.stop and tokens_before < config.rampup_tokens:
-            planned = plan_epoch(
-                entries, config, epoch, tokens_before=tokens_before, warmup=warmup, threads=num_threads()
-            )
+            planned = _plan_prepared(prepared, config, epoch, tokens_before, num_threads())
             tokens_before += int(planned.step_tokens.sum())
             epoch += 1
             if planned.epoch in wanted:
                 yield planned
     # Past the ramp (or without drop_last, exactly) epoch e starts at
-    # tokens_before + (e - epoch) * epoch_tokens; past the ramp the value does not matter.
+    # tokens_before + (tokens of epochs epoch..e-1); past the ramp the value does not matter.
     todo = [e for e in wanted if e >= epoch]
     at_once, threads = epoch_threads(len(todo), num_threads())
     with ThreadPoolExecutor(max_workers=at_once) as pool:
@@ -135,12 +150,18 @@ def plan_epochs(prepared: PreparedEntries, config: PlanConfig, epochs: range | N
         for e, share in zip(todo, threads):
             if len(running) == at_once:
                 yield running.popleft().result()
-            before = tokens_before + (e - epoch) * epoch_tokens
-            running.append(
-                pool.submit(plan_epoch, entries, config, e, tokens_before=before, warmup=warmup, threads=share)
-            )
+            start = tokens_before + int(before[e] - before[epoch])
+            running.append(pool.submit(_plan_prepared, prepared, config, e, start, share))
         while running:
             yield running.popleft().result()
+
+
+def _plan_prepared(prepared: PreparedEntries, config: PlanConfig, epoch: int, tokens_before: int, threads: int):
+    if prepared.mixture is not None:
+        return plan_mixture_epoch(prepared.mixture, config, epoch, tokens_before=tokens_before, threads=threads)
+    return plan_epoch(
+        prepared.entries, config, epoch, tokens_before=tokens_before, warmup=prepared.warmup, threads=threads
+    )
 
 
 def plan_epoch(

@@ -18,7 +18,7 @@ from batchplan.planning.micro_batches import MicroBatches
 from batchplan.planning.randomness import KeyStream, permute
 from batchplan.planning.warmup import SeqlenWarmup
 
-__all__ = ["compute_costs", "form_micro_batches", "form_warmup_micro_batches"]
+__all__ = ["compute_costs", "concatenate_parts", "form_micro_batches", "form_warmup_micro_batches"]
 
 
 def form_micro_batches(
@@ -83,10 +83,10 @@ def form_warmup_micro_batches(
     if warmup.rest.size:
         formed = form_micro_batches(entries.length[warmup.rest], config, rng, threads)
         parts.append((formed, warmup.rest, np.arange(formed.count)))
-    return _concatenate(parts, entries.num_entries), ordered
+    return concatenate_parts(parts, entries.num_entries), ordered
 
 
-def _concatenate(parts, num_entries: int) -> MicroBatches:
+def concatenate_parts(parts, num_entries: int) -> MicroBatches:
     """One `MicroBatches` of ``(batches, entry_ids, order)`` parts: each part's micro-batches
     in ``order``, their members mapped from part-local positions to ``entry_ids``."""
     members, lengths, starts, ends = [], [], [], []

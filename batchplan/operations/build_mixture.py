@@ -1,0 +1,101 @@
+"""End to end for a mixture: mixture file -> sources' lengths -> plan file, what the CLI's
+``build --mixture`` does, as a library call."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from batchplan.config import PlanConfig, num_threads
+from batchplan.errors import ConfigError
+from batchplan.mixture import Mixture
+
+__all__ = ["build_mixture_plan_file", "mixture_metadata"]
+
+PathLike = str | os.PathLike
+
+
+def build_mixture_plan_file(
+    mixture: PathLike | Mixture,
+    output: PathLike,
+    config: PlanConfig,
+    *,
+    length_column: str = "length",
+    tokens_column: str = "input_ids",
+    loss_tokens_column: str | None = None,
+    progress=None,
+) -> dict[str, Any]:
+    """Read a mixture's sources, size them, plan every epoch, write the plan atomically;
+    return its metadata. An epoch of a mixture's plan is a part of the run
+    (`batchplan.planning.mixture_epochs`).
+
+    Args:
+        mixture: a mixture file (YAML or JSON, `batchplan.formats.mixture_file`) or a `Mixture`.
+        length_column, tokens_column, loss_tokens_column: the columns of sources that do
+            not name their own.
+        progress: as for `batchplan.operations.build.build_plan_file`.
+
+    Raises:
+        ConfigError: a bad mixture or option, or an unusable output path.
+        DatasetError: a source cannot be read or breaks a rule.
+    """
+    from batchplan.formats.mixture_file import read_mixture, read_mixture_lengths
+    from batchplan.formats.plan_writer import write_plan
+    from batchplan.kernels.startup import start_numba
+    from batchplan.operations.build import _check_output, _stage
+    from batchplan.planning.epochs import PreparedEntries, plan_epochs
+    from batchplan.planning.memory import check_build_memory, estimate_build_memory
+    from batchplan.planning.mixture_epochs import prepare_mixture_entries
+    from batchplan.plan import Plan
+
+    if not isinstance(mixture, Mixture):
+        mixture = read_mixture(mixture)
+    output = Path(output)
+    _check_output(output, [path for source in mixture.sources for path in source.paths], "file")
+    advance = _stage(progress, "reading sources", len(mixture.sources))
+    columns = {"length_column": length_column, "tokens_column": tokens_column, "loss_tokens_column": loss_tokens_column}
+    lengths = read_mixture_lengths(mixture, **columns)
+    advance(len(mixture.sources))
+    start_numba()
+    threads = num_threads()
+    prepared = prepare_mixture_entries(
+        mixture, lengths.lengths, lengths.offsets, config, loss_tokens=lengths.loss_tokens, threads=threads
+    )
+    used = prepared.entries.length
+    check_build_memory(estimate_build_memory(used.shape[0], config, num_threads=threads, lengths=used))
+    advance = _stage(progress, "planning epochs", config.epochs)
+    epochs = []
+    for epoch in plan_epochs(PreparedEntries.of_mixture(lengths.num_samples, prepared), config):
+        epochs.append(epoch)
+        advance(1)
+    plan = Plan(config=config, num_samples=lengths.num_samples, entries=prepared.entries, epochs=tuple(epochs))
+    described = mixture_metadata(mixture, lengths, prepared.selections, columns)
+    advance = _stage(progress, "writing plan", config.epochs * config.world_size)
+    return write_plan(
+        plan, output, lengths_fingerprint=lengths.fingerprint(), mixture=described, on_batch=lambda _: advance(1)
+    )
+
+
+def mixture_metadata(mixture: Mixture, lengths, selections, columns: dict[str, Any]) -> dict[str, Any]:
+    """The plan's ``mixture`` metadata: the file as given, and per source (in order) where its
+    samples lie, what was asked of it and what the plan uses."""
+    sources = []
+    for source, read, selection in zip(mixture.sources, lengths.sources, selections):
+        if (read.name, selection.name) != (source.name, source.name):
+            raise ConfigError(f"sources out of order: {source.name!r}, {read.name!r}, {selection.name!r}")
+        sources.append({
+            "name": source.name,
+            "paths": list(source.paths),
+            "offset": read.offset,
+            "num_samples": read.num_samples,
+            "files": [[path, rows] for path, rows in read.files],
+            "lengths_fingerprint": read.fingerprint,
+            "length_column": source.length_column or columns["length_column"],
+            "loss_tokens_column": source.loss_tokens_column or columns["loss_tokens_column"],
+            "weight": selection.weight,
+            "target_tokens": selection.target_tokens,
+            "planned_tokens": selection.planned_tokens,
+            "passes": selection.passes,
+        })
+    return {"fingerprint": mixture.fingerprint(), "spec": mixture.to_dict(), "sources": sources}

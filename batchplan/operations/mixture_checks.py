@@ -1,0 +1,145 @@
+"""Re-check a mixture's guarantees from its plan file alone (and the mixture's lengths).
+
+Each source's samples are the global indices ``offset..offset + num_samples`` that the
+plan's ``mixture`` metadata lists; the source of a micro-batch is found from its samples
+(not taken from the ``source`` column, which is checked against it). Checks:
+- ``mixture_sources``: every micro-batch holds samples of one source, and its ``source``
+  column says which (-1 for an empty one).
+- ``mixture_shares``: in every step but an epoch's last, each source's tokens are within
+  max(0.5 % of the step's tokens, ``max_tokens``) of ``weight x`` the step's tokens.
+- ``mixture_drift``: after every step, each source's tokens since its epoch began are within
+  one step's tokens (the epoch's mean step) of ``weight x`` the epoch's tokens so far.
+- ``mixture_repetition``: within a source no sample is used a (k+1)-th time in a step before
+  the step in which the last of its kept samples is used a k-th time (uses of a split sample
+  are counted once, by the piece that starts at token 0); each source's planned tokens
+  are the metadata's.
+
+Memory: every use's (step, sample) once, 16 bytes per use; time: a sort of the uses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import NDArray
+
+from batchplan.formats.arrow import list_offsets, list_values, numpy_of
+from batchplan.formats.plan_file import OpenedPlan
+from batchplan.operations.epoch_checks import Violation
+
+__all__ = ["check_mixture"]
+
+_SHARE_FLOOR = 0.005  # 0.5 percentage points
+
+
+def check_mixture(plan: OpenedPlan) -> list[Violation]:
+    """Every violated mixture guarantee of ``plan`` (none for a plan without a mixture)."""
+    mixture = plan.metadata.get("mixture")
+    if mixture is None:
+        return []
+    sources = mixture["sources"]
+    bounds = np.array([s["offset"] for s in sources] + [sources[-1]["offset"] + sources[-1]["num_samples"]])
+    weights = np.array([s["weight"] for s in sources], dtype=np.float64)
+    found, use_steps, use_samples = [], [], []
+    step_base = 0
+    for epoch in range(plan.num_epochs):
+        steps = plan.metadata["steps_per_epoch"][epoch]
+        per_step = np.zeros((steps, len(sources)), dtype=np.int64)
+        for rank in range(plan.world_size):
+            found += _read_rank(plan, epoch, rank, bounds, step_base, per_step, use_steps, use_samples)
+        found += _check_shares(per_step, weights, plan.metadata["max_tokens"], epoch, step_base)
+        step_base += steps
+    if found:
+        return found
+    dropped = plan.metadata.get("dropped", {})
+    never = np.concatenate([np.asarray(dropped.get(reason, []), dtype=np.int64) for reason in ("empty", "oversize")])
+    found += _check_repetition(np.concatenate(use_steps), np.concatenate(use_samples), bounds, sources, never)
+    return found
+
+
+def _read_rank(plan, epoch, rank, bounds, step_base, per_step, use_steps, use_samples) -> list[Violation]:
+    """Adds the rank's tokens per (step, source) to ``per_step`` and its uses to the lists."""
+    batch = plan.read_rank(epoch, rank)
+    offsets, samples = list_offsets(batch.column("samples")), list_values(batch.column("samples")).astype(np.int64)
+    tokens, step = numpy_of(batch.column("tokens")), numpy_of(batch.column("step")) - step_base
+    recorded = numpy_of(batch.column("source")) if "source" in batch.schema.names else None
+    sample_source = np.searchsorted(bounds, samples, side="right") - 1
+    counts = np.diff(offsets)
+    row = np.repeat(np.arange(counts.shape[0]), counts)
+    first = np.full(counts.shape[0], -1, dtype=np.int64)
+    first[counts > 0] = sample_source[offsets[:-1][counts > 0]]
+    where = f"epoch {epoch}, rank {rank}"
+    if (sample_source != first[row]).any():
+        return [Violation("mixture_sources", f"{where}: a micro-batch holds samples of two sources")]
+    if recorded is None or (recorded != first).any():
+        return [Violation("mixture_sources", f"{where}: the source column disagrees with the micro-batches' samples")]
+    held = counts > 0
+    np.add.at(per_step, (step[held], first[held]), tokens[held])
+    starts = list_values(batch.column("starts")) if "starts" in batch.schema.names else None
+    use = np.ones(samples.shape[0], dtype=bool) if starts is None else starts == 0
+    use_steps.append((step[row] + step_base)[use])
+    use_samples.append(samples[use])
+    return []
+
+
+def _check_shares(per_step: NDArray[np.int64], weights, max_tokens: int, epoch: int, step_base: int) -> list[Violation]:
+    found = []
+    totals = per_step.sum(axis=1)
+    target = weights[None, :] * totals[:, None]
+    allowed = np.maximum(_SHARE_FLOOR * totals, max_tokens)
+    off = np.abs(per_step - target)[:-1] > allowed[:-1, None]  # an epoch's last step may be short
+    if off.any():
+        step, source = np.argwhere(off)[0]
+        share = per_step[step, source] / max(totals[step], 1)
+        found.append(Violation("mixture_shares", (
+            f"{int(off.sum()):,} (step, source) pairs off their share; first: step {step_base + step:,}, source "
+            f"{source}: {share:.2%} of {totals[step]:,} tokens against a weight of {weights[source]:.2%}"
+        )))
+    drift = np.abs(np.cumsum(per_step, axis=0) - weights[None, :] * np.cumsum(totals)[:, None])
+    step_tokens = totals.mean() if totals.shape[0] else 0
+    if (drift > step_tokens + 1e-6).any():
+        step, source = np.argwhere(drift > step_tokens + 1e-6)[0]
+        found.append(Violation("mixture_drift", (
+            f"after step {step_base + step:,}, source {source} is {drift[step, source]:,.0f} tokens off its weight "
+            f"in epoch {epoch} (one step: {step_tokens:,.0f})"
+        )))
+    return found
+
+
+def _check_repetition(steps, samples, bounds, sources, never: NDArray[np.int64]) -> list[Violation]:
+    """Per source: the last step of every kept sample's k-th use comes before the first of any
+    (k+1)-th use (the same step is allowed: its micro-batches run side by side); ``never``:
+    the samples the plan drops (empty, oversize)."""
+    order = np.lexsort((samples, steps))  # by step, then sample: uses in plan order
+    steps, samples = steps[order], samples[order]
+    found = []
+    for index, source in enumerate(sources):
+        mine = (samples >= bounds[index]) & (samples < bounds[index + 1])
+        used_steps, used = steps[mine], samples[mine] - bounds[index]
+        if used.shape[0] == 0:
+            continue
+        # The k-th use of each sample (0-based), in plan order: rank within equal samples.
+        by_sample = np.argsort(used, kind="stable")
+        first_of = np.searchsorted(used[by_sample], used[by_sample], side="left")
+        nth = np.empty(used.shape[0], dtype=np.int64)
+        nth[by_sample] = np.arange(used.shape[0]) - first_of
+        uses = np.bincount(used, minlength=source["num_samples"])
+        kept = np.ones(source["num_samples"], dtype=bool)
+        kept[never[(never >= bounds[index]) & (never < bounds[index + 1])] - bounds[index]] = False
+        if uses[kept].max() - uses[kept].min() > 1:
+            found.append(Violation("mixture_repetition", (
+                f"source {source['name']!r}: samples are used from {uses[kept].min()} to {uses[kept].max()} times"
+            )))
+            continue
+        if uses[~kept].any():
+            found.append(Violation("mixture_repetition", f"source {source['name']!r}: a dropped sample is used"))
+            continue
+        for k in range(int(nth.max())):
+            last_kth = used_steps[nth == k].max()
+            first_next = used_steps[nth == k + 1].min()
+            if first_next < last_kth:
+                found.append(Violation("mixture_repetition", (
+                    f"source {source['name']!r}: a sample is used a {k + 2}th time in step {first_next:,}, before "
+                    f"every sample was used {k + 1} times (the last in step {last_kth:,})"
+                )))
+                break
+    return found

@@ -1,0 +1,225 @@
+"""A mixture's run as epochs: each source's selected samples (`mixture_sizing`) cut into
+epochs, and each epoch's micro-batches interleaved so that every step holds each source's
+token share.
+
+Sizing gives each source an order of sample uses (pass after pass). The run is cut into
+``config.epochs`` epochs of about equal tokens: epoch ``e`` takes the ``e``-th of as many
+consecutive parts of every source's order (a part ends at the sample whose tokens reach
+``e + 1`` over ``epochs`` of the source's planned tokens), so repetition order holds across
+epochs and each epoch holds every source's share within one document.
+
+An epoch's entries are its uses, source after source (a sample used twice is two entries).
+Micro-batches hold one source each: every source's entries are formed on their own (pack or
+pad, as for one dataset) and shuffled; then `batchplan.kernels.interleave` takes them in the
+order that keeps every prefix of the epoch within about one micro-batch of each source's share
+of its tokens. The schedule keeps that order (steps are consecutive micro-batches; ranks are
+balanced inside each step), so every step but an epoch's last holds each source's share
+within ``max_tokens`` tokens, and the run never drifts. Packing each source on its own costs
+at most one part-filled micro-batch per source and epoch against packing the epoch's samples
+together (docs/mixtures.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from numpy.typing import NDArray
+
+from batchplan.config import PlanConfig
+from batchplan.errors import ConfigError, DatasetError
+from batchplan.kernels.interleave import interleave_by_share
+from batchplan.mixture import Mixture
+from batchplan.plan import Entries, EpochPlan, index_dtype
+from batchplan.planning.entries import make_entries
+from batchplan.planning.forming import concatenate_parts, form_micro_batches
+from batchplan.planning.micro_batches import MicroBatches
+from batchplan.planning.mixture_sizing import SourceSelection, select_sources
+from batchplan.planning.randomness import STREAM_ENTRY_ORDER, STREAM_MICRO_BATCH_ORDER, epoch_rng
+from batchplan.planning.schedule import schedule_epoch
+
+__all__ = ["MixtureEntries", "plan_mixture_epoch", "prepare_mixture_entries", "sizing_lengths"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MixtureEntries:
+    """A mixture's entries in chunks: the uses of one pass of one source in one epoch.
+
+    Attributes:
+        entries: every use of every selected sample, chunk after chunk (``entries.sample``
+            maps each to its global sample index).
+        chunk_bounds: shape (chunks + 1,): chunk ``c`` is entries ``chunk_bounds[c]:chunk_bounds[c + 1]``.
+        chunk_source: shape (chunks,): the source of each chunk.
+        epoch_chunks: shape (epochs + 1,): epoch ``e`` is chunks ``epoch_chunks[e]:epoch_chunks[e + 1]``
+            (its sources in order, each source's passes in order).
+        selections: what the run uses of each source (`mixture_sizing.SourceSelection`).
+    """
+
+    entries: Entries
+    chunk_bounds: NDArray[np.int64]
+    chunk_source: NDArray[np.int64]
+    epoch_chunks: NDArray[np.int64]
+    selections: tuple[SourceSelection, ...]
+
+    def epoch_tokens(self, epoch: int) -> int:
+        first = int(self.chunk_bounds[self.epoch_chunks[epoch]])
+        last = int(self.chunk_bounds[self.epoch_chunks[epoch + 1]])
+        return int(self.entries.length[first:last].sum(dtype=np.int64))
+
+
+def sizing_lengths(lengths: NDArray[np.integer], config: PlanConfig) -> NDArray[np.int64]:
+    """The tokens each sample brings to a source's target: 0 for what the build drops
+    (empty, and oversize under ``drop``), ``max_tokens`` for a truncated sample."""
+    sized = np.asarray(lengths).astype(np.int64)
+    if config.oversize == "drop":
+        sized[sized > config.max_tokens] = 0
+    elif config.oversize == "truncate":
+        np.minimum(sized, config.max_tokens, out=sized)
+    return sized
+
+
+def prepare_mixture_entries(
+    mixture: Mixture,
+    lengths: NDArray[np.integer],
+    offsets: NDArray[np.integer],
+    config: PlanConfig,
+    *,
+    loss_tokens: NDArray[np.integer] | None = None,
+    threads: int = 1,
+) -> MixtureEntries:
+    """Size every source and lay out the run's entries, epoch by epoch and source by source.
+
+    Raises:
+        DatasetError: a source breaks a policy of ``config`` (empty or oversize samples), or
+            the mixture selects no tokens at all.
+        ConfigError: an option a mixture does not take.
+    """
+    if config.has_seqlen_warmup:
+        raise ConfigError("seqlen_warmup is not available with a mixture; leave it out")
+    lengths = np.asarray(lengths)
+    selections = select_sources(mixture, sizing_lengths(lengths, config), offsets, seed=config.seed, threads=threads)
+    chunks, chunk_source, epoch_chunks = [], [], [0]
+    for epoch in range(config.epochs):
+        for source, selection in enumerate(selections):
+            part = _epoch_part(selection, lengths, epoch, config.epochs)
+            for chunk in _passes(part, selection.num_samples):
+                chunks.append(selection.order[chunk])
+                chunk_source.append(source)
+        epoch_chunks.append(len(chunks))
+    uses = np.concatenate([np.zeros(0, dtype=index_dtype(int(lengths.shape[0])))] + chunks)
+    if uses.shape[0] == 0:
+        raise DatasetError("the mixture selects no samples: give its sources tokens, or raise their weights")
+    use_bounds = np.zeros(len(chunks) + 1, dtype=np.int64)
+    np.cumsum([chunk.shape[0] for chunk in chunks], out=use_bounds[1:])
+    use_loss = None if loss_tokens is None else np.asarray(loss_tokens)[uses]
+    entries, chunk_bounds = _to_samples(make_entries(lengths[uses], config, use_loss), uses, use_bounds)
+    if entries.num_entries == 0:
+        raise DatasetError("no samples left to plan in the mixture after dropping empty and oversize ones")
+    return MixtureEntries(
+        entries, chunk_bounds, np.asarray(chunk_source, dtype=np.int64), np.asarray(epoch_chunks, dtype=np.int64),
+        selections,
+    )
+
+
+def _epoch_part(selection: SourceSelection, lengths: NDArray[np.integer], epoch: int, epochs: int) -> slice:
+    """Positions of ``selection.order`` in ``epoch``: the run cut into ``epochs`` consecutive
+    parts of about equal tokens."""
+    order = selection.order
+    if epochs == 1 or order.shape[0] == 0:
+        return slice(0, order.shape[0]) if epoch == 0 else slice(0, 0)
+    sums = np.cumsum(lengths[order], dtype=np.int64)
+    targets = sums[-1] * np.arange(1, epochs, dtype=np.float64) / epochs
+    cuts = np.concatenate([[0], np.minimum(np.searchsorted(sums, targets, side="left") + 1, order.shape[0]),
+                           [order.shape[0]]])  # fmt: skip
+    return slice(int(cuts[epoch]), int(cuts[epoch + 1]))
+
+
+def _passes(part: slice, num_samples: int) -> list[slice]:
+    """``part`` of a source's order cut where a pass ends (every ``num_samples`` positions)."""
+    if part.stop <= part.start:
+        return []
+    first_pass, last_pass = part.start // num_samples, (part.stop - 1) // num_samples
+    edges = [part.start] + [p * num_samples for p in range(first_pass + 1, last_pass + 1)] + [part.stop]
+    return [slice(start, stop) for start, stop in zip(edges[:-1], edges[1:])]
+
+
+def _to_samples(over_uses: Entries, uses: NDArray[np.integer], use_bounds: NDArray[np.int64]):
+    """Entries whose ``sample`` is the global sample (not the use), drops listed by sample,
+    and the entry bounds of every (epoch, source) part."""
+    use_of_entry = over_uses.sample
+    if use_of_entry is None:
+        bounds = use_bounds
+        sample = uses
+    else:
+        bounds = np.searchsorted(use_of_entry, use_bounds, side="left").astype(np.int64)
+        sample = uses[use_of_entry]
+    dropped = {reason: np.unique(uses[which]).astype(np.int64) for reason, which in over_uses.dropped.items()}
+    entries = dataclasses.replace(over_uses, sample=sample, dropped=dropped)
+    return entries, bounds
+
+
+def plan_mixture_epoch(
+    mixture: MixtureEntries, config: PlanConfig, epoch: int, *, tokens_before: int = 0, threads: int = 1
+) -> EpochPlan:
+    """Plan one epoch of a mixture (the module docstring): micro-batches of one pass of one
+    source each, a source's passes in order, interleaved by share and scheduled in that
+    order; the plan's rows carry their source."""
+    entries = mixture.entries
+    rng = epoch_rng(config.seed, epoch, STREAM_ENTRY_ORDER)
+    order_rng = epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER)
+    parts = []  # (source, micro-batches, their entries, their order), a source's passes in order
+    for chunk in range(int(mixture.epoch_chunks[epoch]), int(mixture.epoch_chunks[epoch + 1])):
+        first, last = int(mixture.chunk_bounds[chunk]), int(mixture.chunk_bounds[chunk + 1])
+        if last > first:
+            formed = form_micro_batches(entries.length[first:last], config, rng, threads)
+            ids = np.arange(first, last, dtype=np.int64)
+            parts.append((int(mixture.chunk_source[chunk]), formed, ids, order_rng.permutation(formed.count)))
+    if not parts:
+        raise DatasetError(f"epoch {epoch} of the mixture holds no samples; use fewer epochs")
+    batches = _interleaved(parts, entries.num_entries, _seats(config, parts))
+    plan = schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before, ordered=batches.count,
+                          threads=threads)  # fmt: skip
+    return dataclasses.replace(plan, source=_row_sources(plan, mixture, epoch))
+
+
+def _seats(config: PlanConfig, parts) -> int:
+    """Micro-batches per step: fixed, or those of a step's token target at the epoch's mean."""
+    per_step = config.micro_batches_per_step
+    if per_step is not None:
+        return config.world_size * per_step
+    tokens = sum(int(formed.tokens().sum()) for _, formed, _, _ in parts)
+    count = sum(formed.count for _, formed, _, _ in parts)
+    rounds = config.tokens_per_step / max(1.0, config.world_size * tokens / max(count, 1))
+    return config.world_size * max(1, round(rounds))
+
+
+def _interleaved(parts, num_entries: int, seats: int) -> MicroBatches:
+    """Every part's micro-batches in one `MicroBatches`, in the order `interleave_by_share` takes
+    them (a source's parts one after another)."""
+    sources = sorted({source for source, *_ in parts})
+    by_source = [[part for part in parts if part[0] == source] for source in sources]
+    ordered = [part for group in by_source for part in group]  # stable: passes stay in order
+    joined = concatenate_parts([(formed, ids, order) for _, formed, ids, order in ordered], num_entries)
+    counts = np.array([sum(part[1].count for part in group) for group in by_source], dtype=np.int64)
+    source_offsets = np.zeros(counts.shape[0] + 1, dtype=np.int64)
+    np.cumsum(counts, out=source_offsets[1:])
+    tokens = joined.tokens().astype(np.int64)
+    source_tokens = np.array([tokens[a:b].sum() for a, b in zip(source_offsets[:-1], source_offsets[1:])])
+    shares = source_tokens / max(int(tokens.sum()), 1)
+    shares[shares <= 0] = 1.0  # sources of no tokens (empty samples only): taken as they come
+    order = np.empty(joined.count, dtype=np.int64)
+    interleave_by_share(source_offsets, tokens, shares.astype(np.float64), seats, order)
+    batches = MicroBatches.of_ranges(joined.members, joined.lengths, joined.starts[order], joined.ends[order])
+    batches.packing = joined.packing
+    return batches
+
+
+def _row_sources(plan: EpochPlan, mixture: MixtureEntries, epoch: int) -> NDArray[np.int16]:
+    """The source of each row: that of the chunk its first member is in; -1 when empty."""
+    first = plan.offsets[:-1]
+    has = plan.offsets[1:] > first
+    source = np.full(plan.num_rows, -1, dtype=np.int16)
+    starts = plan.members[first[has]].astype(np.int64)
+    chunk = np.searchsorted(mixture.chunk_bounds, starts, side="right") - 1
+    source[has] = mixture.chunk_source[chunk]
+    return source

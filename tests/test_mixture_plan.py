@@ -1,0 +1,229 @@
+"""Plans of mixtures: the interleaving kernel against its reference, repetition order, shares,
+drift, the guarantees of a single-dataset plan, byte-identical rebuilds, and validate.
+
+Shares, uses and sources are counted here from each row's samples and the sources'
+offsets in the plan's metadata, not from the planner's arrays or the ``source`` column."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import reference as ref
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batchplan import PlanConfig
+from batchplan.formats.plan_file import open_plan
+from batchplan.kernels.interleave import interleave_by_share
+from batchplan.mixture import Mixture, MixtureSource
+from batchplan.operations.build_mixture import build_mixture_plan_file
+from batchplan.operations.validate import validate_plan
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+DEMO = DATA / "mixture.yaml"
+
+
+# --------------------------------------------------------------------------- the kernel
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 12), min_size=1, max_size=6),
+    seats=st.integers(1, 9),
+    data=st.data(),
+)
+def test_interleave_agrees_with_the_reference(sizes, seats, data):
+    total = sum(sizes)
+    tokens = data.draw(st.lists(st.integers(0, 50), min_size=total, max_size=total))
+    shares = data.draw(st.lists(st.floats(0.01, 1.0), min_size=len(sizes), max_size=len(sizes)))
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    parts = [list(range(offsets[s], offsets[s + 1])) for s in range(len(sizes))]
+    out = np.empty(total, dtype=np.int64)
+    interleave_by_share(offsets, np.asarray(tokens, dtype=np.int64), np.asarray(shares), seats, out)
+    assert out.tolist() == ref.interleave_by_share(parts, tokens, shares, seats)
+
+
+def test_interleave_takes_every_micro_batch_once_in_each_sources_order():
+    rng = np.random.default_rng(0)
+    offsets = np.array([0, 40, 41, 300, 300, 420], dtype=np.int64)
+    tokens = rng.integers(1, 100, 420).astype(np.int64)
+    shares = np.array([0.1, 0.01, 0.6, 1.0, 0.29])
+    out = np.empty(420, dtype=np.int64)
+    interleave_by_share(offsets, tokens, shares, 8, out)
+    assert sorted(out.tolist()) == list(range(420))
+    for s in range(5):
+        mine = out[(out >= offsets[s]) & (out < offsets[s + 1])]
+        assert (np.diff(mine) == 1).all()
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def write_sources(tmp_path: Path, lengths: list[np.ndarray]) -> list[str]:
+    paths = []
+    for index, values in enumerate(lengths):
+        path = tmp_path / f"source{index}.parquet"
+        pq.write_table(pa.table({"length": values.astype(np.int32)}), path)
+        paths.append(str(path))
+    return paths
+
+
+def mixture_of(paths: list[str], weights: list[float], tokens: int) -> Mixture:
+    sources = tuple(MixtureSource(name=f"s{i}", paths=(p,), weight=w) for i, (p, w) in enumerate(zip(paths, weights)))
+    return Mixture(sources=sources, tokens=tokens)
+
+
+@dataclasses.dataclass
+class Uses:
+    """A plan read back: per step and source, tokens; every use as (step, sample)."""
+
+    per_step: np.ndarray  # shape (steps, sources)
+    epoch_of_step: np.ndarray
+    steps: np.ndarray
+    samples: np.ndarray
+    meta: dict
+
+
+def read_uses(path: Path) -> Uses:
+    plan = open_plan(path)
+    meta = plan.metadata
+    sources = meta["mixture"]["sources"]
+    bounds = np.array([s["offset"] for s in sources] + [sources[-1]["offset"] + sources[-1]["num_samples"]])
+    num_steps = sum(meta["steps_per_epoch"])
+    per_step = np.zeros((num_steps, len(sources)), dtype=np.int64)
+    epoch_of_step = np.repeat(np.arange(plan.num_epochs), meta["steps_per_epoch"])
+    steps, samples = [], []
+    for epoch in range(plan.num_epochs):
+        for rank in range(plan.world_size):
+            rows = plan.read_rank(epoch, rank).to_pylist()
+            for row in rows:
+                starts = row.get("starts") or [0] * len(row["samples"])
+                owners = {int(np.searchsorted(bounds, s, side="right") - 1) for s in row["samples"]}
+                assert len(owners) <= 1, "a micro-batch holds two sources"
+                if owners:
+                    per_step[row["step"], owners.pop()] += row["tokens"]
+                for sample, start in zip(row["samples"], starts):
+                    if start == 0:
+                        steps.append(row["step"])
+                        samples.append(sample)
+    return Uses(per_step, epoch_of_step, np.array(steps), np.array(samples), meta)
+
+
+def assert_repetition_in_order(uses: Uses) -> None:
+    """Within a source, no sample's (k+1)-th use comes in a step before the last k-th use."""
+    for index, source in enumerate(uses.meta["mixture"]["sources"]):
+        lo, hi = source["offset"], source["offset"] + source["num_samples"]
+        mine = (uses.samples >= lo) & (uses.samples < hi)
+        steps, samples = uses.steps[mine], uses.samples[mine]
+        order = np.argsort(steps, kind="stable")
+        seen: dict[int, int] = {}
+        nth = np.empty(order.shape[0], dtype=np.int64)
+        for position in order:
+            nth[position] = seen.get(int(samples[position]), 0)
+            seen[int(samples[position])] = nth[position] + 1
+        counts = np.bincount(samples - lo, minlength=hi - lo)
+        assert counts.max() - counts.min() <= 1, source["name"]
+        for k in range(int(nth.max(initial=0))):
+            assert steps[nth == k + 1].min() >= steps[nth == k].max(), (source["name"], k)
+
+
+@pytest.fixture(scope="module")
+def demo_plan(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("mix") / "plan.arrow"
+    config = PlanConfig(max_tokens=8192, world_size=8, micro_batches=4, oversize="split", epochs=2)
+    build_mixture_plan_file(DEMO, path, config)
+    return path
+
+
+def test_demo_mixture_plan_passes_validate(demo_plan):
+    assert validate_plan(demo_plan, mixture=DEMO) == []
+
+
+def test_demo_mixture_holds_its_shares_at_every_step(demo_plan):
+    uses = read_uses(demo_plan)
+    weights = np.array([s["weight"] for s in uses.meta["mixture"]["sources"]])
+    for epoch in range(uses.meta["epochs"]):
+        per_step = uses.per_step[uses.epoch_of_step == epoch][:-1]  # an epoch's last step may be short
+        totals = per_step.sum(axis=1)
+        allowed = np.maximum(0.005 * totals, uses.meta["max_tokens"])
+        assert (np.abs(per_step - weights * totals[:, None]) <= allowed[:, None]).all()
+
+
+def test_demo_mixture_does_not_drift(demo_plan):
+    uses = read_uses(demo_plan)
+    weights = np.array([s["weight"] for s in uses.meta["mixture"]["sources"]])
+    for epoch in range(uses.meta["epochs"]):
+        per_step = uses.per_step[uses.epoch_of_step == epoch]
+        drift = np.abs(np.cumsum(per_step, axis=0) - weights * np.cumsum(per_step.sum(axis=1))[:, None])
+        assert drift.max() <= per_step.sum(axis=1).mean()
+
+
+def test_demo_mixture_repeats_in_order_and_uses_what_was_planned(demo_plan):
+    uses = read_uses(demo_plan)
+    assert_repetition_in_order(uses)
+    for index, source in enumerate(uses.meta["mixture"]["sources"]):
+        assert uses.per_step[:, index].sum() == source["planned_tokens"]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    num_sources=st.integers(2, 8),
+    world_size=st.sampled_from([1, 2, 8]),
+    budget=st.floats(0.2, 3.0),
+    seed=st.integers(0, 2**16),
+    mode=st.sampled_from(["pack", "pad"]),
+)
+def test_hypothesis_mixtures_repeat_in_order_and_keep_every_single_dataset_guarantee(
+    tmp_path, num_sources, world_size, budget, seed, mode
+):
+    rng = np.random.default_rng(seed)
+    lengths = [np.clip(rng.lognormal(rng.uniform(3, 6), 0.8, rng.integers(20, 3000)), 1, 1024).astype(np.int32)
+               for _ in range(num_sources)]  # fmt: skip
+    weights = (10 ** rng.uniform(-3, 0, num_sources)).tolist()
+    tokens = int(sum(int(l.sum()) for l in lengths) * budget)
+    directory = Path(tempfile.mkdtemp(dir=tmp_path))
+    paths = write_sources(directory, lengths)
+    mixture = mixture_of(paths, weights, tokens)
+    config = PlanConfig(max_tokens=1024, world_size=world_size, mode=mode, seed=seed, epochs=int(rng.integers(1, 3)))
+    path = directory / "plan.arrow"
+    build_mixture_plan_file(mixture, path, config)
+    (directory / "mix.json").write_text(json.dumps(mixture.to_dict()))
+    violations = validate_plan(path, mixture=directory / "mix.json")
+    assert [v for v in violations if v.guarantee not in ("mixture_shares", "mixture_drift")] == []
+    uses = read_uses(path)
+    assert_repetition_in_order(uses)
+    for index, source in enumerate(uses.meta["mixture"]["sources"]):
+        assert uses.per_step[:, index].sum() == source["planned_tokens"]
+
+
+def test_mixture_rebuild_is_byte_identical(tmp_path):
+    config = PlanConfig(max_tokens=4096, world_size=4, oversize="split", seed=3)
+    build_mixture_plan_file(DEMO, tmp_path / "a.arrow", config)
+    build_mixture_plan_file(DEMO, tmp_path / "b.arrow", config)
+    assert (tmp_path / "a.arrow").read_bytes() == (tmp_path / "b.arrow").read_bytes()
+
+
+def test_validate_finds_a_micro_batch_of_two_sources(tmp_path, demo_plan):
+    from batchplan.operations.mixture_checks import check_mixture
+
+    plan = open_plan(demo_plan)
+    sources = plan.metadata["mixture"]["sources"]
+    moved = json.loads(json.dumps(plan.metadata))
+    moved["mixture"]["sources"][1]["offset"] = sources[1]["offset"] + 1  # a sample changes source
+
+    class Tampered:
+        def __init__(self, inner, metadata):
+            self._inner, self.metadata = inner, metadata
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    found = check_mixture(Tampered(plan, moved))
+    assert found and found[0].guarantee == "mixture_sources"
