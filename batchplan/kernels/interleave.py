@@ -1,12 +1,14 @@
-"""Interleave sources' micro-batches so that every step holds each source's token share.
+"""Compose steps of sources' micro-batches so that every step holds each source's token share.
 
-The micro-batches are taken in blocks of ``seats`` (a step's micro-batches). In each block a
-source takes the floor or the ceiling of its quota, ``seats x its micro-batches / all
-micro-batches`` (so no step is off by a whole micro-batch of any source), and which source
-takes each place follows stride scheduling on tokens: the source whose next micro-batch is
-due first, ``(tokens taken + half of the next) / share`` smallest, which keeps the run's
-cumulative tokens of each source within about one micro-batch of ``share x tokens``. Every
-source ends with the last position. O(n x sources).
+Step by step: a step of ``seats`` micro-batches (a fixed number of rounds, or the rounds
+whose tokens come nearest a token target, which a ramp-up grows) takes ``n_s`` micro-batches
+from the front of each source's queue. Each ``n_s`` is kept where the source's tokens in the
+step lie within ``max_tokens`` of ``share_s x`` the step's tokens (a window of two micro-batches
+that always holds a count), as near as it allows to ``share_s x`` the step's tokens plus the
+source's deficit so far (so the run never drifts); the counts are then brought to ``seats``
+by the sources furthest behind (added) or ahead (removed), inside their windows where they
+can be. The step's tokens, on which the windows depend, are found by iterating from an
+estimate (at most four times). O(n x sources) per pass.
 """
 
 from __future__ import annotations
@@ -14,62 +16,218 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["interleave_by_share"]
+from batchplan.kernels.steps import ramp_target
+
+__all__ = ["compose_steps"]
+
+_PASSES = 4
 
 
 @njit(cache=True, nogil=True)
-def interleave_by_share(part_offsets, tokens, shares, seats, out):
-    """Write into ``out`` the micro-batch ids of every part, interleaved by share.
+def compose_steps(source_offsets, tokens, shares, world_size, max_tokens, sizing, out, step_offsets):
+    """Fill ``out`` with micro-batch ids step by step and ``step_offsets`` with the steps'
+    bounds over it; return the number of steps.
 
     Args:
-        part_offsets: int64, ``sources + 1`` bounds: source ``s`` holds micro-batches
-            ``part_offsets[s]:part_offsets[s + 1]``, in the order they are to be taken.
-        tokens: tokens of every micro-batch (int64).
-        shares: float64 token share of each source (> 0 where the source has micro-batches).
-        seats: micro-batches per block (a step's), >= 1.
-        out: int64, ``part_offsets[-1]`` long. Ties go to the lowest source.
+        source_offsets: int64, ``sources + 1`` bounds: source ``s`` holds micro-batches
+            ``source_offsets[s]:source_offsets[s + 1]``, in the order they are to be taken.
+        tokens: int64 tokens of every micro-batch.
+        shares: float64 token share of each source (summing to 1).
+        world_size: micro-batches per round.
+        max_tokens: the cap of one micro-batch (the width of a source's window).
+        sizing: float64 ``(rounds, tokens_before, start, target, ramp_tokens, max_rounds)``:
+            ``rounds > 0``: every step that many rounds; else the rounds nearest
+            ``ramp_target(done, start, target, ramp_tokens)`` (at most ``max_rounds`` when > 0,
+            exactly that many once the ramp is over).
+        out: int64, ``source_offsets[-1]`` long.
+        step_offsets: int64, at least ``len(out) + 1`` long.
     """
     num_sources = shares.shape[0]
     total = out.shape[0]
-    cursor = part_offsets[:-1].copy()
-    taken = np.zeros(num_sources, dtype=np.float64)
+    cursor = source_offsets[:-1].copy()
+    carry = np.zeros(num_sources, dtype=np.float64)
+    count = np.zeros(num_sources, dtype=np.int64)
+    rounds, done = int(sizing[0]), sizing[1]
+    remaining = 0.0
+    for i in range(total):
+        remaining += tokens[i]
+    position, steps = 0, 0
+    step_offsets[0] = 0
+    while position < total:
+        left = total - position
+        mean = remaining / left
+        seats = world_size * _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, shares, carry,
+                                          world_size, max_tokens, left, remaining, count)
+        if seats >= left:  # the epoch's last step takes what is left
+            for source in range(num_sources):
+                count[source] = source_offsets[source + 1] - cursor[source]
+            step_tokens = _counted(tokens, cursor, count)
+        else:
+            step_tokens = _compose(seats, mean, tokens, cursor, source_offsets, shares, carry, max_tokens, count)
+        for source in range(num_sources):
+            taken = 0.0
+            for i in range(count[source]):
+                out[position] = cursor[source] + i
+                taken += tokens[cursor[source] + i]
+                position += 1
+            carry[source] += shares[source] * step_tokens - taken
+            cursor[source] += count[source]
+        done += step_tokens
+        remaining -= step_tokens
+        steps += 1
+        step_offsets[steps] = position
+    return steps
+
+
+@njit(cache=True, nogil=True)
+def _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, shares, carry, world_size, max_tokens,
+                 left, remaining, count):
+    """Rounds of the next step: fixed, or those whose composed tokens come nearest the goal."""
+    if rounds > 0:
+        return rounds
+    max_rounds = int(sizing[5])
+    if max_rounds > 0 and done >= sizing[4]:
+        return max_rounds
+    goal = ramp_target(done, sizing[2], sizing[3], sizing[4])
+    per_round = world_size * remaining / max(left, 1)
+    guess = max(1, int(round(goal / max(per_round, 1.0))))
+    best, best_off = 1, np.inf
+    for candidate in range(max(1, guess - 1), guess + 2):
+        if max_rounds > 0 and candidate > max_rounds:
+            break
+        seats = candidate * world_size
+        if seats >= left:
+            off = abs(remaining - goal)
+        else:
+            mean = remaining / left
+            off = abs(_compose(seats, mean, tokens, cursor, source_offsets, shares, carry, max_tokens, count) - goal)
+        if off < best_off:
+            best, best_off = candidate, off
+        if seats >= left:
+            break
+    return best
+
+
+@njit(cache=True, nogil=True)
+def _counted(tokens, cursor, count):
+    step_tokens = 0.0
+    for source in range(count.shape[0]):
+        for i in range(count[source]):
+            step_tokens += tokens[cursor[source] + i]
+    return step_tokens
+
+
+@njit(cache=True, nogil=True)
+def _compose(seats, mean, tokens, cursor, source_offsets, shares, carry, max_tokens, count):
+    """Counts per source (``count``) for a step of ``seats`` micro-batches (``mean``: the
+    tokens of a micro-batch left, on average); returns the step's tokens."""
+    num_sources = shares.shape[0]
+    prefix = np.zeros((num_sources, seats + 1), dtype=np.float64)
+    avail = np.zeros(num_sources, dtype=np.int64)
+    for source in range(num_sources):
+        avail[source] = min(seats, source_offsets[source + 1] - cursor[source])
+        for n in range(avail[source]):
+            prefix[source, n + 1] = prefix[source, n] + tokens[cursor[source] + n]
+    estimate = seats * mean
     low = np.zeros(num_sources, dtype=np.int64)
     high = np.zeros(num_sources, dtype=np.int64)
-    in_block = np.zeros(num_sources, dtype=np.int64)
-    for block in range(0, total, seats):
-        size = min(seats, total - block)
+    step_tokens = 0.0
+    for _ in range(_PASSES):
         for source in range(num_sources):
-            quota = size * (part_offsets[source + 1] - part_offsets[source]) / total
-            low[source] = int(np.floor(quota))
-            high[source] = int(np.ceil(quota))
-            in_block[source] = 0
-        for place in range(size):
-            owed = 0
-            for source in range(num_sources):
-                left = part_offsets[source + 1] - cursor[source]
-                owed += max(0, min(low[source], in_block[source] + left) - in_block[source])
-            must = owed >= size - place  # every place left goes to a source short of its floor
-            best = _pick(part_offsets, tokens, shares, cursor, taken, low, high, in_block, must, True)
-            if best < 0:  # quotas cannot be met (sources ran out): any source with micro-batches left
-                best = _pick(part_offsets, tokens, shares, cursor, taken, low, high, in_block, False, False)
-            out[block + place] = cursor[best]
-            taken[best] += tokens[cursor[best]]
-            cursor[best] += 1
-            in_block[best] += 1
+            _window(prefix[source], avail[source], shares[source] * estimate, carry[source], max_tokens,
+                    low, high, count, source)
+        _fit(seats, prefix, shares, carry, estimate, avail, low, high, count)
+        step_tokens = 0.0
+        for source in range(num_sources):
+            step_tokens += prefix[source, count[source]]
+        if step_tokens == estimate:
+            break
+        estimate = step_tokens
+    return _repair(prefix, avail, shares, max_tokens, count, step_tokens)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _pick(part_offsets, tokens, shares, cursor, taken, low, high, in_block, must, bounded):
-    """The source due first among those with micro-batches left (``bounded``: below their
-    ceiling, and with ``must`` below their floor); -1 when none."""
-    best = -1
-    best_due = np.inf
+@njit(cache=True, nogil=True)
+def _repair(prefix, avail, shares, max_tokens, count, step_tokens):
+    """While a source lies more than ``max_tokens`` off its share of the step's actual tokens,
+    move a micro-batch from the source furthest ahead to the one furthest behind, as long as
+    that lowers the largest miss; returns the step's tokens."""
+    num_sources = shares.shape[0]
+    worst = _worst_miss(prefix, shares, count, step_tokens)
+    while worst > max_tokens:
+        ahead, behind, most_ahead, most_behind = -1, -1, -np.inf, -np.inf
+        for source in range(num_sources):
+            miss = prefix[source, count[source]] - shares[source] * step_tokens
+            if count[source] > 0 and miss > most_ahead:
+                ahead, most_ahead = source, miss
+            if count[source] < avail[source] and -miss > most_behind:
+                behind, most_behind = source, -miss
+        if ahead < 0 or behind < 0 or ahead == behind:
+            break
+        count[ahead] -= 1
+        count[behind] += 1
+        moved = step_tokens - (prefix[ahead, count[ahead] + 1] - prefix[ahead, count[ahead]])
+        moved += prefix[behind, count[behind]] - prefix[behind, count[behind] - 1]
+        after = _worst_miss(prefix, shares, count, moved)
+        if after >= worst:  # no better: undo, and keep the step as it is
+            count[ahead] += 1
+            count[behind] -= 1
+            break
+        worst, step_tokens = after, moved
+    return step_tokens
+
+
+@njit(cache=True, nogil=True)
+def _worst_miss(prefix, shares, count, step_tokens):
+    worst = 0.0
     for source in range(shares.shape[0]):
-        if cursor[source] >= part_offsets[source + 1]:
-            continue
-        if bounded and (in_block[source] >= high[source] or (must and in_block[source] >= low[source])):
-            continue
-        due = (taken[source] + 0.5 * tokens[cursor[source]]) / shares[source]
-        if due < best_due:
-            best, best_due = source, due
-    return best
+        worst = max(worst, abs(prefix[source, count[source]] - shares[source] * step_tokens))
+    return worst
+
+
+@njit(cache=True, nogil=True)
+def _window(prefix, avail, target, carry, max_tokens, low, high, count, source):
+    """The counts whose tokens lie within ``max_tokens`` of ``target`` (``low..high``), and
+    the one nearest ``target + carry`` among them."""
+    low[source] = avail
+    for n in range(avail + 1):
+        if prefix[n] >= target - max_tokens:
+            low[source] = n
+            break
+    high[source] = low[source]
+    for n in range(low[source], avail + 1):
+        if prefix[n] <= target + max_tokens:
+            high[source] = n
+    best, best_off = low[source], np.inf
+    for n in range(low[source], high[source] + 1):
+        off = abs(prefix[n] - target - carry)
+        if off < best_off:
+            best, best_off = n, off
+    count[source] = best
+
+
+@njit(cache=True, nogil=True)
+def _fit(seats, prefix, shares, carry, estimate, avail, low, high, count):
+    """Bring the counts to ``seats``: add to the sources furthest behind, take from those
+    furthest ahead, within their windows first."""
+    num_sources = shares.shape[0]
+    placed = 0
+    for source in range(num_sources):
+        placed += count[source]
+    while placed != seats:
+        grow = placed < seats
+        best, best_key = -1, -np.inf
+        for bounded in (True, False):
+            for source in range(num_sources):
+                n = count[source]
+                if grow and (n >= avail[source] or (bounded and n >= high[source])):
+                    continue
+                if not grow and (n <= 0 or (bounded and n <= low[source])):
+                    continue
+                behind = shares[source] * estimate + carry[source] - prefix[source, n]
+                key = behind if grow else -behind
+                if key > best_key:
+                    best, best_key = source, key
+            if best >= 0:
+                break
+        count[best] += 1 if grow else -1
+        placed += 1 if grow else -1

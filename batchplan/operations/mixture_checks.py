@@ -8,7 +8,8 @@ plan's ``mixture`` metadata lists; the source of a micro-batch is found from its
 - ``mixture_shares``: in every step but an epoch's last, each source's tokens are within
   max(0.5 % of the step's tokens, ``max_tokens``) of ``weight x`` the step's tokens.
 - ``mixture_drift``: after every step, each source's tokens since its epoch began are within
-  one step's tokens (the epoch's mean step) of ``weight x`` the epoch's tokens so far.
+  one step's tokens (the epoch's mean step, or ``max_tokens`` when steps are smaller: a lag
+  comes in whole micro-batches) of ``weight x`` the epoch's tokens so far.
 - ``mixture_repetition``: within a source no sample is used a (k+1)-th time in a step before
   the step in which the last of its kept samples is used a k-th time (uses of a split sample
   are counted once, by the piece that starts at token 0); each source's planned tokens
@@ -95,7 +96,7 @@ def _check_shares(per_step: NDArray[np.int64], weights, max_tokens: int, epoch: 
             f"{source}: {share:.2%} of {totals[step]:,} tokens against a weight of {weights[source]:.2%}"
         )))
     drift = np.abs(np.cumsum(per_step, axis=0) - weights[None, :] * np.cumsum(totals)[:, None])
-    step_tokens = totals.mean() if totals.shape[0] else 0
+    step_tokens = max(totals.mean() if totals.shape[0] else 0, max_tokens)
     if (drift > step_tokens + 1e-6).any():
         step, source = np.argwhere(drift > step_tokens + 1e-6)[0]
         found.append(Violation("mixture_drift", (

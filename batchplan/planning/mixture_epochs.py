@@ -28,7 +28,7 @@ from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
 from batchplan.errors import ConfigError, DatasetError
-from batchplan.kernels.interleave import interleave_by_share
+from batchplan.kernels.interleave import compose_steps
 from batchplan.mixture import Mixture
 from batchplan.plan import Entries, EpochPlan, index_dtype
 from batchplan.planning.entries import make_entries
@@ -96,6 +96,10 @@ def prepare_mixture_entries(
     """
     if config.has_seqlen_warmup:
         raise ConfigError("seqlen_warmup is not available with a mixture; leave it out")
+    if config.drop_last:
+        raise ConfigError(
+            "drop_last is not available with a mixture (an epoch's last step is completed instead); leave it out"
+        )
     lengths = np.asarray(lengths)
     selections = select_sources(mixture, sizing_lengths(lengths, config), offsets, seed=config.seed, threads=threads)
     chunks, chunk_source, epoch_chunks = [], [], [0]
@@ -176,26 +180,17 @@ def plan_mixture_epoch(
             parts.append((int(mixture.chunk_source[chunk]), formed, ids, order_rng.permutation(formed.count)))
     if not parts:
         raise DatasetError(f"epoch {epoch} of the mixture holds no samples; use fewer epochs")
-    batches = _interleaved(parts, entries.num_entries, _seats(config, parts))
+    weights = np.array([selection.weight for selection in mixture.selections], dtype=np.float64)
+    batches, steps = _composed(parts, entries.num_entries, config, tokens_before, weights)
     plan = schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before, ordered=batches.count,
-                          threads=threads)  # fmt: skip
+                          steps=steps, threads=threads)  # fmt: skip
     return dataclasses.replace(plan, source=_row_sources(plan, mixture, epoch))
 
 
-def _seats(config: PlanConfig, parts) -> int:
-    """Micro-batches per step: fixed, or those of a step's token target at the epoch's mean."""
-    per_step = config.micro_batches_per_step
-    if per_step is not None:
-        return config.world_size * per_step
-    tokens = sum(int(formed.tokens().sum()) for _, formed, _, _ in parts)
-    count = sum(formed.count for _, formed, _, _ in parts)
-    rounds = config.tokens_per_step / max(1.0, config.world_size * tokens / max(count, 1))
-    return config.world_size * max(1, round(rounds))
-
-
-def _interleaved(parts, num_entries: int, seats: int) -> MicroBatches:
-    """Every part's micro-batches in one `MicroBatches`, in the order `interleave_by_share` takes
-    them (a source's parts one after another)."""
+def _composed(parts, num_entries: int, config: PlanConfig, tokens_before: int, weights: NDArray[np.float64]):
+    """Every part's micro-batches in one `MicroBatches`, in the steps `compose_steps` makes of
+    them (a source's parts one after another in its queue), and the steps' bounds. Shares are
+    the mixture's weights (of the sources this epoch holds), which validate checks against."""
     sources = sorted({source for source, *_ in parts})
     by_source = [[part for part in parts if part[0] == source] for source in sources]
     ordered = [part for group in by_source for part in group]  # stable: passes stay in order
@@ -204,14 +199,31 @@ def _interleaved(parts, num_entries: int, seats: int) -> MicroBatches:
     source_offsets = np.zeros(counts.shape[0] + 1, dtype=np.int64)
     np.cumsum(counts, out=source_offsets[1:])
     tokens = joined.tokens().astype(np.int64)
-    source_tokens = np.array([tokens[a:b].sum() for a, b in zip(source_offsets[:-1], source_offsets[1:])])
-    shares = source_tokens / max(int(tokens.sum()), 1)
-    shares[shares <= 0] = 1.0  # sources of no tokens (empty samples only): taken as they come
+    shares = weights[sources] / max(float(weights[sources].sum()), 1e-300)
     order = np.empty(joined.count, dtype=np.int64)
-    interleave_by_share(source_offsets, tokens, shares.astype(np.float64), seats, order)
+    steps = np.empty(joined.count + 1, dtype=np.int64)
+    sizing = _sizing(config, tokens_before, float(tokens.mean()) if tokens.shape[0] else 0.0)
+    # Misses are compared with max_tokens as validate does, from the same floats: half a
+    # token inside it so that no rounding puts a step on the wrong side.
+    num_steps = compose_steps(source_offsets, tokens, shares, config.world_size, config.max_tokens - 0.5, sizing,
+                              order, steps)  # fmt: skip
     batches = MicroBatches.of_ranges(joined.members, joined.lengths, joined.starts[order], joined.ends[order])
     batches.packing = joined.packing
-    return batches
+    return batches, steps[: num_steps + 1].copy()
+
+
+def _sizing(config: PlanConfig, tokens_before: int, mean_tokens: float) -> NDArray[np.float64]:
+    """`compose_steps`'s ``(rounds, tokens_before, start, target, ramp_tokens, max_rounds)``."""
+    per_step = config.micro_batches_per_step
+    if per_step is not None and not config.has_rampup:
+        return np.array([per_step, tokens_before, 0, 0, 0, 0], dtype=np.float64)
+    if config.tokens_per_step is not None:
+        full = float(config.tokens_per_step)
+    else:  # a ramp-up to M micro-batches per rank: the mean tokens of such a step
+        full = mean_tokens * config.world_size * per_step
+    start = float(config.rampup_start) if config.has_rampup else full
+    ramp = config.rampup_tokens if config.has_rampup else 0
+    return np.array([0, tokens_before, start, full, ramp, per_step or 0], dtype=np.float64)
 
 
 def _row_sources(plan: EpochPlan, mixture: MixtureEntries, epoch: int) -> NDArray[np.int16]:

@@ -40,6 +40,7 @@ def schedule_epoch(
     ordered: int = 0,
     threads: int = 1,
     costs: NDArray[np.float64] | None = None,
+    steps: NDArray[np.int64] | None = None,
 ) -> EpochPlan:
     """Steps 2-5 of the module docstring for formed micro-batches: shuffle them, complete
     or drop the last round, form balanced steps, assign ranks. ``batches`` may be
@@ -53,6 +54,9 @@ def schedule_epoch(
         costs: the predicted compute of each of ``batches`` when it is known already
             (a resharded plan's micro-batches, whose entries stand for whole micro-batches);
             empty micro-batches added here cost 0. Default: from the entries' lengths.
+        steps: the steps' bounds over ``batches`` in their order, made by the caller (a
+            mixture's composed steps, with ``ordered`` all of them); the last step also takes
+            what completes its last round. Default: cut here (`steps.cut_steps`).
     """
     if config.has_rampup and tokens_before is None:
         raise ConfigError(
@@ -78,6 +82,9 @@ def schedule_epoch(
         step_offsets = cut_steps(at.tokens[:num_full], config, sizing)
         keep, step_offsets, dropped = drop_last_ramp_step(batches, at, step_offsets, config, epoch, sizing)
         at = at.head(keep)
+    elif steps is not None:
+        step_offsets = steps.astype(np.int64)
+        step_offsets[-1] = at.tokens.shape[0]
     else:
         step_offsets = cut_steps(at.tokens, config, sizing)
     rows = Rows.lay_out(config, batches, at, step_offsets, longest, loss, threads)
