@@ -22,6 +22,13 @@ collective still runs. Items are mappings with the token ids under ``input_key``
 Both return a `PlanBatch`: a ``dict`` whose ``.record`` is the micro-batch's plan
 record, taken from the `PlannedItems` that `PlanDataset` hands them.
 `with_record` gives any other collate function the same.
+
+Given a record, both check what they assemble against it before building tensors
+(`batchplan.runtime.checks.check_items`): the items hold the tokens the plan counts
+and every span lies inside its item. A dataset changed after planning (a sample
+longer or shorter than its planned length) is a `PlanMismatchError` naming the step,
+micro-batch, rank and sample, at the first micro-batch it touches: never a batch over
+``max_tokens`` or a silently wrong loss scale. Cost: one sum over the items' lengths.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ from numpy.typing import NDArray
 
 from batchplan.errors import ConfigError, DatasetError
 from batchplan.runtime.batch import PlanBatch
-from batchplan.runtime.records import SpanItem
+from batchplan.runtime.checks import check_items
+from batchplan.runtime.records import MicroBatch, SpanItem
 
 __all__ = ["IGNORE_INDEX", "PackCollator", "PadCollator", "with_record"]
 
@@ -56,19 +64,28 @@ class _Collator:
         self.pad_token_id = pad_token_id
         self.ignore_index = ignore_index
 
-    def _sequences(self, items: Sequence[Any]) -> tuple[list[NDArray[np.int64]], list[NDArray[np.int64]]]:
-        """Token ids and labels of each item, spans applied, first label ignored."""
+    def _sequences(
+        self, items: Sequence[Any], record: MicroBatch | None, *, padded: bool = False
+    ) -> tuple[list[NDArray[np.int64]], list[NDArray[np.int64]]]:
+        """Token ids and labels of each item, checked against ``record``, spans applied, first
+        label ignored."""
+        read = [self._read(item) for item in items]
+        if record is not None:
+            check_items(record, [tokens.shape[0] for tokens, _, _ in read], padded=padded)
         ids, labels = [], []
-        for item in items:
-            tokens, item_labels = self._read(item)
+        for tokens, item_labels, span in read:
+            if span is not None:
+                tokens, item_labels = _slice_span(tokens, span), _slice_span(item_labels, span)
             if tokens.shape[0] == 0:
                 raise DatasetError("a dataset item has no tokens; the plan only holds samples of length >= 1")
+            item_labels = item_labels.copy()
             item_labels[0] = self.ignore_index  # the first token of a sample has no target
             ids.append(tokens)
             labels.append(item_labels)
         return ids, labels
 
-    def _read(self, item: Any) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    def _read(self, item: Any) -> tuple[NDArray[np.int64], NDArray[np.int64], tuple[int, int] | None]:
+        """An item's whole token ids and labels, and its span (None: the whole item)."""
         span = None
         if isinstance(item, SpanItem):
             item, span = item.item, (item.start, item.length)
@@ -80,9 +97,7 @@ class _Collator:
                 f"an item has {tokens.shape[0]} {self.input_key} but {labels.shape[0]} {self.labels_key}; "
                 "they must have one label per token"
             )
-        if span is not None:
-            tokens, labels = _slice_span(tokens, span), _slice_span(labels, span)
-        return tokens, labels.copy()
+        return tokens, labels, span
 
 
 class PackCollator(_Collator):
@@ -105,11 +120,12 @@ class PackCollator(_Collator):
         self.use_cache = use_cache
 
     def __call__(self, items: Sequence[Any]) -> PlanBatch:
+        record = getattr(items, "record", None)
         if len(items) == 0:
             ids = [np.array([self.pad_token_id], dtype=np.int64)]
             labels = [np.array([self.ignore_index], dtype=np.int64)]
         else:
-            ids, labels = self._sequences(items)
+            ids, labels = self._sequences(items, record)
         lengths = np.array([a.shape[0] for a in ids], dtype=np.int64)
         cu_seq_lens = np.concatenate([[0], np.cumsum(lengths)])
         # shape (T,): position of each token within its own sample
@@ -129,7 +145,7 @@ class PackCollator(_Collator):
         }
         if self.use_cache is not None:
             batch["use_cache"] = self.use_cache
-        return PlanBatch(batch, getattr(items, "record", None))
+        return PlanBatch(batch, record)
 
 
 class PadCollator(_Collator):
@@ -152,7 +168,7 @@ class PadCollator(_Collator):
                 "labels": torch.full((1, 1), self.ignore_index, dtype=torch.int64),
                 "attention_mask": torch.ones((1, 1), dtype=torch.int64),
             }, record)  # fmt: skip
-        ids, labels = self._sequences(items)
+        ids, labels = self._sequences(items, record, padded=True)
         longest = max(a.shape[0] for a in ids)
         input_ids = np.full((len(ids), longest), self.pad_token_id, dtype=np.int64)
         padded_labels = np.full((len(ids), longest), self.ignore_index, dtype=np.int64)

@@ -41,6 +41,7 @@ class MicroBatch(NamedTuple):
             entry is a whole sample (the plan has no spans).
         lengths: tokens of each entry, or None like ``starts``.
         world_size: the plan's data-parallel ranks (None on a record made by hand).
+        rank: the rank this micro-batch belongs to (None on a record made by hand).
     """
 
     indices: list[int]
@@ -59,6 +60,7 @@ class MicroBatch(NamedTuple):
     starts: list[int] | None = None
     lengths: list[int] | None = None
     world_size: int | None = None
+    rank: int | None = None
 
     @property
     def spans(self) -> list[tuple[int, int]] | None:
@@ -102,21 +104,25 @@ class SpanIndex(int):
     """A dataset row that carries the token span of the entry to train on.
 
     It is an ``int`` (``dataset[idx]`` works unchanged); `PlanDataset` reads
-    ``start``/``length`` and the collators slice the token ids by them.
+    ``start``/``length`` and the collators slice the token ids by them. ``ends_sample``
+    is True when the plan knows the span is its sample's last tokens (a span shorter
+    than the plan's cap), so a longer sample is drift that `PlanDataset` reports.
     """
 
-    # int subclasses cannot have non-empty __slots__; the two attributes live in __dict__.
+    # int subclasses cannot have non-empty __slots__; the attributes live in __dict__.
     start: int
     length: int
+    ends_sample: bool
 
-    def __new__(cls, row: int, start: int, length: int) -> SpanIndex:
+    def __new__(cls, row: int, start: int, length: int, ends_sample: bool = False) -> SpanIndex:
         index = super().__new__(cls, row)
         index.start = start
         index.length = length
+        index.ends_sample = ends_sample
         return index
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (SpanIndex, (int(self), self.start, self.length))
+        return (SpanIndex, (int(self), self.start, self.length, self.ends_sample))
 
     def __repr__(self) -> str:
         return f"SpanIndex({int(self)}, start={self.start}, length={self.length})"

@@ -3,7 +3,8 @@
 Iteration converts rows to Python objects in chunks of `CHUNK_ROWS` (one
 ``tolist`` per column per chunk), so a micro-batch costs about a microsecond and
 memory stays O(chunk), whatever the epoch's size. Reading touches only this
-rank's record batch: the other ranks' rows are never paged in.
+rank's record batch: the other ranks' rows are never paged in. The sampler checks
+the rows it reads (`batchplan.runtime.checks.check_rank_rows`) before any is served.
 """
 
 from __future__ import annotations
@@ -38,11 +39,25 @@ class RankRows:
         num_rows: micro-batches of this rank in this epoch.
         has_spans: whether rows carry ``starts``/``lengths`` token spans.
         world_size: the plan's ranks, put on every record (`MicroBatch.loss_scale`).
+        rank: the rank these rows belong to, put on every record.
+        span_cap: spans shorter than this are their sample's last tokens (`SpanIndex.ends_sample`);
+            None: unknown.
     """
 
-    def __init__(self, batch: pa.RecordBatch, epoch: int, path: object, world_size: int | None = None) -> None:
+    def __init__(
+        self,
+        batch: pa.RecordBatch,
+        epoch: int,
+        path: object,
+        world_size: int | None = None,
+        *,
+        rank: int | None = None,
+        span_cap: int | None = None,
+    ) -> None:
         self.epoch = epoch
         self.world_size = world_size
+        self.rank = rank
+        self.span_cap = span_cap
         self.num_rows = batch.num_rows
         self.has_spans = "starts" in batch.schema.names
         try:
@@ -50,7 +65,7 @@ class RankRows:
             self._offsets, self._samples = _list_column(batch, "samples")
             if self.has_spans:
                 self._span_offsets, self._starts = _list_column(batch, "starts")
-                _, self._lengths = _list_column(batch, "lengths")
+                self._length_offsets, self._lengths = _list_column(batch, "lengths")
         except (KeyError, pa.ArrowException) as error:
             raise PlanFormatError(f"{path}: cannot read epoch {epoch} ({error}); rebuild the plan") from error
 
@@ -58,9 +73,21 @@ class RankRows:
         """A scalar column (``step``, ``tokens``, ...) as a read-only numpy view."""
         return self._columns[name]
 
+    def entries(self) -> dict[str, tuple[NDArray, NDArray]]:
+        """``{name: (offsets, values)}`` of the list columns (``samples``, and ``starts`` and
+        ``lengths`` with spans): row ``i`` holds ``values[offsets[i] - offsets[0]:offsets[i + 1]
+        - offsets[0]]``; read-only views."""
+        columns = {"samples": (self._offsets, self._samples)}
+        if self.has_spans:
+            columns["starts"] = (self._span_offsets, self._starts)
+            columns["lengths"] = (self._length_offsets, self._lengths)
+        if self.num_rows == 0:
+            return {name: (np.zeros(1, np.int64), values[:0]) for name, (_, values) in columns.items()}
+        return {name: (offsets, values[offsets[0] : offsets[-1]]) for name, (offsets, values) in columns.items()}
+
     def records(self, start: int = 0) -> Iterator[MicroBatch]:
         """One `MicroBatch` per row from row ``start``."""
-        epoch, world_size = self.epoch, self.world_size
+        epoch, world_size, rank = self.epoch, self.world_size, self.rank
         for first in range(start, self.num_rows, CHUNK_ROWS):
             stop = min(first + CHUNK_ROWS, self.num_rows)
             columns = [self._columns[name][first:stop].tolist() for name in _SCALARS]
@@ -68,7 +95,7 @@ class RankRows:
             for j, (step, micro, num_micro, *counts) in enumerate(zip(*columns)):
                 yield MicroBatch(
                     samples[j], epoch, step, micro, num_micro, micro == num_micro - 1, *counts,
-                    first + j, starts[j], lengths[j], world_size,
+                    first + j, starts[j], lengths[j], world_size, rank,
                 )  # fmt: skip
 
     def planned_rows(self, start: int = 0) -> Iterator[PlannedRows]:
@@ -77,8 +104,9 @@ class RankRows:
             for record in self.records(start):
                 yield PlannedRows(record.indices, record)
             return
+        cap = 0 if self.span_cap is None else self.span_cap
         for record in self.records(start):
-            rows = [SpanIndex(r, s, n) for r, s, n in zip(record.indices, record.starts, record.lengths)]
+            rows = [SpanIndex(r, s, n, n < cap) for r, s, n in zip(record.indices, record.starts, record.lengths)]
             yield PlannedRows(rows, record)
 
     def _chunk_lists(self, first: int, stop: int):

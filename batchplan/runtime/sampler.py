@@ -12,12 +12,16 @@ an epoch is done walks the next one, and past the last one it raises, so a loop
 that never calls ``set_epoch`` cannot train an epoch twice. ``state_dict`` says
 where the loader is (epoch, micro-batches drawn); ``state_dict(after=record)``
 says where training is, whatever the loader has prefetched.
+
+This rank's rows of an epoch are checked when read (`batchplan.runtime.checks`): a
+sample index beyond the dataset is a `PlanFormatError`, never a row served.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sized
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +31,11 @@ from torch.utils.data import Sampler
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
 from batchplan.formats.plan_file import OpenedPlan, open_plan
-from batchplan.runtime.checks import check_plan_dataset, check_runtime_columns
+from batchplan.runtime.checks import check_plan_dataset, check_rank_rows, check_runtime_columns, span_cap
 from batchplan.runtime.distributed import check_world_size, resolve_placement
 from batchplan.runtime.records import MicroBatch, PlannedRows
 from batchplan.runtime.rows import RankRows
-from batchplan.runtime.state import check_state, make_state
+from batchplan.runtime.state import check_state, make_identity, make_state
 
 __all__ = ["PlanSampler"]
 
@@ -63,12 +67,7 @@ class PlanSampler(Sampler[list[int]]):
         check_runtime_columns(self._plan)
         metadata = self._plan.metadata
         self._rows_per_epoch = [int(n) for n in metadata["rows_per_rank"]]
-        self._identity = {
-            "content_hash": metadata.get("content_hash"),
-            "config_fingerprint": metadata.get("config_fingerprint"),
-            "world_size": self._placement.world_size,
-            "rank": self._placement.rank,
-        }
+        self._sample_lengths: np.ndarray | None = None  # the dataset's, once check_dataset had them
         self._rows: RankRows | None = None
         self._move_to(0, 0)
 
@@ -189,6 +188,9 @@ class PlanSampler(Sampler[list[int]]):
             PlanFormatError: lengths are given but the plan records no fingerprint.
         """
         check_plan_dataset(self._plan, dataset, lengths, loss_tokens)
+        if lengths is not None:  # now known to be the plan's: rows read from here on are checked against them
+            self._sample_lengths = np.asarray(lengths)
+            self._rows = None
 
     # -- epochs and iteration -----------------------------------------------------
 
@@ -252,7 +254,7 @@ class PlanSampler(Sampler[list[int]]):
         """The records of the micro-batches the next iteration yields, without drawing them."""
         epoch, start = self._next_start()
         if epoch != self._epoch:
-            return iter(RankRows(self._read_rank(epoch), epoch, self.path, self.world_size).records(start))
+            return iter(self._read_rows(epoch).records(start))
         return self._epoch_rows().records(start)
 
     def _next_start(self, strict: bool = False) -> tuple[int, int]:
@@ -272,10 +274,11 @@ class PlanSampler(Sampler[list[int]]):
 
     def _epoch_rows(self) -> RankRows:
         if self._rows is None or self._rows.epoch != self._epoch:
-            self._rows = RankRows(self._read_rank(self._epoch), self._epoch, self.path, self.world_size)
+            self._rows = self._read_rows(self._epoch)
         return self._rows
 
-    def _read_rank(self, epoch: int):
+    def _read_rows(self, epoch: int) -> RankRows:
+        """This rank's rows of ``epoch``, checked (`check_rank_rows`)."""
         batch = self._plan.read_rank(epoch, self.rank)
         expected = self._rows_per_epoch[epoch]
         if batch.num_rows != expected:
@@ -283,7 +286,10 @@ class PlanSampler(Sampler[list[int]]):
                 f"{self.path}: epoch {epoch} rank {self.rank} has {batch.num_rows} rows but the "
                 f"metadata says {expected}; the file is corrupt, rebuild it"
             )
-        return batch
+        cap = span_cap(self._plan.metadata, epoch)
+        rows = RankRows(batch, epoch, self.path, self.world_size, rank=self.rank, span_cap=cap)
+        check_rank_rows(rows, self._plan, self.rank, self._sample_lengths)
+        return rows
 
     def _move_to(self, epoch: int, position: int, *, resume: bool = False) -> None:
         self._epoch = epoch
@@ -292,6 +298,11 @@ class PlanSampler(Sampler[list[int]]):
         self._hold = False
 
     # -- checkpointing ----------------------------------------------------------------
+
+    @cached_property
+    def _identity(self) -> dict[str, Any]:
+        """What a state is a position in (`make_identity`): hashed once, when first needed."""
+        return make_identity(self._plan.metadata, self.rank, self.world_size)
 
     def state_dict(self, after: MicroBatch | None = None) -> dict[str, Any]:
         """Where this rank is: plan identity, rank, world size, epoch, micro-batches done.
@@ -341,7 +352,7 @@ class PlanSampler(Sampler[list[int]]):
         while epoch < len(steps) - 1 and done >= steps[epoch]:
             done -= steps[epoch]
             epoch += 1
-        rows = self._epoch_rows() if epoch == self._epoch else RankRows(self._read_rank(epoch), epoch, self.path, self.world_size)
+        rows = self._epoch_rows() if epoch == self._epoch else self._read_rows(epoch)
         position = int(np.searchsorted(rows.column("step"), step, side="left"))
         return make_state(self._identity, epoch, position)
 

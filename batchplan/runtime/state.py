@@ -1,10 +1,16 @@
 """The sampler's checkpoint: a small, versioned dict, checked strictly on load.
 
 It holds where this rank is (epoch, micro-batches consumed) and what it is a
-position *in*: the plan's content hash and config fingerprint, the rank and the
-world size. Loading it into a sampler of another plan, rank or world size is a
-`PlanMismatchError` that names both values: a silent resume on the wrong plan
-would train on the wrong data without any visible symptom. About 300 bytes.
+position *in*: the plan's content hash, its `plan_identity` and config fingerprint,
+the rank and the world size. Loading it into a sampler of another plan, rank or
+world size is a `PlanMismatchError` that names both values: a silent resume on the
+wrong plan would train on the wrong data without any visible symptom. About 330 bytes.
+
+A plan built as a file and as a directory has the same rows but not the same content
+hash (a file's covers its rows, a directory's its manifest): the plan identity, a
+hash of the plan's metadata less what only the layout holds, is the same for both,
+so a state of one layout resumes on the other. A state without it (saved by an
+earlier batchplan) is matched by content hash alone.
 
 One exception: a plan made by ``batchplan reshard`` continues its parent from a step
 ``S`` on another world size, so it accepts a state of its parent (any rank) taken
@@ -13,15 +19,38 @@ exactly at the start of step ``S``, and resumes at its own start.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from batchplan.errors import PlanFormatError, PlanMismatchError
+from batchplan.formats.plan_file import dump_json
 
-__all__ = ["STATE_KIND", "STATE_VERSION", "check_state", "make_state"]
+__all__ = ["LAYOUT_KEYS", "STATE_KIND", "STATE_VERSION", "check_state", "make_identity", "make_state", "plan_identity"]
 
 STATE_KIND = "batchplan.PlanSampler"
 STATE_VERSION = 1
 _KEYS = {"kind", "version", "content_hash", "config_fingerprint", "world_size", "rank", "epoch", "position"}
+_OPTIONAL_KEYS = {"plan"}
+# Metadata keys that differ between a plan file and a plan directory of the same plan.
+LAYOUT_KEYS = frozenset({"content_hash", "layout", "plan", "epoch_files"})
+
+
+def plan_identity(metadata: dict[str, Any]) -> str:
+    """SHA-256 (16 hex) of a plan's metadata less `LAYOUT_KEYS`: the same for a plan's file and
+    directory, different for another config, dataset, lineage or batchplan version."""
+    content = {key: value for key, value in metadata.items() if key not in LAYOUT_KEYS}
+    return hashlib.sha256(dump_json(content)).hexdigest()[:16]
+
+
+def make_identity(metadata: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """What a sampler's state is a position in: the plan, its config, the rank and world size."""
+    return {
+        "content_hash": metadata.get("content_hash"),
+        "plan": plan_identity(metadata),
+        "config_fingerprint": metadata.get("config_fingerprint"),
+        "world_size": world_size,
+        "rank": rank,
+    }
 
 
 def make_state(identity: dict[str, Any], epoch: int, position: int) -> dict[str, Any]:
@@ -40,8 +69,7 @@ def check_state(
     Args:
         state: a dict made by `make_state` (possibly after a round trip through
             ``torch.save``/``torch.load``).
-        identity: this sampler's ``content_hash``, ``config_fingerprint``,
-            ``world_size`` and ``rank``.
+        identity: this sampler's `make_identity`.
         rows_per_epoch: this rank's micro-batch count in each epoch.
         parent: the plan's ``resharded_from`` metadata, for a resharded plan.
 
@@ -51,7 +79,8 @@ def check_state(
             a parent's state not taken at the step the plan was resharded from.
     """
     _check_shape(state)
-    if parent is not None and state["content_hash"] != identity["content_hash"]:
+    same_plan = state["content_hash"] == identity["content_hash"] or state.get("plan") == identity["plan"]
+    if parent is not None and not same_plan:
         if state["content_hash"] == parent.get("content_hash"):
             return _check_parent_state(state, parent)
         raise PlanMismatchError(
@@ -59,8 +88,14 @@ def check_state(
             f"sampler's plan has {identity['content_hash']!r} and was resharded from {parent.get('content_hash')!r}; "
             "give it a state of this plan or of the plan it was resharded from"
         )
+    if not same_plan:
+        raise PlanMismatchError(
+            f"sampler state was saved for a plan with content hash {state['content_hash']!r} (plan identity "
+            f"{state.get('plan')!r}) but this sampler has a plan with content hash {identity['content_hash']!r} "
+            f"(plan identity {identity['plan']!r}); resume with the plan the run started with (its file or "
+            "its directory)"
+        )
     for key, what, fix in (
-        ("content_hash", "a plan with content hash", "resume with the plan file the run started with"),
         ("config_fingerprint", "a plan with config fingerprint", "resume with the plan file the run started with"),
         ("world_size", "world_size", "resume with the world size the run started with"),
         ("rank", "rank", "give each rank the state its own sampler saved"),
@@ -132,7 +167,7 @@ def _check_shape(state: Any) -> None:
             f"sampler state version {version!r} is newer than this batchplan reads ({STATE_VERSION}); upgrade batchplan"
         )
     missing = sorted(_KEYS - set(state))
-    unknown = sorted(set(state) - _KEYS)
+    unknown = sorted(set(state) - _KEYS - _OPTIONAL_KEYS)
     if missing or unknown:
         raise PlanFormatError(
             f"sampler state has missing keys {missing} and unknown keys {unknown}; "
