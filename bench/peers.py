@@ -302,7 +302,7 @@ def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for package in ["batchplan", "numpy", "numba", "pyarrow", "torch", "axolotl", "trl", "datasets", "binpacking"]:
         try:
-            out[package] = version(package)
+            out[package] = version("batchplan-llm" if package == "batchplan" else package)  # the distribution's name
         except PackageNotFoundError:
             pass
     return out

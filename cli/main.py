@@ -189,7 +189,10 @@ def inspect(
     if json_output:
         import json
 
+        from batchplan_cli.render import print_warnings
+
         typer.echo(json.dumps(summary, indent=2))
+        print_warnings(summary)  # on stderr: the JSON stays clean
     else:
         from batchplan_cli.render import print_summary
 

@@ -1,4 +1,4 @@
-"""Rich progress bars for `batchplan build`, one bar per stage."""
+"""Rich progress bars for `batchplan build`, one bar per stage, shown only when stderr is a terminal."""
 
 from __future__ import annotations
 
@@ -13,13 +13,15 @@ class BuildProgress:
     def __init__(self) -> None:
         from rich.console import Console
 
+        console = Console(stderr=True)
         self._progress = Progress(
             TextColumn("{task.description:<16}"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
-            console=Console(stderr=True),
+            console=console,
             transient=True,
+            disable=not console.is_terminal,  # bars only on a terminal; elsewhere they leave an empty line
         )
 
     def __enter__(self) -> BuildProgress:

@@ -1,4 +1,4 @@
-"""Human-readable output: the plan summary as a rich table."""
+"""Human-readable output: the plan summary as a rich table, and its warnings on stderr."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+from batchplan.reports.statistics import format_share
 
 
 def print_summary(summary: dict[str, Any], *, title: str) -> None:
@@ -24,14 +26,13 @@ def print_summary(summary: dict[str, Any], *, title: str) -> None:
         ("epochs", f"{summary['num_epochs']}"),
         ("steps", f"{summary['num_steps']:,} ({', '.join(f'{s:,}' for s in summary['steps_per_epoch'])} per epoch)"),
         ("micro-batches", f"{summary['micro_batches']:,} ({summary['empty_micro_batches']:,} empty)"),
-        ("micro-batches per rank per step", f"{micro['min']}..{micro['max']}"),
+        ("micro-batches per rank per step", _range(micro)),
         ("tokens", f"{summary['tokens']:,} ({summary['loss_tokens']:,} with a label)"),
-        ("tokens per step", f"{per_step['mean']:,.0f} (min {per_step['min']:,}, max {per_step['max']:,})"),
-        ("fill", f"{summary['fill']:.3%} (steps but each epoch's last)"),
+        ("tokens per step", _tokens_per_step(per_step)),
+        ("fill", f"{format_share(summary['fill'])} (steps but each epoch's last)"),
         *_packing(summary),
-        ("padding", f"{summary['padding_fraction']:.3%}"),
-        ("token imbalance", f"{summary['token_imbalance']:.3%} mean, {summary['token_imbalance_p99']:.3%} p99, "
-                            f"{summary['token_imbalance_max']:.3%} max (steps but each epoch's last)"),  # fmt: skip
+        ("padding", format_share(summary["padding_fraction"])),
+        ("token imbalance", f"{_imbalance(summary, 'token_imbalance')} (steps but each epoch's last)"),
         ("cost imbalance", _cost_imbalance(summary)),
         ("epochs' last step", _last_step(summary)),
         ("dropped samples", _dropped(summary)),
@@ -44,38 +45,73 @@ def print_summary(summary: dict[str, Any], *, title: str) -> None:
     console = Console()
     console.print(title, highlight=False, soft_wrap=True)
     console.print(table)
+    print_warnings(summary)
+
+
+def print_warnings(summary: dict[str, Any]) -> None:
+    """One ``warning:`` line on stderr per thing in the `summarize_plan` dict a user must see."""
+    idle = summary.get("idle_ranks", 0)
+    if idle:
+        nonempty = summary["micro_batches"] - summary["empty_micro_batches"]
+        Console(stderr=True).print(
+            f"warning: {idle} of {summary['world_size']} ranks get no sample: they run only empty micro-batches "
+            f"({nonempty:,} non-empty micro-batches for {summary['world_size']} ranks); "
+            "build for fewer ranks (--world-size) or on more data",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
+def _range(spread: dict[str, Any]) -> str:
+    """``min..max`` of a `summarize_plan` spread, one number when they are equal."""
+    if spread["min"] is None:
+        return "n/a"
+    return f"{spread['min']}" if spread["min"] == spread["max"] else f"{spread['min']}..{spread['max']}"
+
+
+def _tokens_per_step(spread: dict[str, Any]) -> str:
+    if spread["mean"] is None:
+        return "n/a"
+    return f"{spread['mean']:,.0f} (min {spread['min']:,}, max {spread['max']:,})"
+
+
+def _imbalance(summary: dict[str, Any], name: str) -> str:
+    """``mean, p99, max`` of an imbalance, or "n/a" when no step has one."""
+    if summary[name] is None:
+        return "n/a"
+    mean, p99, top = (format_share(summary[key]) for key in (name, f"{name}_p99", f"{name}_max"))
+    return f"{mean} mean, {p99} p99, {top} max"
 
 
 def _packing(summary: dict[str, Any]) -> list[tuple[str, str]]:
-    """Pack plans: the micro-batches as packed against the bound on any packing."""
+    """Pack plans: the micro-batches as packed, and the fewest any packing of the same entries needs."""
     packing = summary.get("packing")
     if packing is None:
         return []
-    return [("packing bound", f"{packing['bound_fill']:.3%} fill ({packing['kind']}): >= {packing['bound']:,} "
-                              f"micro-batches; packed {packing['micro_batches']:,} ({packing['fill']:.3%})")]
+    bound = f"the {packing['kind']} bound: >= {packing['bound']:,}, at most {format_share(packing['bound_fill'])} fill"
+    if packing["micro_batches"] <= packing["bound"]:
+        return [("packing", f"{packing['micro_batches']:,} micro-batches, the fewest possible ({bound})")]
+    extra = packing["micro_batches"] - packing["bound"]
+    return [("packing", f"{packing['micro_batches']:,} micro-batches, {extra:,} above {bound}")]
 
 
 def _last_step(summary: dict[str, Any]) -> str:
     """The end-of-epoch step on its own line: completed by splitting, imbalanced by design."""
-    text = f"token imbalance {summary['token_imbalance_last_step']:.3%}"
+    text = f"token imbalance {format_share(summary['token_imbalance_last_step'])}"
     if summary.get("cost_imbalance_last_step") is not None:
-        text += f", cost {summary['cost_imbalance_last_step']:.3%}"
+        text += f", cost {format_share(summary['cost_imbalance_last_step'])}"
     return text + " (mean over epochs; completed by split and empty micro-batches)"
 
 
 def _cost_imbalance(summary: dict[str, Any]) -> str:
-    if summary.get("cost_imbalance") is None:
+    if summary.get("attention_coefficient") is None:  # no cost column
         return "- (build with --hidden-size for the compute cost)"
     model = (
         f"hidden size {summary['hidden_size']:,}"
         if summary.get("hidden_size")
         else f"attention coefficient {summary['attention_coefficient']:.3g}"
     )
-    return (
-        f"{summary['cost_imbalance']:.3%} mean, {summary['cost_imbalance_p99']:.3%} p99, "
-        f"{summary['cost_imbalance_max']:.3%} max "
-        f"({model}, balanced by {summary['balance']})"
-    )
+    return f"{_imbalance(summary, 'cost_imbalance')} ({model}, balanced by {summary['balance']})"
 
 
 def _rampup(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -138,10 +174,10 @@ def print_comparison(comparison: dict[str, Any], *, hidden_size_given: bool) -> 
             f"{i + 1} {_SHORT_NAMES.get(row['name'], row['name'])}",
             f"{row['micro_batches']:,}",
             f"{row['steps']:,}",
-            f"{row['padding_fraction']:.2%}",
-            f"{row['fill']:.2%}",
-            f"{row['token_imbalance']:.2%}",
-            f"{row['cost_imbalance']:.2%}",
+            format_share(row["padding_fraction"], 2),
+            format_share(row["fill"], 2),
+            format_share(row["token_imbalance"], 2),
+            format_share(row["cost_imbalance"], 2),
             f"{row['relative_time']:.2f}",
         )
     console = Console()

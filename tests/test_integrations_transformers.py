@@ -150,3 +150,22 @@ def test_one_process_trains_the_plan_and_turns_the_cache_off(one_process, tmp_pa
     assert trainer.model.config.use_cache is False
     trainer.train()
     assert trainer.state.global_step == 3
+
+
+def test_ddp_looks_for_unused_parameters_only_when_asked(one_process, tmp_path):
+    lengths, single, _ = one_process
+    assert make_trainer(tmp_path, lengths, single).accelerator.ddp_handler.find_unused_parameters is False
+    asked = make_trainer(tmp_path, lengths, single, ddp_find_unused_parameters=True)
+    assert asked.accelerator.ddp_handler.find_unused_parameters is True
+
+
+def test_one_process_training_raises_no_deprecation_warning(one_process, tmp_path):
+    import warnings
+
+    lengths, single, _ = one_process
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        warnings.simplefilter("error", FutureWarning)
+        trainer = make_trainer(tmp_path, lengths, single, max_steps=3)
+        trainer.train()
+    assert trainer.state.global_step == 3

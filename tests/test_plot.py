@@ -134,10 +134,10 @@ def test_missing_matplotlib_is_a_clear_error(squad_plan, monkeypatch, tmp_path):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib...` fail
-    with pytest.raises(BatchPlanError, match=r"pip install 'batchplan\[plot\]'"):
+    with pytest.raises(BatchPlanError, match=r"pip install -e '\.\[plot\]'"):
         plot_plan(open_plan(squad_plan))
     result = runner.invoke(app, ["inspect", str(squad_plan), "--plot", str(tmp_path / "p.png")])
-    assert result.exit_code == 1 and "pip install 'batchplan[plot]'" in result.stderr
+    assert result.exit_code == 1 and "pip install -e '.[plot]'" in result.stderr
 
 
 def test_plotting_modules_load_matplotlib_only_when_drawing():
@@ -152,7 +152,7 @@ def test_compare_without_matplotlib_fails_before_computing(monkeypatch, tmp_path
     monkeypatch.setattr("batchplan.reports.compare.compare_strategies", lambda *a, **k: pytest.fail("computed"))
     result = runner.invoke(app, ["compare", str(SQUAD), "--max-tokens", "4096", "--world-size", "2",
                                  "--plot", str(tmp_path / "c.png")])  # fmt: skip
-    assert result.exit_code == 1 and "pip install 'batchplan[plot]'" in result.stderr
+    assert result.exit_code == 1 and "pip install -e '.[plot]'" in result.stderr
 
 
 def test_a_resharded_plan_plots(tmp_path):

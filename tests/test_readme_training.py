@@ -1,9 +1,13 @@
-"""The README's training section runs as written: its two commands and its train.py.
+"""The README's training section runs as pasted after the demo command: its install line, its
+build command, its train.py and the torchrun launch, unchanged, on the full demo data.
 
-The data is the first 64 conversations of data/sharegpt_dialogues_cl100k.parquet (the
-full file trains for minutes), placed where the README's commands read it; the build
-command, the script and the torchrun launch are the README's, unchanged. Each rank
-saves its sampler state after every step; the test checks the last ones end the plan.
+The install line runs with ``--dry-run --ignore-installed`` from the repository root (it must
+not rewrite the environment the tests run in): it resolves, and to torch's CPU build, with no
+CUDA package. The other two lines run in a fresh directory with the repository's ``.venv`` and
+``data/`` linked in. train.py stops at its ``MAX_STEPS``; the test checks that rank 0 prints
+progress lines (step, loss, tokens/s, time left) up to the last step, and that each rank's last
+saved sampler state is the plan's state right before that step, and that what the section
+leaves in the directory is git-ignored.
 """
 
 from __future__ import annotations
@@ -14,12 +18,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = "data/sharegpt_dialogues_cl100k.parquet"
+INSTALL = ".venv/bin/pip install -e '.[torch]' torch==2.13.0"
+PROGRESS = re.compile(r"step (?P<done>[\d,]+)/(?P<last>[\d,]+)  loss \d+\.\d{3}  [\d,]+ tokens/s  \d+ s left")
 
 
 def training_section() -> tuple[list[str], str]:
@@ -30,24 +34,49 @@ def training_section() -> tuple[list[str], str]:
     return commands, script
 
 
-@pytest.mark.slow
-def test_the_readme_training_section_runs_as_written(tmp_path):
-    commands, script = training_section()
-    assert len(commands) == 2 and commands[1].startswith(".venv/bin/torchrun")
-    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
-    (tmp_path / "data").mkdir()
-    table = pq.read_table(ROOT / DATA).slice(0, 64)
-    pq.write_table(table, tmp_path / DATA)
-    (tmp_path / "train.py").write_text(script)
+def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for command in commands:
-        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=600)  # fmt: skip
-        assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stderr[-3000:]}"
+    done = subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stderr[-3000:]}"
+    return done
+
+
+def test_the_section_opens_with_the_pinned_install_line():
+    commands, _ = training_section()
+    assert commands[0] == INSTALL
+    assert len(commands) == 3 and commands[2] == ".venv/bin/torchrun --nproc_per_node 2 train.py"
+
+
+@pytest.mark.slow
+def test_the_install_line_resolves_to_the_cpu_build_of_torch():
+    commands, _ = training_section()
+    done = run(commands[0] + " --dry-run --ignore-installed", ROOT)
+    would_install = done.stdout.splitlines()[-1]
+    assert would_install.startswith("Would install") and "torch-2.13.0" in would_install
+    assert "nvidia" not in would_install.lower() and "cuda" not in would_install.lower()
+
+
+@pytest.mark.slow
+def test_the_readme_training_section_runs_as_written_and_shows_progress(tmp_path):
+    commands, script = training_section()
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
+    (tmp_path / "data").symlink_to(ROOT / "data")
+    (tmp_path / "train.py").write_text(script)
+    max_steps = int(re.search(r"^MAX_STEPS = (\d+)", script, re.M).group(1))
+    for command in commands[1:-1]:
+        run(command, tmp_path)
+    lines = [line for line in run(commands[-1], tmp_path).stdout.splitlines() if line.startswith("step ")]
+    progress = [PROGRESS.fullmatch(line) for line in lines]
+    assert len(progress) >= 2 and all(progress), "\n".join(lines)
+    assert {int(m["last"].replace(",", "")) for m in progress} == {max_steps}
+    assert int(progress[-1]["done"].replace(",", "")) == max_steps  # the run ends at its last step
     from batchplan.runtime import PlanSampler
 
     for rank in (0, 1):
         state = torch.load(tmp_path / f"sampler{rank}.pt", weights_only=True)
         sampler = PlanSampler(tmp_path / "plan2.arrow", rank=rank, world_size=2)
-        sampler.load_state_dict(state)
-        assert sampler.finished  # the last state saved is the end of the plan
+        assert state == sampler.state_at_step(max_steps)  # the last state saved: right before step MAX_STEPS
+    left = [p.name for p in tmp_path.iterdir() if p.name not in (".venv", "data")]
+    done = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input="\n".join(left),
+                          capture_output=True, text=True)
+    assert sorted(left) == sorted(done.stdout.splitlines()), "the section leaves files .gitignore does not ignore"

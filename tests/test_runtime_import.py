@@ -40,4 +40,4 @@ def test_an_integration_whose_library_is_missing_says_how_to_install_it():
         "    print(type(error).__name__, error)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert done.stdout.startswith("ConfigError") and "pip install 'batchplan[integrations]'" in done.stdout
+    assert done.stdout.startswith("ConfigError") and "pip install -e '.[integrations]'" in done.stdout

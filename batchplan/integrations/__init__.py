@@ -26,5 +26,5 @@ def require(module: str, extra: str = "integrations"):
         package = module.split(".")[0]
         raise ConfigError(
             f"this batchplan integration needs {package!r}, which is not installed ({error}); "
-            f"pip install 'batchplan[{extra}]' (or pip install {package})"
+            f"from the batchplan checkout, pip install -e '.[{extra}]' torch==2.13.0 (or pip install {package})"
         ) from error

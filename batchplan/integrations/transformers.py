@@ -25,8 +25,12 @@ TRL: ``class PlanSFTTrainer(PlanTrainerMixin, SFTTrainer)``. Build the plan on t
 dataset as the trainer prepares it (after tokenisation and truncation): the trainer
 checks the row count, and the token lengths when it can read them cheaply.
 
+DDP runs without ``find_unused_parameters`` unless ``ddp_find_unused_parameters=True`` asks for
+it (Trainer's default walks the graph on every backward and warns when nothing is unused).
+
 This module overrides some of Trainer's private methods (``_init_training_state``,
-``_save_checkpoint``, ``_track_num_input_tokens``); it is tested with transformers 5.
+``_save_checkpoint``, ``_track_num_input_tokens``, ``_build_accelerator_args``); it is tested
+with transformers 5.
 """
 
 from __future__ import annotations
@@ -162,6 +166,17 @@ class PlanTrainerMixin:
                 loss = super().training_step(model, batch, num_items_in_batch=max(record.step_loss_tokens, 1))
             total = loss if total is None else total + loss
         return total
+
+    def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
+        # Trainer asks DDP to find unused parameters unless told otherwise, which costs a graph walk per
+        # backward and warns on every model that uses all of its parameters; a plan's micro-batches do
+        # not change which parameters a model uses. ddp_find_unused_parameters=True keeps it.
+        built = super()._build_accelerator_args(**kwargs)
+        if self.args.ddp_find_unused_parameters is None:
+            for handler in built.get("kwargs_handlers", []):
+                if hasattr(handler, "find_unused_parameters"):
+                    handler.find_unused_parameters = False
+        return built
 
     def floating_point_ops(self, inputs) -> int:
         if isinstance(inputs, PlanStep):

@@ -1,6 +1,6 @@
 """The figure of a plan, for `batchplan inspect --plot` (a comparison's: `plot_compare`).
 
-matplotlib is optional (``pip install 'batchplan[plot]'``) and imported only here,
+matplotlib is optional (``pip install -e '.[plot]'``) and imported only here,
 inside the functions. Figures are built without pyplot on the Agg canvas: no window,
 no global state, nothing changes a notebook's backend.
 
@@ -28,7 +28,7 @@ from numpy.typing import NDArray
 from batchplan.errors import BatchPlanError, PlanMismatchError
 from batchplan.formats.arrow import list_values
 from batchplan.formats.plan_file import OpenedPlan
-from batchplan.reports.statistics import last_steps_of, regular_steps
+from batchplan.reports.statistics import format_share, last_steps_of, regular_steps
 from batchplan.reports.summary import PlanScan, scan_plan, summarize_plan
 
 if TYPE_CHECKING:
@@ -58,7 +58,7 @@ def matplotlib_modules():
     except ImportError as error:
         raise BatchPlanError(
             f"plotting needs matplotlib, which is not installed ({error}); "
-            "install it with: pip install 'batchplan[plot]'"
+            "install it with, from the batchplan checkout: pip install -e '.[plot]'"
         ) from error
     return Figure, FigureCanvasAgg
 
@@ -202,12 +202,12 @@ def _fill_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     tokens, weights = _counted_values(data["histograms"]["tokens"])
     bins = np.linspace(0, 100, 51)  # above max_tokens (a corrupt plan): off the bins, not drawn
     ax.hist(100.0 * tokens / cap, bins=bins, weights=weights, color="tab:green", alpha=0.7, label="real tokens")
-    title = f"micro-batch fill: {summary['fill']:.3%} of max_tokens (steps but each epoch's last)"
+    title = f"micro-batch fill: {format_share(summary['fill'])} of max_tokens (steps but each epoch's last)"
     if data["mode"] == "pad":
         padded, weights = _counted_values(data["histograms"]["padded"])
         ax.hist(100.0 * padded / cap, bins=bins, weights=weights, histtype="step", color="black",
                 label="with padding (count x longest)")  # fmt: skip
-        title += f", padding {summary['padding_fraction']:.3%}"
+        title += f", padding {format_share(summary['padding_fraction'])}"
     ax.set_yscale("log")
     ax.set_xlabel(f"% of max_tokens ({cap:,})")
     ax.set_ylabel("micro-batches")
@@ -252,17 +252,19 @@ def _imbalance_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     if "cost_imbalance" in data:
         cost = 100.0 * np.nan_to_num(data["cost_imbalance"])
         _series(ax, np.where(regular, cost, np.nan), "tab:orange",
-                f"cost (mean {summary['cost_imbalance']:.3%}, p99 {summary['cost_imbalance_p99']:.3%})")  # fmt: skip
+                f"cost (mean {format_share(summary['cost_imbalance'])}, "
+                f"p99 {format_share(summary['cost_imbalance_p99'])})")  # fmt: skip
         top = max(top, float(cost[regular].max()) if regular.any() else 0.0)
         title += ": tokens and cost"
     else:
         title += ": tokens (no cost column)"
     _series(ax, np.where(regular, tokens, np.nan), "tab:blue",
-            f"tokens (mean {summary['token_imbalance']:.3%}, p99 {summary['token_imbalance_p99']:.3%})",
+            f"tokens (mean {format_share(summary['token_imbalance'])}, "
+            f"p99 {format_share(summary['token_imbalance_p99'])})",
             zorder=3)  # fmt: skip
-    last = f"each epoch's last step: tokens {summary['token_imbalance_last_step']:.3%}"
+    last = f"each epoch's last step: tokens {format_share(summary['token_imbalance_last_step'])}"
     if summary.get("cost_imbalance_last_step") is not None:
-        last += f", cost {summary['cost_imbalance_last_step']:.3%}"
+        last += f", cost {format_share(summary['cost_imbalance_last_step'])}"
     for step in data["last_steps"]:
         ax.axvline(step, color="tab:red", linestyle="--", linewidth=0.8)
     ax.plot([], [], color="tab:red", linestyle="--", linewidth=0.8, label=last)
@@ -315,17 +317,18 @@ def _summary_panel(ax: Axes, summary: dict[str, Any]) -> None:
         f"steps              {summary['num_steps']:,}",
         f"micro-batches      {summary['micro_batches']:,} ({summary['empty_micro_batches']:,} empty)",
         f"tokens             {summary['tokens']:,}",
-        f"fill               {summary['fill']:.3%}",
-        f"padding            {summary['padding_fraction']:.3%}",
-        f"token imbalance    {summary['token_imbalance']:.3%} (p99 {summary['token_imbalance_p99']:.3%}, "
-        f"max {summary['token_imbalance_max']:.3%})",
+        f"fill               {format_share(summary['fill'])}",
+        f"padding            {format_share(summary['padding_fraction'])}",
+        f"token imbalance    {format_share(summary['token_imbalance'])} "
+        f"(p99 {format_share(summary['token_imbalance_p99'])}, max {format_share(summary['token_imbalance_max'])})",
     ]
     if summary.get("cost_imbalance") is not None:
-        lines.append(f"cost imbalance     {summary['cost_imbalance']:.3%} (p99 {summary['cost_imbalance_p99']:.3%}, "
-                     f"max {summary['cost_imbalance_max']:.3%})")
-    last = f"epochs' last step  tokens {summary['token_imbalance_last_step']:.3%}"
+        lines.append(f"cost imbalance     {format_share(summary['cost_imbalance'])} "
+                     f"(p99 {format_share(summary['cost_imbalance_p99'])}, "
+                     f"max {format_share(summary['cost_imbalance_max'])})")
+    last = f"epochs' last step  tokens {format_share(summary['token_imbalance_last_step'])}"
     if summary.get("cost_imbalance_last_step") is not None:
-        last += f", cost {summary['cost_imbalance_last_step']:.3%}"
+        last += f", cost {format_share(summary['cost_imbalance_last_step'])}"
     lines.append(last)
     lines.append(f"dropped samples    {summary['dropped_samples']:,}")
     ax.axis("off")

@@ -16,6 +16,9 @@ legends (``--plot``) and ``compare`` all take their numbers from here:
 - **padding**: padded-away tokens / computed tokens (count x longest in pad mode),
   over all micro-batches.
 
+A statistic with nothing to average (a plan whose only step is its epoch's last has no
+regular step) is None, shown as "n/a" (`format_share`), never 0 %.
+
 Arrays in, floats out; no files.
 """
 
@@ -26,17 +29,21 @@ import dataclasses
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["Imbalance", "imbalance_over_steps", "last_steps_of", "rank_imbalance", "regular_steps", "step_imbalance"]
+__all__ = [
+    "Imbalance", "format_share", "imbalance_over_steps", "last_steps_of", "rank_imbalance", "regular_steps",
+    "step_imbalance",
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class Imbalance:
-    """Rank imbalance of a plan: ``mean``, ``p99``, ``max`` over regular steps, ``last_step`` on its own."""
+    """Rank imbalance of a plan: ``mean``, ``p99``, ``max`` over regular steps, ``last_step`` on its own;
+    None where there is no step to average over."""
 
-    mean: float
-    p99: float
-    max: float
-    last_step: float
+    mean: float | None
+    p99: float | None
+    max: float | None
+    last_step: float | None
 
 
 def step_imbalance(per_rank: NDArray) -> NDArray[np.float64]:
@@ -73,8 +80,13 @@ def imbalance_over_steps(per_step: NDArray[np.float64], last_steps: NDArray[np.i
     values = per_step[regular & ~np.isnan(per_step)]
     ends = per_step[~regular & ~np.isnan(per_step)]
     return Imbalance(
-        mean=float(values.mean()) if values.size else 0.0,
-        p99=float(np.percentile(values, 99)) if values.size else 0.0,
-        max=float(values.max()) if values.size else 0.0,
-        last_step=float(ends.mean()) if ends.size else 0.0,
+        mean=float(values.mean()) if values.size else None,
+        p99=float(np.percentile(values, 99)) if values.size else None,
+        max=float(values.max()) if values.size else None,
+        last_step=float(ends.mean()) if ends.size else None,
     )
+
+
+def format_share(value: float | None, digits: int = 3) -> str:
+    """``value`` as a percentage with ``digits`` decimals, or "n/a" for None (nothing to average)."""
+    return "n/a" if value is None else f"{value:.{digits}%}"

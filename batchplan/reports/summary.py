@@ -17,6 +17,10 @@ defined once, in `batchplan.reports.statistics`:
   imbalanced by design), averaged over epochs.
 - ``cost_imbalance`` (``_p99``, ``_max``, ``_last_step``): the same over the plan's predicted
   compute (``cost`` column, plans built with a hidden size; None otherwise).
+- ``idle_ranks``: ranks whose micro-batches are all empty (more ranks than micro-batches to
+  share): they only run zero-weight dummies.
+
+A statistic with nothing to average (no regular step, no micro-batch) is None, not 0.
 
 - ``rampup`` (plans built with ``--rampup``): tokens of the first step and of the ramp's
   last step, the first step past the ramp (``end_step``, None if the plan ends inside it),
@@ -76,6 +80,7 @@ class PlanScan:
     token_imbalance: NDArray[np.float64]  # (num_steps,): `statistics.step_imbalance` of the ranks' tokens
     cost_imbalance: NDArray[np.float64] | None  # the same of the ``cost`` column; None without one
     step_micro_batches: NDArray[np.int64]  # (num_steps,): micro-batches of each step, all ranks
+    rank_nonempty: NDArray[np.int64]  # (world_size,): non-empty micro-batches of each rank
     micro_batches: int = 0
     empty_micro_batches: int = 0
     tokens: np.int64 = _ZERO
@@ -100,7 +105,8 @@ def scan_plan(plan: OpenedPlan, *, histograms: bool = False) -> PlanScan:
     summed = ("tokens", "cost") if "cost" in plan.schema.names else ("tokens",)
     scan = PlanScan(step_tokens=np.zeros(num_steps), token_imbalance=np.zeros(num_steps),
                     cost_imbalance=np.zeros(num_steps) if "cost" in summed else None,
-                    step_micro_batches=np.zeros(num_steps, np.int64))  # fmt: skip
+                    step_micro_batches=np.zeros(num_steps, np.int64),
+                    rank_nonempty=np.zeros(world_size, np.int64))  # fmt: skip
     counters = _histogram_counters(plan) if histograms else None
     regular = regular_steps(num_steps, last_steps_of(plan.metadata["steps_per_epoch"]))
     first_step = int(plan.metadata.get("first_step", 0))
@@ -120,7 +126,7 @@ def scan_plan(plan: OpenedPlan, *, histograms: bool = False) -> PlanScan:
             for name, per_rank in sums.items():  # each (step, rank) lies in this record batch alone
                 per_rank[rank] = np.bincount(step - steps.start, weights=numpy_of(batch.column(name)),
                                              minlength=steps.stop - steps.start)  # fmt: skip
-            _add_batch(scan, batch, step, steps, regular, counters)
+            scan.rank_nonempty[rank] += _add_batch(scan, batch, step, steps, regular, counters)
             if "lengths" in batch.schema.names and steps.start == 0:
                 longest.append(_first_step_longest(batch, step))
         _add_epoch(scan, sums, steps)
@@ -140,9 +146,10 @@ def _add_epoch(scan: PlanScan, sums: dict[str, np.ndarray], steps: slice) -> Non
         scan.cost_imbalance[steps] = step_imbalance(np.ascontiguousarray(sums["cost"].T))
 
 
-def _add_batch(scan: PlanScan, batch: pa.RecordBatch, step, steps: slice, regular, counters) -> None:
+def _add_batch(scan: PlanScan, batch: pa.RecordBatch, step, steps: slice, regular, counters) -> int:
     """Add one (epoch, rank) record batch's counts and totals to ``scan``, and its values to
-    ``counters`` (`_histogram_counters`, or None); its rows' ``step`` lie in ``steps``."""
+    ``counters`` (`_histogram_counters`, or None); its rows' ``step`` lie in ``steps``.
+    Returns its non-empty micro-batches."""
     tokens = numpy_of(batch.column("tokens"))
     padded = numpy_of(padded_tokens_column(batch))
     counts = samples_per_row(batch)
@@ -162,6 +169,7 @@ def _add_batch(scan: PlanScan, batch: pa.RecordBatch, step, steps: slice, regula
         counters["nonempty_tokens"].add(tokens[nonempty])
         if "longest" in counters:  # pad: every sample of a micro-batch is padded to its longest
             counters["longest"].add(padded[nonempty] // counts[nonempty])
+    return int((counts > 0).sum())
 
 
 class _Counter:
@@ -231,8 +239,9 @@ def summarize_plan(plan: OpenedPlan, *, scan: PlanScan | None = None) -> dict[st
         "empty_micro_batches": scan.empty_micro_batches,
         "tokens": int(scan.tokens),
         "loss_tokens": int(scan.loss_tokens),
-        "fill": float(scan.regular_tokens / capacity) if capacity else 0.0,
-        "padding_fraction": float(1.0 - scan.tokens / scan.padded_tokens) if scan.padded_tokens else 0.0,
+        "idle_ranks": int((scan.rank_nonempty == 0).sum()),
+        "fill": float(scan.regular_tokens / capacity) if capacity else None,
+        "padding_fraction": _padding(scan),
         **_imbalance_fields("token_imbalance", imbalance),
         **_imbalance_fields("cost_imbalance", cost_imbalance),
         "hidden_size": meta.get("hidden_size"),
@@ -301,9 +310,16 @@ def samples_per_row(rows: pa.RecordBatch | pa.Table) -> np.ndarray:
     return list_lengths(rows.column("samples"))
 
 
-def _spread(values: np.ndarray) -> dict[str, float]:
+def _padding(scan: PlanScan) -> float | None:
+    """Padded-away tokens / computed tokens; None without a micro-batch (0 in pack mode)."""
+    if not scan.micro_batches:
+        return None
+    return float(1.0 - scan.tokens / scan.padded_tokens) if scan.padded_tokens else 0.0
+
+
+def _spread(values: np.ndarray) -> dict[str, float | None]:
     if values.size == 0:
-        return {"mean": 0.0, "min": 0, "max": 0, "std": 0.0}
+        return {"mean": None, "min": None, "max": None, "std": None}
     return {
         "mean": float(values.mean()),
         "min": int(values.min()),

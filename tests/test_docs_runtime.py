@@ -1,0 +1,67 @@
+"""docs/runtime.md runs as pasted: each ```python block is a script (``# <file>: <command>``, run
+like docs/integrations.md's) or says in its first line that it is a fragment, and each line of
+each ```sh block runs, in order, in a fresh directory with the repository's ``.venv``,
+``data/`` and ``examples/`` linked in. What the commands leave there is git-ignored.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "runtime.md"
+SCRIPT = re.compile(r"# (?P<file>[\w.-]+\.py): (?P<command>.+)")
+
+
+def steps(text: str) -> list[tuple[str, str | None, str]]:
+    """``(command, file, content)`` for each runnable piece of the page, in order; fragments are left out."""
+    out = []
+    for kind, body in re.findall(r"```(python|sh)\n(.*?)```", text, re.S):
+        if kind == "sh":
+            out += [(line, None, "") for line in body.splitlines() if line.strip()]
+            continue
+        first = body.splitlines()[0]
+        if first.startswith("# fragment of "):
+            continue
+        script = SCRIPT.match(first)
+        assert script, f"a python block of {PAGE.name} is neither a script nor a fragment:\n{body[:200]}"
+        out.append((script["command"], script["file"], body))
+    return out
+
+
+def test_every_python_block_is_a_script_or_says_it_is_a_fragment():
+    assert len(steps(PAGE.read_text())) >= 2
+
+
+def test_every_command_calls_the_venv():
+    for command, _, _ in steps(PAGE.read_text()):
+        assert command.startswith(".venv/bin/"), command
+
+
+@pytest.mark.slow
+def test_every_script_and_command_of_the_page_runs_as_written(tmp_path):
+    for name in ("data", "examples"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    outputs = []
+    for command, file, content in steps(PAGE.read_text()):
+        if file is not None:
+            (tmp_path / file).write_text(content)
+        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stderr[-3000:]}"
+        outputs.append(done.stdout)
+    assert "resumed from example-checkpoint.pt at step 40" in outputs[-1]
+    assert re.search(r"^step   80 ", outputs[-1], re.M)
+    linked = (".venv", "data", "examples")
+    left = [p.name + ("/" if p.is_dir() else "") for p in tmp_path.iterdir() if p.name not in linked]
+    done = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input="\n".join(left),
+                          capture_output=True, text=True)
+    assert sorted(left) == sorted(done.stdout.splitlines()), "the page leaves files .gitignore does not ignore"
