@@ -29,7 +29,8 @@ from batchplan.errors import (
 
 if TYPE_CHECKING:
     from batchplan.formats.lengths import read_lengths
-    from batchplan.formats.plan_file import OpenedPlan, PlanFile, open_plan
+    from batchplan.formats.plan_file import OpenedPlan, PlanFile
+    from batchplan.formats.opening import open_plan
     from batchplan.operations.build import build_plan_file
     from batchplan.operations.reshard import reshard_plan_file
     from batchplan.operations.validate import Violation, validate_plan
@@ -42,7 +43,7 @@ _LAZY = {
     "PlanFile": "batchplan.formats.plan_file",
     "Violation": "batchplan.operations.validate",
     "build_plan_file": "batchplan.operations.build",
-    "open_plan": "batchplan.formats.plan_file",
+    "open_plan": "batchplan.formats.opening",
     "read_lengths": "batchplan.formats.lengths",
     "reshard_plan_file": "batchplan.operations.reshard",
     "validate_plan": "batchplan.operations.validate",

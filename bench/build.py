@@ -147,7 +147,7 @@ def _paused(pause: float, run, *args):
 
 
 def fill_of(plan: Path) -> float:
-    from batchplan.formats.plan_file import open_plan
+    from batchplan.formats.opening import open_plan
     from batchplan.reports.summary import summarize_plan
 
     return summarize_plan(open_plan(plan))["fill"]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.runtime import PackCollator, PlanDataset
 from batchplan.runtime.checks import check_items, check_rank_rows, span_cap
 from batchplan.runtime.records import PlannedItems, PlannedRows

@@ -158,7 +158,7 @@ def _print_built(output: Path, written: dict) -> None:
         return
     from batchplan_cli.render import print_summary
 
-    from batchplan.formats.plan_file import open_plan
+    from batchplan.formats.opening import open_plan
     from batchplan.reports.summary import summarize_plan
 
     print_summary(summarize_plan(open_plan(output)), title=f"wrote {output}")
@@ -175,7 +175,7 @@ def inspect(
     ] = None,
 ) -> None:
     """Summarise a plan: steps, fill, padding, rank imbalance, drops; --plot draws it."""
-    from batchplan.formats.plan_file import open_plan
+    from batchplan.formats.opening import open_plan
     from batchplan.reports.summary import summarize_plan
 
     opened = open_plan(plan)
@@ -261,7 +261,7 @@ def validate(
     ] = None,
 ) -> None:
     """Re-check every guarantee of a plan; exit 1 on any violation."""
-    from batchplan.formats.plan_file import open_plan
+    from batchplan.formats.opening import open_plan
     from batchplan.operations.validate import validate_plan
 
     opened = open_plan(plan)
@@ -302,7 +302,7 @@ def reshard(
         return
     from batchplan_cli.render import print_summary
 
-    from batchplan.formats.plan_file import open_plan
+    from batchplan.formats.opening import open_plan
     from batchplan.reports.summary import summarize_plan
 
     parent, new = summarize_plan(open_plan(plan)), summarize_plan(open_plan(output))

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchplan.config import PlanConfig
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.operations.build import build_plan_file
 
 FOLDERS = ["", "a/", "a-b/", "a/deep/", "b/"]

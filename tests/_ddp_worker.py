@@ -19,7 +19,7 @@ from _ddp_plans import make_dataset, make_model, process_group
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.runtime import (
     PackCollator,
     PadCollator,

@@ -56,7 +56,7 @@ def run_integration(checks, directory: Path, *leading) -> tuple[list[dict], dict
 
 def planned(path: str, rank: int) -> list[tuple]:
     """What ``rank`` must train, micro-batch by micro-batch: `key` of each of its plan rows."""
-    from batchplan.formats.plan_file import open_plan
+    from batchplan.formats.opening import open_plan
 
     plan = open_plan(path)
     out = []

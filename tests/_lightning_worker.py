@@ -26,7 +26,7 @@ from _integration_worker import (
     plain_loop,
 )  # fmt: skip
 
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.runtime import PlanSampler, token_loss_sum
 
 

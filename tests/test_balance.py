@@ -17,7 +17,7 @@ from batchplan import ConfigError
 from batchplan.operations.build import build_plan_file
 from batchplan.config import PlanConfig
 from batchplan.planning.cost import attention_coefficient, micro_batch_costs
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.epochs import build_plan
 from batchplan.reports.summary import summarize_plan

@@ -184,7 +184,7 @@ def test_stale_temporary_of_a_killed_build_is_removed_on_rerun(tmp_path):
 
 def test_inspect_refuses_a_damaged_plan(tmp_path):
     """inspect verifies the checksum: a flipped byte in the rows is an error, not wrong numbers."""
-    from batchplan.formats.plan_file import open_plan
+    from batchplan.formats.opening import open_plan
 
     plan = tmp_path / "plan.arrow"
     assert run("build", SQUAD, "-o", plan, "--max-tokens", 1024, "--world-size", 2, "-q").exit_code == 0

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 from batchplan.formats import plan_file
 from batchplan.config import BALANCE_MODES, MODES, OVERSIZE_POLICIES, PlanConfig
 from batchplan.errors import PlanFormatError, PlanMismatchError
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.epochs import build_plan
 from batchplan_cli.choices import Balance, Mode, Oversize

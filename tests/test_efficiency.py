@@ -13,7 +13,7 @@ import pytest
 
 from batchplan.operations.build import build_plan_file
 from batchplan.config import PlanConfig
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.reports.summary import summarize_plan
 
 DATA = Path(__file__).resolve().parent.parent / "data"

@@ -30,7 +30,7 @@ import reference as ref
 from conftest import REAL_FILES, build_and_write, dataset_lengths
 
 from batchplan import DatasetError, PlanConfig
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.planning.epochs import build_plan
 from batchplan.operations.validate import check_plan
 

@@ -31,7 +31,7 @@ from _integration_worker import (
 from _lightning_worker import lightning_checks
 
 from batchplan.errors import ConfigError, PlanMismatchError
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 
 # The 2-process tests are slow; the import test below is not (a module-wide mark would hide it).
 slow = pytest.mark.slow

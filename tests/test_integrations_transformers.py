@@ -21,7 +21,7 @@ from _integration_worker import (
     trainer_checks,
 )
 
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 
 pytest.importorskip("transformers")
 

@@ -71,6 +71,51 @@ def test_each_layer_imports_only_the_layers_below_it():
     assert wrong == []
 
 
+def module_imports() -> dict[str, set[str]]:
+    """Each batchplan module (not the lazy top-level API) and the batchplan modules it imports,
+    ``from batchplan.x import name`` counted as an import of ``batchplan.x.name`` when that is a
+    module, else of ``batchplan.x``."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for module, path in modules.items():
+        found = set()
+        for name in imported_modules(path):
+            while name not in modules and "." in name:
+                name = name.rsplit(".", 1)[0]
+            if name in modules and name not in (module, "batchplan"):
+                found.add(name)
+        graph[module] = found
+    return graph
+
+
+def test_no_module_imports_itself_through_others():
+    """No file-level import cycle, at module level, inside functions or for type checking:
+    each module can be read (and changed) knowing only the modules below it."""
+    graph = module_imports()
+    cycles = []
+    for start in sorted(graph):
+        path, seen, todo = {start: None}, {start}, [start]
+        while todo:  # breadth first: the shortest way back to ``start``
+            module = todo.pop(0)
+            for name in sorted(graph[module]):
+                if name == start:
+                    loop, step = [start], module
+                    while step != start:
+                        loop.append(step)
+                        step = path[step]
+                    cycles.append(" -> ".join([start, *reversed(loop[1:]), start]))
+                    todo = []
+                    break
+                if name not in seen:
+                    seen.add(name)
+                    path[name] = module
+                    todo.append(name)
+    assert cycles == []
+
+
 def test_a_build_leaves_pandas_out(tmp_path):
     """Training images carry pandas; pyarrow imports it (0.35 s and more) for ``pa.array`` and
     ``to_numpy``, which the build path does not call (`batchplan.formats.arrow`)."""

@@ -29,7 +29,7 @@ from typer.testing import CliRunner
 
 from batchplan.errors import DatasetError
 from batchplan.formats.lengths import read_lengths
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.formats.storage import GCS_RETRY_SECONDS, _with_retry_limit
 
 pytest.importorskip("gcp_storage_emulator", reason="gcp-storage-emulator (the test extra) runs the GCS server")

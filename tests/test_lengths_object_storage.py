@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from batchplan.config import PlanConfig
 from batchplan.errors import DatasetError
 from batchplan.formats.lengths import find_dataset_files, read_lengths
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.formats.storage import for_each_file
 from batchplan.operations.build import build_plan_file
 

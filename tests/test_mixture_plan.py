@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchplan import PlanConfig
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.kernels.interleave import compose_steps
 from batchplan.mixture import Mixture, MixtureSource
 from batchplan.operations.build_mixture import build_mixture_plan_file

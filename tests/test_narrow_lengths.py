@@ -16,7 +16,7 @@ import batchplan.formats.lengths as lengths_module
 import batchplan.planning.entries as entries_module
 from batchplan.config import PlanConfig
 from batchplan.formats.lengths import fingerprint_lengths, read_lengths
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.operations.validate import check_plan
 from batchplan.plan import length_dtype
 from batchplan.planning.entries import make_entries

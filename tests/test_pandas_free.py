@@ -25,7 +25,7 @@ from _plan_views import RankReader
 
 from batchplan import PlanConfig
 from batchplan.formats.arrow import list_lengths, list_offsets, list_values, numpy_of
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.formats.plan_writer import write_plan
 from batchplan.operations.epoch_checks import Rows
 from batchplan.operations.validate import check_plan

@@ -13,7 +13,8 @@ import batchplan.formats.plan_file as plan_file
 import batchplan.formats.plan_writer as plan_writer
 from batchplan.config import PlanConfig
 from batchplan.errors import PlanFormatError
-from batchplan.formats.plan_file import METADATA_KEY, open_plan
+from batchplan.formats.plan_file import METADATA_KEY
+from batchplan.formats.opening import open_plan
 from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.epochs import build_plan
 

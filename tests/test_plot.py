@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from batchplan.config import PlanConfig
 from batchplan.errors import BatchPlanError, PlanMismatchError
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.operations.build import build_plan_file
 
 pytest.importorskip("matplotlib")

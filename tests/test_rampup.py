@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from batchplan import PlanConfig
 from batchplan.errors import ConfigError, DatasetError
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.runtime.schedule import read_step_tokens, token_lr_factor, token_lr_lambda
 from batchplan.reports.summary import summarize_plan
 from batchplan.operations.validate import check_plan

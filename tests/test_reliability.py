@@ -37,7 +37,8 @@ from batchplan.operations.build import build_plan_file
 from batchplan.config import OVERSIZE_POLICIES, PlanConfig
 from batchplan.errors import BatchPlanError, PlanFormatError
 from batchplan.formats.lengths import fingerprint_lengths
-from batchplan.formats.plan_file import METADATA_KEY, open_plan
+from batchplan.formats.plan_file import METADATA_KEY
+from batchplan.formats.opening import open_plan
 from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.epochs import build_plan
 from batchplan.runtime import PlanSampler

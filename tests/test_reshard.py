@@ -28,7 +28,7 @@ from conftest import build_and_write
 from typer.testing import CliRunner
 
 from batchplan import ConfigError, PlanConfig, PlanMismatchError
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.epochs import build_plan
 from batchplan.formats.bitmap import decode_bitmap, encode_bitmap

@@ -21,7 +21,7 @@ from _ddp_plans import free_port, standard_plans
 from _ddp_worker import RESUME_AFTER_STEPS, run_checks
 from _spawn import launch
 
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 
 WORLD_SIZE = 2
 

@@ -17,7 +17,8 @@ from batchplan.operations.build import build_plan_file
 from batchplan.config import PlanConfig
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
 from batchplan.formats.lengths import fingerprint_lengths
-from batchplan.formats.plan_file import PlanFile, open_plan
+from batchplan.formats.plan_file import PlanFile
+from batchplan.formats.opening import open_plan
 from batchplan.runtime import MicroBatch, PackCollator, PlanDataset, PlanSampler, SpanIndex
 
 

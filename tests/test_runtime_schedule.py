@@ -11,7 +11,7 @@ import torch
 from _ddp_plans import standard_plans
 
 from batchplan.errors import ConfigError
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.runtime import PlanSampler, read_step_tokens, token_lr_scheduler
 from batchplan.runtime.schedule import token_lr_factor, token_lr_lambda
 

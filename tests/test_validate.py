@@ -18,7 +18,8 @@ import pytest
 import reference as ref
 
 from batchplan import BatchPlanError, PlanConfig, PlanFormatError
-from batchplan.formats.plan_file import METADATA_KEY, content_hash, open_plan
+from batchplan.formats.plan_file import METADATA_KEY, content_hash
+from batchplan.formats.opening import open_plan
 from batchplan.operations.validate import check_plan
 
 # --------------------------------------------------------------------------- rewriting plans

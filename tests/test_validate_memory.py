@@ -21,7 +21,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchplan import PlanConfig, build_plan_file
-from batchplan.formats.plan_file import open_plan
+from batchplan.formats.opening import open_plan
 from batchplan.operations.coverage import EpochCoverage
 from batchplan.operations.reshard import reshard_plan_file
 from batchplan.operations.validate import check_plan

@@ -28,7 +28,7 @@ from batchplan.errors import PlanFormatError
 from batchplan.formats.arrow import arrow_array, numpy_of
 
 __all__ = [
-    "FORMAT_VERSION", "METADATA_KEY", "OpenedPlan", "PlanFile", "content_hash", "open_plan", "padded_tokens_column",
+    "FORMAT_VERSION", "METADATA_KEY", "OpenedPlan", "PlanFile", "content_hash", "padded_tokens_column",
     "plan_schema",
 ]  # fmt: skip
 
@@ -361,16 +361,6 @@ def padded_tokens_column(rows: pa.RecordBatch | pa.Table) -> pa.Array | pa.Chunk
     """Rows' ``padded_tokens``: pack plans leave the column out (format version 2), and
     there it equals ``tokens`` (no padding)."""
     return rows.column("padded_tokens" if "padded_tokens" in rows.schema.names else "tokens")
-
-
-def open_plan(path: str | os.PathLike) -> OpenedPlan:
-    """Open a plan: a plan file by memory map (`PlanFile`), or a plan directory by its
-    manifest (`batchplan.formats.plan_directory.PlanDirectory`)."""
-    if Path(path).is_dir():
-        from batchplan.formats.plan_directory import PlanDirectory
-
-        return PlanDirectory(path)
-    return PlanFile(path)
 
 
 def shift_columns(batch: pa.RecordBatch, shifts: dict[str, int]) -> pa.RecordBatch:

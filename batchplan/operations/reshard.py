@@ -57,7 +57,8 @@ from batchplan.config import PlanConfig
 from batchplan.errors import ConfigError
 from batchplan.formats.arrow import numpy_of
 from batchplan.formats.bitmap import decode_bitmap, encode_bitmap
-from batchplan.formats.plan_file import OpenedPlan, open_plan
+from batchplan.formats.plan_file import OpenedPlan
+from batchplan.formats.opening import open_plan
 from batchplan.formats.plan_writer import write_plan
 from batchplan.operations.parent_rows import (
     ParentRows,

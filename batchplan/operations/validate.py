@@ -39,7 +39,8 @@ from numpy.typing import NDArray
 from batchplan.errors import PlanFormatError
 from batchplan.formats.bitmap import decode_bitmap
 from batchplan.formats.lengths import fingerprint_lengths, read_lengths
-from batchplan.formats.plan_file import OpenedPlan, open_plan
+from batchplan.formats.plan_file import OpenedPlan
+from batchplan.formats.opening import open_plan
 from batchplan.operations.epoch_checks import EpochChecker, Violation
 from batchplan.operations.mixture_checks import check_mixture
 

@@ -30,7 +30,8 @@ from numpy.typing import ArrayLike
 from torch.utils.data import Sampler
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
-from batchplan.formats.plan_file import OpenedPlan, open_plan
+from batchplan.formats.plan_file import OpenedPlan
+from batchplan.formats.opening import open_plan
 from batchplan.runtime.checks import check_plan_dataset, check_rank_rows, check_runtime_columns, span_cap
 from batchplan.runtime.distributed import check_world_size, resolve_placement
 from batchplan.runtime.records import MicroBatch, PlannedRows

@@ -23,7 +23,8 @@ from numpy.typing import NDArray
 
 from batchplan.errors import ConfigError, PlanFormatError
 from batchplan.formats.arrow import numpy_of
-from batchplan.formats.plan_file import OpenedPlan, open_plan
+from batchplan.formats.plan_file import OpenedPlan
+from batchplan.formats.opening import open_plan
 
 __all__ = ["DECAYS", "read_step_tokens", "token_lr_factor", "token_lr_lambda", "token_lr_scheduler"]
 
