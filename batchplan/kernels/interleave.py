@@ -3,12 +3,13 @@
 Step by step: a step of ``seats`` micro-batches (a fixed number of rounds, or the rounds
 whose tokens come nearest a token target, which a ramp-up grows) takes ``n_s`` micro-batches
 from the front of each source's queue. Each ``n_s`` is kept where the source's tokens in the
-step lie within ``max_tokens`` of ``share_s x`` the step's tokens (a window of two micro-batches
-that always holds a count), as near as it allows to ``share_s x`` the step's tokens plus the
-source's deficit so far (so the run never drifts); the counts are then brought to ``seats``
-by the sources furthest behind (added) or ahead (removed), inside their windows where they
-can be. The step's tokens, on which the windows depend, are found by iterating from an
-estimate (at most four times). O(n x sources) per pass.
+step lie within ``max_tokens`` of ``weight_s x`` the step's tokens (a window two micro-batches
+wide, which always holds a count): every source first takes the count in its window that
+brings it nearest its share of the run so far, then places are added to the source furthest
+behind that share (or taken from the one furthest ahead), within windows where they can. The step's
+tokens, on which the windows depend, are found by iterating from an estimate (at most four
+times); a last repair moves micro-batches while a source misses its window.
+O(n x sources) per pass.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _PASSES = 4
 
 
 @njit(cache=True, nogil=True)
-def compose_steps(source_offsets, tokens, shares, world_size, max_tokens, sizing, out, step_offsets):
+def compose_steps(source_offsets, tokens, weights, shares, world_size, max_tokens, sizing, out, step_offsets):
     """Fill ``out`` with micro-batch ids step by step and ``step_offsets`` with the steps'
     bounds over it; return the number of steps.
 
@@ -32,9 +33,12 @@ def compose_steps(source_offsets, tokens, shares, world_size, max_tokens, sizing
         source_offsets: int64, ``sources + 1`` bounds: source ``s`` holds micro-batches
             ``source_offsets[s]:source_offsets[s + 1]``, in the order they are to be taken.
         tokens: int64 tokens of every micro-batch.
-        shares: float64 token share of each source (summing to 1).
+        weights: float64 share each source is held to in every step (summing to 1): its
+            window is ``max_tokens`` around ``weight x`` the step's tokens.
+        shares: float64 share each source has of all the tokens (summing to 1; near
+            ``weights``): the clock each source is due on, so that all run out together.
         world_size: micro-batches per round.
-        max_tokens: the cap of one micro-batch (the width of a source's window).
+        max_tokens: the half-width of a source's window, in tokens.
         sizing: float64 ``(rounds, tokens_before, start, target, ramp_tokens, max_rounds)``:
             ``rounds > 0``: every step that many rounds; else the rounds nearest
             ``ramp_target(done, start, target, ramp_tokens)`` (at most ``max_rounds`` when > 0,
@@ -45,7 +49,7 @@ def compose_steps(source_offsets, tokens, shares, world_size, max_tokens, sizing
     num_sources = shares.shape[0]
     total = out.shape[0]
     cursor = source_offsets[:-1].copy()
-    carry = np.zeros(num_sources, dtype=np.float64)
+    taken = np.zeros(num_sources, dtype=np.float64)  # tokens of each source so far
     count = np.zeros(num_sources, dtype=np.int64)
     rounds, done = int(sizing[0]), sizing[1]
     remaining = 0.0
@@ -56,21 +60,20 @@ def compose_steps(source_offsets, tokens, shares, world_size, max_tokens, sizing
     while position < total:
         left = total - position
         mean = remaining / left
-        seats = world_size * _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, shares, carry,
-                                          world_size, max_tokens, left, remaining, count)
+        seats = world_size * _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, weights, shares,
+                                          taken, world_size, max_tokens, left, remaining, count)
         if seats >= left:  # the epoch's last step takes what is left
             for source in range(num_sources):
                 count[source] = source_offsets[source + 1] - cursor[source]
-            step_tokens = _counted(tokens, cursor, count)
         else:
-            step_tokens = _compose(seats, mean, tokens, cursor, source_offsets, shares, carry, max_tokens, count)
+            _compose(seats, mean, tokens, cursor, source_offsets, weights, shares, taken, max_tokens, count)
+        step_tokens = 0.0
         for source in range(num_sources):
-            taken = 0.0
             for i in range(count[source]):
                 out[position] = cursor[source] + i
-                taken += tokens[cursor[source] + i]
+                taken[source] += tokens[cursor[source] + i]
+                step_tokens += tokens[cursor[source] + i]
                 position += 1
-            carry[source] += shares[source] * step_tokens - taken
             cursor[source] += count[source]
         done += step_tokens
         remaining -= step_tokens
@@ -80,8 +83,8 @@ def compose_steps(source_offsets, tokens, shares, world_size, max_tokens, sizing
 
 
 @njit(cache=True, nogil=True)
-def _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, shares, carry, world_size, max_tokens,
-                 left, remaining, count):
+def _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, weights, shares, taken, world_size,
+                 max_tokens, left, remaining, count):
     """Rounds of the next step: fixed, or those whose composed tokens come nearest the goal."""
     if rounds > 0:
         return rounds
@@ -100,7 +103,8 @@ def _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, shares, c
             off = abs(remaining - goal)
         else:
             mean = remaining / left
-            off = abs(_compose(seats, mean, tokens, cursor, source_offsets, shares, carry, max_tokens, count) - goal)
+            composed = _compose(seats, mean, tokens, cursor, source_offsets, weights, shares, taken, max_tokens, count)
+            off = abs(composed - goal)
         if off < best_off:
             best, best_off = candidate, off
         if seats >= left:
@@ -109,16 +113,7 @@ def _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, shares, c
 
 
 @njit(cache=True, nogil=True)
-def _counted(tokens, cursor, count):
-    step_tokens = 0.0
-    for source in range(count.shape[0]):
-        for i in range(count[source]):
-            step_tokens += tokens[cursor[source] + i]
-    return step_tokens
-
-
-@njit(cache=True, nogil=True)
-def _compose(seats, mean, tokens, cursor, source_offsets, shares, carry, max_tokens, count):
+def _compose(seats, mean, tokens, cursor, source_offsets, weights, shares, taken, max_tokens, count):
     """Counts per source (``count``) for a step of ``seats`` micro-batches (``mean``: the
     tokens of a micro-batch left, on average); returns the step's tokens."""
     num_sources = shares.shape[0]
@@ -131,84 +126,56 @@ def _compose(seats, mean, tokens, cursor, source_offsets, shares, carry, max_tok
     estimate = seats * mean
     low = np.zeros(num_sources, dtype=np.int64)
     high = np.zeros(num_sources, dtype=np.int64)
+    so_far = 0.0
+    for source in range(num_sources):
+        so_far += taken[source]
     step_tokens = 0.0
     for _ in range(_PASSES):
         for source in range(num_sources):
-            _window(prefix[source], avail[source], shares[source] * estimate, carry[source], max_tokens,
-                    low, high, count, source)
-        _fit(seats, prefix, shares, carry, estimate, avail, low, high, count)
+            low[source], high[source] = _window(prefix[source], avail[source], weights[source] * estimate, max_tokens)
+            # Within the window, the count nearest the source's share of the run after the step.
+            wanted = shares[source] * (so_far + estimate) - taken[source]
+            count[source] = _nearest(prefix[source], low[source], high[source], wanted)
+        _fit(seats, prefix, shares, taken, so_far + estimate, avail, low, high, count)
         step_tokens = 0.0
         for source in range(num_sources):
             step_tokens += prefix[source, count[source]]
         if step_tokens == estimate:
             break
         estimate = step_tokens
-    return _repair(prefix, avail, shares, max_tokens, count, step_tokens)
+    return _repair(prefix, avail, weights, max_tokens, count, step_tokens)
 
 
 @njit(cache=True, nogil=True)
-def _repair(prefix, avail, shares, max_tokens, count, step_tokens):
-    """While a source lies more than ``max_tokens`` off its share of the step's actual tokens,
-    move a micro-batch from the source furthest ahead to the one furthest behind, as long as
-    that lowers the largest miss; returns the step's tokens."""
-    num_sources = shares.shape[0]
-    worst = _worst_miss(prefix, shares, count, step_tokens)
-    while worst > max_tokens:
-        ahead, behind, most_ahead, most_behind = -1, -1, -np.inf, -np.inf
-        for source in range(num_sources):
-            miss = prefix[source, count[source]] - shares[source] * step_tokens
-            if count[source] > 0 and miss > most_ahead:
-                ahead, most_ahead = source, miss
-            if count[source] < avail[source] and -miss > most_behind:
-                behind, most_behind = source, -miss
-        if ahead < 0 or behind < 0 or ahead == behind:
-            break
-        count[ahead] -= 1
-        count[behind] += 1
-        moved = step_tokens - (prefix[ahead, count[ahead] + 1] - prefix[ahead, count[ahead]])
-        moved += prefix[behind, count[behind]] - prefix[behind, count[behind] - 1]
-        after = _worst_miss(prefix, shares, count, moved)
-        if after >= worst:  # no better: undo, and keep the step as it is
-            count[ahead] += 1
-            count[behind] -= 1
-            break
-        worst, step_tokens = after, moved
-    return step_tokens
-
-
-@njit(cache=True, nogil=True)
-def _worst_miss(prefix, shares, count, step_tokens):
-    worst = 0.0
-    for source in range(shares.shape[0]):
-        worst = max(worst, abs(prefix[source, count[source]] - shares[source] * step_tokens))
-    return worst
-
-
-@njit(cache=True, nogil=True)
-def _window(prefix, avail, target, carry, max_tokens, low, high, count, source):
-    """The counts whose tokens lie within ``max_tokens`` of ``target`` (``low..high``), and
-    the one nearest ``target + carry`` among them."""
-    low[source] = avail
+def _window(prefix, avail, target, max_tokens):
+    """``(low, high)``: the counts whose tokens lie within ``max_tokens`` of ``target``."""
+    low = avail
     for n in range(avail + 1):
         if prefix[n] >= target - max_tokens:
-            low[source] = n
+            low = n
             break
-    high[source] = low[source]
-    for n in range(low[source], avail + 1):
+    high = low
+    for n in range(low, avail + 1):
         if prefix[n] <= target + max_tokens:
-            high[source] = n
-    best, best_off = low[source], np.inf
-    for n in range(low[source], high[source] + 1):
-        off = abs(prefix[n] - target - carry)
-        if off < best_off:
-            best, best_off = n, off
-    count[source] = best
+            high = n
+    return low, high
 
 
 @njit(cache=True, nogil=True)
-def _fit(seats, prefix, shares, carry, estimate, avail, low, high, count):
-    """Bring the counts to ``seats``: add to the sources furthest behind, take from those
-    furthest ahead, within their windows first."""
+def _nearest(prefix, low, high, wanted):
+    best, best_off = low, np.inf
+    for n in range(low, high + 1):
+        off = abs(prefix[n] - wanted)
+        if off < best_off:
+            best, best_off = n, off
+    return best
+
+
+@njit(cache=True, nogil=True)
+def _fit(seats, prefix, shares, taken, after, avail, low, high, count):
+    """Bring the counts to ``seats``: a place to the source furthest behind its share of the
+    ``after`` tokens of the run at the step's end (or out of the one furthest ahead), within
+    windows where it can."""
     num_sources = shares.shape[0]
     placed = 0
     for source in range(num_sources):
@@ -223,7 +190,7 @@ def _fit(seats, prefix, shares, carry, estimate, avail, low, high, count):
                     continue
                 if not grow and (n <= 0 or (bounded and n <= low[source])):
                     continue
-                behind = shares[source] * estimate + carry[source] - prefix[source, n]
+                behind = shares[source] * after - taken[source] - prefix[source, n]
                 key = behind if grow else -behind
                 if key > best_key:
                     best, best_key = source, key
@@ -231,3 +198,41 @@ def _fit(seats, prefix, shares, carry, estimate, avail, low, high, count):
                 break
         count[best] += 1 if grow else -1
         placed += 1 if grow else -1
+
+
+@njit(cache=True, nogil=True)
+def _repair(prefix, avail, weights, max_tokens, count, step_tokens):
+    """While a source lies more than ``max_tokens`` off its weight of the step's actual tokens,
+    move a micro-batch from the source furthest ahead to the one furthest behind, as long as
+    that lowers the largest miss; returns the step's tokens."""
+    num_sources = weights.shape[0]
+    worst = _worst_miss(prefix, weights, count, step_tokens)
+    while worst > max_tokens:
+        ahead, behind, most_ahead, most_behind = -1, -1, -np.inf, -np.inf
+        for source in range(num_sources):
+            miss = prefix[source, count[source]] - weights[source] * step_tokens
+            if count[source] > 0 and miss > most_ahead:
+                ahead, most_ahead = source, miss
+            if count[source] < avail[source] and -miss > most_behind:
+                behind, most_behind = source, -miss
+        if ahead < 0 or behind < 0 or ahead == behind:
+            break
+        count[ahead] -= 1
+        count[behind] += 1
+        moved = step_tokens - (prefix[ahead, count[ahead] + 1] - prefix[ahead, count[ahead]])
+        moved += prefix[behind, count[behind]] - prefix[behind, count[behind] - 1]
+        after = _worst_miss(prefix, weights, count, moved)
+        if after >= worst:  # no better: undo, and keep the step as it is
+            count[ahead] += 1
+            count[behind] -= 1
+            break
+        worst, step_tokens = after, moved
+    return step_tokens
+
+
+@njit(cache=True, nogil=True)
+def _worst_miss(prefix, weights, count, step_tokens):
+    worst = 0.0
+    for source in range(weights.shape[0]):
+        worst = max(worst, abs(prefix[source, count[source]] - weights[source] * step_tokens))
+    return worst

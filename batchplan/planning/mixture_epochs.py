@@ -189,8 +189,12 @@ def plan_mixture_epoch(
 
 def _composed(parts, num_entries: int, config: PlanConfig, tokens_before: int, weights: NDArray[np.float64]):
     """Every part's micro-batches in one `MicroBatches`, in the steps `compose_steps` makes of
-    them (a source's parts one after another in its queue), and the steps' bounds. Shares are
-    the mixture's weights (of the sources this epoch holds), which validate checks against."""
+    them (a source's parts one after another in its queue), and the steps' bounds.
+
+    Every step holds each source within ``max_tokens`` of the mixture's weight (validate's
+    check; a billionth inside it, against rounding), and deficits are counted against the
+    epoch's own shares (its sources' tokens over its tokens, within a document of the
+    weights), so that every source runs out with the epoch's last step."""
     sources = sorted({source for source, *_ in parts})
     by_source = [[part for part in parts if part[0] == source] for source in sources]
     ordered = [part for group in by_source for part in group]  # stable: passes stay in order
@@ -199,14 +203,14 @@ def _composed(parts, num_entries: int, config: PlanConfig, tokens_before: int, w
     source_offsets = np.zeros(counts.shape[0] + 1, dtype=np.int64)
     np.cumsum(counts, out=source_offsets[1:])
     tokens = joined.tokens().astype(np.int64)
-    shares = weights[sources] / max(float(weights[sources].sum()), 1e-300)
+    source_tokens = np.add.reduceat(tokens, source_offsets[:-1]).astype(np.float64)
+    shares = source_tokens / max(float(source_tokens.sum()), 1.0)
+    asked = weights[sources] / max(float(weights[sources].sum()), 1e-300)
+    sizing = _sizing(config, tokens_before, float(tokens.mean()) if tokens.shape[0] else 0.0)
     order = np.empty(joined.count, dtype=np.int64)
     steps = np.empty(joined.count + 1, dtype=np.int64)
-    sizing = _sizing(config, tokens_before, float(tokens.mean()) if tokens.shape[0] else 0.0)
-    # Misses are compared with max_tokens as validate does, from the same floats: half a
-    # token inside it so that no rounding puts a step on the wrong side.
-    num_steps = compose_steps(source_offsets, tokens, shares, config.world_size, config.max_tokens - 0.5, sizing,
-                              order, steps)  # fmt: skip
+    num_steps = compose_steps(source_offsets, tokens, asked, shares, config.world_size, config.max_tokens * (1 - 1e-9),
+                              sizing, order, steps)  # fmt: skip
     batches = MicroBatches.of_ranges(joined.members, joined.lengths, joined.starts[order], joined.ends[order])
     batches.packing = joined.packing
     return batches, steps[: num_steps + 1].copy()
