@@ -92,14 +92,14 @@ def loop_metrics(batches, places, mode, max_tokens, world_size, coefficient):
 
     def imbalance(per_step):  # over every step but the epoch's last
         values = [max(r) / (sum(r) / world_size) - 1 for r in per_step[:-1] if sum(r) > 0]
-        return sum(values) / len(values) if values else 0.0
+        return sum(values) / len(values) if values else None  # nothing to average: n/a
 
     regular = [batch for batch, (step, _) in zip(batches, places) if step != num_steps - 1]
     return {
         "micro_batches": len(batches),
         "steps": num_steps,
         "padding_fraction": 1 - real / computed,
-        "fill": sum(map(sum, regular)) / (len(regular) * max_tokens) if regular else 0.0,
+        "fill": sum(map(sum, regular)) / (len(regular) * max_tokens) if regular else None,
         "token_imbalance": imbalance(tokens),
         "cost_imbalance": imbalance(cost),
         "epoch_cost": sum(max(r) for r in cost),
@@ -156,7 +156,11 @@ def test_table_matches_a_loop_recomputation(seed, num_samples, max_tokens, world
     for row in result.strategies:
         want = expected[row.name]
         for key, value in want.items():
-            assert getattr(row, key) == pytest.approx(value, rel=1e-12, abs=1e-12), (row.name, key)
+            found = getattr(row, key)
+            if value is None:  # nothing to average: n/a, not 0
+                assert found is None, (row.name, key)
+            else:
+                assert found == pytest.approx(value, rel=1e-12, abs=1e-12), (row.name, key)
         assert row.relative_time == pytest.approx(want["epoch_cost"] / expected["pytorch"]["epoch_cost"])
     assert result.strategies[0].relative_time == 1.0
 
@@ -207,6 +211,24 @@ def test_cli_table_json_and_plot(tmp_path):
     assert list(rows) == ["pytorch", "hf_grouped", "fairseq", "batchplan_pad", "batchplan_pack"]
     assert rows["pytorch"]["relative_time"] == 1.0
     assert rows["batchplan_pack"]["fill"] > 0.99 and rows["batchplan_pack"]["relative_time"] < 1.0
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_one_step_shows_n_a_in_the_table_json_and_plot(tmp_path):
+    """Five samples on eight ranks: one step, the epoch's last: fill and imbalance have nothing
+    to average, so they are n/a (null), not 0 %, and the figure still draws."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"length": [3, 4, 5, 6, 7]}), tmp_path / "tiny.parquet")
+    args = ["compare", str(tmp_path / "tiny.parquet"), "--max-tokens", "50", "--world-size", "8"]
+    table = runner.invoke(app, args)
+    assert table.exit_code == 0, table.output
+    assert "n/a" in table.stdout and "0.00%   n/a" in table.stdout
+    result = runner.invoke(app, [*args, "--json", "--plot", str(tmp_path / "c.png")])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout)["strategies"]
+    assert all(row["fill"] is None and row["token_imbalance"] is None for row in rows)
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -71,7 +71,7 @@ needs_pandas = pytest.mark.skipif(
 @needs_pandas
 def test_validating_and_summarising_plans_leave_pandas_out(plans):
     statement = (
-        "from batchplan.formats.plan_file import open_plan\n"
+        "from batchplan.formats.opening import open_plan\n"
         "from batchplan.operations.validate import validate_plan\n"
         "from batchplan.reports.summary import summarize_plan\n"
         "for name in ('spans', 'pad', 'resharded'):\n"
@@ -102,7 +102,7 @@ def test_the_inspect_and_validate_commands_leave_pandas_out(plans, command):
 def test_plotting_a_plan_leaves_pandas_out(plans):
     pytest.importorskip("matplotlib")
     statement = (
-        "from batchplan.formats.plan_file import open_plan\n"
+        "from batchplan.formats.opening import open_plan\n"
         "from batchplan.reports.plot import plan_lengths, plot_plan\n"
         f"plan = open_plan({plans['spans']!r})\n"
         "plot_plan(plan, *plan_lengths(plan))"

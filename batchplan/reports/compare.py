@@ -89,9 +89,9 @@ class StrategyResult:
     steps: int
     samples_per_micro_batch: float
     padding_fraction: float
-    fill: float
-    token_imbalance: float
-    cost_imbalance: float
+    fill: float | None  # None: no step but the epoch's last (nothing to average)
+    token_imbalance: float | None
+    cost_imbalance: float | None
     epoch_cost: float
     relative_time: float = 1.0
 
@@ -340,7 +340,7 @@ def measure_strategy(
         steps=num_steps,
         samples_per_micro_batch=float(counts.sum() / max(1, int((counts > 0).sum()))),
         padding_fraction=float(1.0 - tokens.sum() / computed.sum()) if computed.sum() else 0.0,
-        fill=float(tokens[regular].sum() / capacity) if capacity else 0.0,
+        fill=float(tokens[regular].sum() / capacity) if capacity else None,
         token_imbalance=rank_imbalance(rank_tokens, last).mean,
         cost_imbalance=rank_imbalance(rank_cost, last).mean,
         epoch_cost=float(rank_cost.max(axis=1).sum()) if num_steps else 0.0,

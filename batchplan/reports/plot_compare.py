@@ -29,10 +29,10 @@ def plot_comparison(comparison: Comparison) -> Figure:
     _bars(axes[0], positions, [[r.relative_time for r in rows]], ["relative epoch time"], "x baseline 1")
     axes[0].axhline(1.0, color="grey", linestyle=":", linewidth=0.8)
     axes[0].set_title("predicted epoch time (sum over steps of the slowest rank's cost), x baseline 1")
-    _bars(axes[1], positions, [[100 * r.fill for r in rows], [100 * r.padding_fraction for r in rows]],
+    _bars(axes[1], positions, [[_percent(r.fill) for r in rows], [100 * r.padding_fraction for r in rows]],
           ["fill (real tokens / micro-batches x max_tokens)", "padding (of count x longest)"], "%")  # fmt: skip
     axes[1].set_title("fill and padding of micro-batches")
-    _bars(axes[2], positions, [[100 * r.token_imbalance for r in rows], [100 * r.cost_imbalance for r in rows]],
+    _bars(axes[2], positions, [[_percent(r.token_imbalance) for r in rows], [_percent(r.cost_imbalance) for r in rows]],
           ["tokens", "cost"], "%")  # fmt: skip
     axes[2].set_title("rank imbalance (mean over steps but the last of max / mean - 1)")
     _bars(axes[3], positions, [[r.micro_batches for r in rows], [r.steps for r in rows]],
@@ -45,11 +45,13 @@ def plot_comparison(comparison: Comparison) -> Figure:
     return figure
 
 
-def _bars(ax: Axes, positions, series: list[list[float]], labels: list[str], unit: str) -> None:
+def _bars(ax: Axes, positions, series: list[list[float | None]], labels: list[str], unit: str) -> None:
+    """Grouped bars; a value of None (nothing to average) is an empty bar labelled "n/a"."""
     width = 0.8 / len(series)
     for i, (values, label) in enumerate(zip(series, labels)):
-        bars = ax.bar(positions + (i - (len(series) - 1) / 2) * width, values, width, label=label)
-        ax.bar_label(bars, labels=[_short_number(v) for v in values], fontsize=8)
+        heights = [0.0 if v is None else v for v in values]
+        bars = ax.bar(positions + (i - (len(series) - 1) / 2) * width, heights, width, label=label)
+        ax.bar_label(bars, labels=["n/a" if v is None else _short_number(v) for v in values], fontsize=8)
     ax.set_ylabel(unit)
     if len(series) > 1:
         ax.legend(fontsize=8)
@@ -62,6 +64,10 @@ _TICK_NAMES = {
     "batchplan_pad": "batchplan\npad",
     "batchplan_pack": "batchplan\npack",
 }
+
+
+def _percent(value: float | None) -> float | None:
+    return None if value is None else 100 * value
 
 
 def _short_number(value: float) -> str:
