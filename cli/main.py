@@ -18,7 +18,7 @@ import typer
 from batchplan_cli.choices import Balance, Layout, Mode, Oversize
 
 from batchplan.config import DEFAULT_BALANCE_WINDOW
-from batchplan.errors import BatchPlanError
+from batchplan.errors import BatchPlanError, ConfigError
 
 app = typer.Typer(
     name="batchplan",
@@ -66,11 +66,15 @@ def _fail_cleanly(command):
 @app.command()
 @_fail_cleanly
 def build(
-    dataset: Annotated[list[str], typer.Argument(help=_DATASET_HELP)],
+    dataset: Annotated[Optional[list[str]], typer.Argument(help=_DATASET_HELP + " Or none, with --mixture.")] = None,
     output: Annotated[
         Path, typer.Option("--output", "-o", help="Plan to write: a file (.arrow), or a directory (--layout).")
-    ],
-    max_tokens: Annotated[int, typer.Option(help="Token cap per micro-batch (pad: count x longest).")],
+    ] = ...,
+    max_tokens: Annotated[int, typer.Option(help="Token cap per micro-batch (pad: count x longest).")] = ...,
+    mixture: Annotated[
+        Optional[Path],
+        typer.Option(help="A mixture file (YAML or JSON: sources with weights or epochs) instead of DATASET."),
+    ] = None,
     mode: Annotated[
         Mode, typer.Option(help="pack (concatenate samples) or pad (pad to the longest).")
     ] = Mode.pack,
@@ -139,13 +143,21 @@ def build(
     options = {"length_column": length_column, "tokens_column": tokens_column,
                "loss_tokens_column": loss_tokens_column, "layout": None if layout is None else layout.value,
                "only_epochs": parse_epoch_range(only_epochs, epochs)}  # fmt: skip
+    if bool(dataset) == (mixture is not None):
+        raise ConfigError("give either DATASET or --mixture (a mixture file names its sources' datasets)")
+    if mixture is not None:
+        from batchplan.operations.build_mixture import build_mixture_plan_file
+
+        build_plan_file = functools.partial(build_mixture_plan_file, mixture)
+    else:
+        build_plan_file = functools.partial(build_plan_file, dataset)
     if quiet:
-        build_plan_file(dataset, output, config, **options)
+        build_plan_file(output, config, **options)
         return
     from batchplan_cli.progress import BuildProgress
 
     with BuildProgress() as progress:
-        written = build_plan_file(dataset, output, config, progress=progress, **options)
+        written = build_plan_file(output, config, progress=progress, **options)
     _print_built(output, written)
 
 
@@ -259,21 +271,31 @@ def validate(
     dataset: Annotated[
         Optional[list[str]], typer.Option("--dataset", "-d", help="The dataset the plan was built for.")
     ] = None,
+    mixture: Annotated[
+        Optional[Path], typer.Option(help="The mixture file a mixture's plan was built from, instead of --dataset.")
+    ] = None,
 ) -> None:
     """Re-check every guarantee of a plan; exit 1 on any violation."""
     from batchplan.formats.opening import open_plan
     from batchplan.operations.validate import validate_plan
 
+    if dataset and mixture is not None:
+        raise ConfigError("give either --dataset or --mixture")
     opened = open_plan(plan)
-    violations = validate_plan(opened, dataset)
+    violations = validate_plan(opened, dataset, mixture=mixture)
     checked = f"{opened.num_epochs} epoch(s), {opened.world_size} rank(s)"
-    checked += f", {opened.num_samples:,} samples" if dataset else ""
+    checked += f", {opened.num_samples:,} samples" if dataset or mixture is not None else ""
     if violations:
         for violation in violations:
             typer.echo(f"FAIL {violation}", err=True)
         typer.echo(f"{plan}: {len(violations)} guarantee(s) violated", err=True)
         raise typer.Exit(1)
-    against = "against the dataset" if dataset else "without the dataset (pass --dataset for the full check)"
+    if mixture is not None:
+        against = "against the mixture's sources"
+    elif dataset:
+        against = "against the dataset"
+    else:
+        against = "without the dataset (pass --dataset or --mixture for the full check)"
     typer.echo(f"{plan}: OK, every guarantee holds ({checked}, {against})")
 
 

@@ -45,7 +45,25 @@ def print_summary(summary: dict[str, Any], *, title: str) -> None:
     console = Console()
     console.print(title, highlight=False, soft_wrap=True)
     console.print(table)
+    if summary.get("mixture"):
+        console.print(_sources_table(summary["mixture"]))
     print_warnings(summary)
+
+
+def _sources_table(sources: list[dict[str, Any]]) -> Table:
+    """A mixture's sources: weight, tokens asked and planned, passes, and each one's share
+    of the steps (mean, and the worst miss against the bound of that step)."""
+    table = Table(title="sources (share of each step but each epoch's last)")
+    for name in ("source", "weight", "target", "planned", "passes", "mean share", "worst miss", "its bound"):
+        table.add_column(name, justify="left" if name == "source" else "right")
+    for source in sources:
+        worst, bound = source["worst_miss"], source["worst_miss_bound"]
+        table.add_row(
+            source["name"], format_share(source["weight"], 2), f"{source['target_tokens']:,}",
+            f"{source['planned_tokens']:,}", f"{source['passes']:.3f}", format_share(source["mean_share"], 2),
+            "n/a" if worst is None else f"{100 * worst:.2f} pp", "n/a" if bound is None else f"{100 * bound:.2f} pp",
+        )
+    return table
 
 
 def print_warnings(summary: dict[str, Any]) -> None:

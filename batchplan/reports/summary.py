@@ -22,6 +22,9 @@ defined once, in `batchplan.reports.statistics`:
 
 A statistic with nothing to average (no regular step, no micro-batch) is None, not 0.
 
+- ``mixture`` (a mixture's plans): per source, its weight, target, planned and trained tokens,
+  passes, and its share of each step: mean and worst miss (`batchplan.reports.mixture`).
+
 - ``rampup`` (plans built with ``--rampup``): tokens of the first step and of the ramp's
   last step, the first step past the ramp (``end_step``, None if the plan ends inside it),
   and the mean tokens per step after it.
@@ -52,6 +55,7 @@ from batchplan.errors import PlanFormatError
 from batchplan.formats.arrow import list_lengths, list_values, numpy_of
 from batchplan.formats.plan_file import OpenedPlan, padded_tokens_column
 from batchplan.plan import PackingBound
+from batchplan.reports.mixture import summarize_sources
 from batchplan.reports.statistics import imbalance_over_steps, last_steps_of, regular_steps, step_imbalance
 
 __all__ = ["PlanScan", "samples_per_row", "scan_plan", "summarize_plan"]
@@ -257,6 +261,7 @@ def summarize_plan(plan: OpenedPlan, *, scan: PlanScan | None = None) -> dict[st
         "resharded_from": _parent(meta.get("resharded_from")),
         "dropped_samples": _count_dropped(dropped),
         "dropped": {reason: _count_dropped({reason: v}) for reason, v in dropped.items()},
+        "mixture": summarize_sources(plan),
     }
 
 
