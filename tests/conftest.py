@@ -107,3 +107,19 @@ def write_built_plan(tmp_path):
 def small_lengths() -> np.ndarray:
     """400 samples of 1..300 tokens: a quick, well-mixed dataset."""
     return np.random.default_rng(7).integers(1, 301, 400).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    """The runtime tests' plans (`_ddp_plans.standard_plans`), built once per module; modules
+    that need other plans define their own ``plans``."""
+    from _ddp_plans import standard_plans
+
+    return standard_plans(tmp_path_factory.mktemp("plans"))
+
+
+@pytest.fixture
+def no_launcher_environment(monkeypatch):
+    """No RANK or WORLD_SIZE from a launcher: samplers take their rank from arguments."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)

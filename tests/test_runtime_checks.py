@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from _ddp_plans import make_dataset, sample_lengths, standard_plans, write_test_plan
+from _ddp_plans import make_dataset, sample_lengths, write_test_plan
 from torch.utils.data import DataLoader
 
 from batchplan.config import PlanConfig
@@ -23,15 +23,7 @@ DRIFT = r"the dataset does not match the plan: rebuild the plan on this dataset,
 DAMAGED = r"the plan is damaged: rebuild it, or run `batchplan validate .*` to see what else is"
 
 
-@pytest.fixture(scope="module")
-def plans(tmp_path_factory):
-    return standard_plans(tmp_path_factory.mktemp("plans"))
-
-
-@pytest.fixture(autouse=True)
-def no_launcher_environment(monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+pytestmark = pytest.mark.usefixtures("no_launcher_environment")
 
 
 def whole_plan(tmp_path, mode: str = "pack"):

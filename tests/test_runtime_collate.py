@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _ddp_plans import make_dataset, make_model, standard_plans, write_test_plan
+from _ddp_plans import make_dataset, make_model, write_test_plan
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -21,11 +21,6 @@ from batchplan.runtime import (
     padding_causal_mask,
     token_loss_sum,
 )
-
-
-@pytest.fixture(scope="module")
-def plans(tmp_path_factory):
-    return standard_plans(tmp_path_factory.mktemp("plans"))
 
 
 def flattening_reference(features: list[dict]) -> dict:

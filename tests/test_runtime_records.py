@@ -14,7 +14,7 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from _ddp_plans import make_dataset, sample_lengths, standard_plans, write_test_plan
+from _ddp_plans import make_dataset, sample_lengths, write_test_plan
 from torch.utils.data import DataLoader
 
 from batchplan.errors import ConfigError
@@ -30,15 +30,7 @@ from batchplan.runtime import (
 )
 
 
-@pytest.fixture(scope="module")
-def plans(tmp_path_factory):
-    return standard_plans(tmp_path_factory.mktemp("plans"))
-
-
-@pytest.fixture(autouse=True)
-def no_launcher_environment(monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+pytestmark = pytest.mark.usefixtures("no_launcher_environment")
 
 
 def expected_records(path, rank=0):

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from _ddp_plans import make_dataset, sample_lengths, standard_plans, write_test_plan
+from _ddp_plans import make_dataset, sample_lengths, write_test_plan
 from torch.utils.data import DataLoader
 
 from batchplan.operations.build import build_plan_file
@@ -22,15 +22,7 @@ from batchplan.formats.opening import open_plan
 from batchplan.runtime import MicroBatch, PackCollator, PlanDataset, PlanSampler, SpanIndex
 
 
-@pytest.fixture(scope="module")
-def plans(tmp_path_factory):
-    return standard_plans(tmp_path_factory.mktemp("plans"))
-
-
-@pytest.fixture(autouse=True)
-def no_launcher_environment(monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
+pytestmark = pytest.mark.usefixtures("no_launcher_environment")
 
 
 def as_ints(batches):

@@ -8,17 +8,11 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from _ddp_plans import standard_plans
 
 from batchplan.errors import ConfigError
 from batchplan.formats.opening import open_plan
 from batchplan.runtime import PlanSampler, read_step_tokens, token_lr_scheduler
 from batchplan.runtime.schedule import token_lr_factor, token_lr_lambda
-
-
-@pytest.fixture(scope="module")
-def plans(tmp_path_factory):
-    return standard_plans(tmp_path_factory.mktemp("plans"))
 
 
 def test_factor_warms_up_linearly_then_decays_to_the_minimum():

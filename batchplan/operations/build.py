@@ -14,7 +14,7 @@ from batchplan.formats.lengths import DatasetFiles, count_samples, find_dataset_
 from batchplan.formats.storage import is_uri
 from batchplan.planning.memory import check_build_memory, estimate_build_memory
 
-__all__ = ["Progress", "build_plan_file"]
+__all__ = ["Progress", "build_plan_file", "check_layout", "check_output", "stage", "write_directory"]
 
 PathLike = str | os.PathLike
 
@@ -60,16 +60,16 @@ def build_plan_file(
     """
     from batchplan.formats.plan_writer import write_plan
 
-    layout, epochs = _check_layout(layout, only_epochs, config)
+    layout, epochs = check_layout(layout, only_epochs, config)
     output = Path(output)
     files = find_dataset_files(dataset)
-    _check_output(output, files.paths, layout)
+    check_output(output, files.paths, layout)
     threads = num_threads()
     held = None if layout == "file" else min(len(epochs), threads)  # a directory holds the epochs in planning
     num_samples = count_samples(files)
     if num_samples is not None:  # before reading: a lower bound from the sample count
         check_build_memory(_held(estimate_build_memory(num_samples, config, num_threads=threads), held, threads))
-    advance = _stage(progress, "reading lengths", len(files.paths))
+    advance = stage(progress, "reading lengths", len(files.paths))
     columns = {"length_column": length_column, "tokens_column": tokens_column, "loss_tokens_column": loss_tokens_column}
     with ThreadPoolExecutor(max_workers=1) as reader:
         # Reading and hashing the lengths and estimating the build's memory from them
@@ -90,9 +90,9 @@ def build_plan_file(
     }
     if layout == "directory":
         return _build_directory(output, config, lengths, source, fingerprint, epochs, progress)
-    advance = _stage(progress, "planning epochs", config.epochs)
+    advance = stage(progress, "planning epochs", config.epochs)
     plan = build_plan(lengths.lengths, config, loss_tokens=lengths.loss_tokens, on_epoch=lambda _: advance(1))
-    advance = _stage(progress, "writing plan", config.epochs * config.world_size)
+    advance = stage(progress, "writing plan", config.epochs * config.world_size)
     return write_plan(
         plan, output, dataset=source, lengths_fingerprint=fingerprint, on_batch=lambda _: advance(1)
     )
@@ -109,24 +109,32 @@ def _read_and_estimate(
 
 
 def _build_directory(output: Path, config: PlanConfig, lengths, source, fingerprint, epochs: range, progress):
-    """Plan ``epochs`` and write each one's file as soon as it is planned; then the manifest,
-    if every epoch's file is there (`batchplan.formats.directory_writer`: the plan already
-    there stays whole until then)."""
-    from batchplan.formats.directory_writer import DirectoryWriter
+    """Plan ``epochs`` of one dataset into a plan directory (`write_directory`)."""
     from batchplan.formats.plan_writer import header_metadata
-    from batchplan.planning.epochs import plan_epochs, prepare_entries
+    from batchplan.planning.epochs import prepare_entries
 
     prepared = prepare_entries(lengths.lengths, config, loss_tokens=lengths.loss_tokens)
     header = header_metadata(config, prepared.num_samples, prepared.entries, source, fingerprint)
+    return write_directory(output, config, prepared, header, epochs, progress)
+
+
+def write_directory(output: Path, config: PlanConfig, prepared, header: dict[str, Any], epochs: range, progress):
+    """Plan ``epochs`` of ``prepared`` (`batchplan.planning.epochs.PreparedEntries`) and write
+    each one's file as soon as it is planned; then the manifest, if every epoch's file is
+    there (`batchplan.formats.directory_writer`: the plan already there stays whole until
+    then). Returns the manifest, or ``{"missing_epochs": [...]}``."""
+    from batchplan.formats.directory_writer import DirectoryWriter
+    from batchplan.planning.epochs import plan_epochs
+
     with DirectoryWriter(output, header) as writer:
-        advance = _stage(progress, "planning and writing epochs", len(epochs) * config.world_size)
+        advance = stage(progress, "planning and writing epochs", len(epochs) * config.world_size)
         for epoch in plan_epochs(prepared, config, epochs):
             writer.write_epoch(prepared.entries, epoch, on_batch=lambda _: advance(1))
         manifest, missing = writer.complete()
     return manifest if manifest is not None else {"missing_epochs": missing}
 
 
-def _check_layout(layout: str | None, only_epochs: range | None, config: PlanConfig) -> tuple[str, range]:
+def check_layout(layout: str | None, only_epochs: range | None, config: PlanConfig) -> tuple[str, range]:
     """The layout to write and the epochs to plan."""
     if layout is None:
         layout = "file" if only_epochs is None else "directory"
@@ -149,7 +157,7 @@ def _held(estimate, held: int | None, threads: int):
     return estimate if held is None else estimate.with_epochs(held, threads)
 
 
-def _check_output(output: Path, inputs: Sequence[str], layout: str) -> None:
+def check_output(output: Path, inputs: Sequence[str], layout: str) -> None:
     if not output.parent.is_dir():
         raise ConfigError(f"output directory {output.parent} does not exist; create it or choose another -o")
     if layout == "file" and output.is_dir():
@@ -163,7 +171,7 @@ def _check_output(output: Path, inputs: Sequence[str], layout: str) -> None:
             raise ConfigError(f"output {output} is also an input file; choose another -o")
 
 
-def _stage(progress: Progress | None, description: str, total: int | None) -> Callable[[int], None]:
+def stage(progress: Progress | None, description: str, total: int | None) -> Callable[[int], None]:
     if progress is None:
         return lambda _n: None
     return progress.stage(description, total)

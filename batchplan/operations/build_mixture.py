@@ -45,7 +45,7 @@ def build_mixture_plan_file(
     from batchplan.formats.mixture_file import read_mixture, read_mixture_lengths
     from batchplan.formats.plan_writer import write_plan
     from batchplan.kernels.startup import start_numba
-    from batchplan.operations.build import _check_layout, _check_output, _stage
+    from batchplan.operations.build import check_layout, check_output, stage, write_directory
     from batchplan.planning.epochs import PreparedEntries, plan_epochs
     from batchplan.planning.memory import check_build_memory, estimate_build_memory
     from batchplan.planning.mixture_epochs import prepare_mixture_entries
@@ -53,10 +53,10 @@ def build_mixture_plan_file(
 
     if not isinstance(mixture, Mixture):
         mixture = read_mixture(mixture)
-    layout, wanted = _check_layout(layout, only_epochs, config)
+    layout, wanted = check_layout(layout, only_epochs, config)
     output = Path(output)
-    _check_output(output, [path for source in mixture.sources for path in source.paths], layout)
-    advance = _stage(progress, "reading sources", len(mixture.sources))
+    check_output(output, [path for source in mixture.sources for path in source.paths], layout)
+    advance = stage(progress, "reading sources", len(mixture.sources))
     columns = {"length_column": length_column, "tokens_column": tokens_column, "loss_tokens_column": loss_tokens_column}
     lengths = read_mixture_lengths(mixture, **columns)
     advance(len(mixture.sources))
@@ -70,34 +70,20 @@ def build_mixture_plan_file(
     prepared_epochs = PreparedEntries.of_mixture(lengths.num_samples, prepared)
     described = mixture_metadata(mixture, lengths, prepared.selections, columns)
     if layout == "directory":
-        return _build_directory(output, config, prepared_epochs, described, lengths.fingerprint(), wanted, progress)
-    advance = _stage(progress, "planning epochs", config.epochs)
+        from batchplan.formats.plan_writer import header_metadata
+
+        header = header_metadata(config, lengths.num_samples, prepared.entries, None, lengths.fingerprint(), described)
+        return write_directory(output, config, prepared_epochs, header, wanted, progress)
+    advance = stage(progress, "planning epochs", config.epochs)
     epochs = []
     for epoch in plan_epochs(prepared_epochs, config):
         epochs.append(epoch)
         advance(1)
     plan = Plan(config=config, num_samples=lengths.num_samples, entries=prepared.entries, epochs=tuple(epochs))
-    advance = _stage(progress, "writing plan", config.epochs * config.world_size)
+    advance = stage(progress, "writing plan", config.epochs * config.world_size)
     return write_plan(
         plan, output, lengths_fingerprint=lengths.fingerprint(), mixture=described, on_batch=lambda _: advance(1)
     )
-
-
-def _build_directory(output: Path, config: PlanConfig, prepared, described, fingerprint, epochs: range, progress):
-    """As `batchplan.operations.build` writes a plan directory: each epoch's file once planned,
-    then the manifest once every epoch's file is there."""
-    from batchplan.formats.directory_writer import DirectoryWriter
-    from batchplan.formats.plan_writer import header_metadata
-    from batchplan.operations.build import _stage
-    from batchplan.planning.epochs import plan_epochs
-
-    header = header_metadata(config, prepared.num_samples, prepared.entries, None, fingerprint, described)
-    with DirectoryWriter(output, header) as writer:
-        advance = _stage(progress, "planning and writing epochs", len(epochs) * config.world_size)
-        for epoch in plan_epochs(prepared, config, epochs):
-            writer.write_epoch(prepared.entries, epoch, on_batch=lambda _: advance(1))
-        manifest, missing = writer.complete()
-    return manifest if manifest is not None else {"missing_epochs": missing}
 
 
 def mixture_metadata(mixture: Mixture, lengths, selections, columns: dict[str, Any]) -> dict[str, Any]:
