@@ -6,6 +6,8 @@ change to the planner or the writer leaves plans byte for byte as they were.
 
 Each line is ``case-id sha256-of-the-plan-file`` (the file as `write_plan` writes it, lengths
 fingerprint included); ``--compare`` prints the cases whose hash differs and exits 1 if any.
+``--rows`` hashes the rows alone (every column of every record batch, not the metadata): the
+plans' content, to compare across a change of what the file carries besides it.
 A few more cases cover what the matrix does not: a sequence-length warmup, a ramp-up with
 drop_last, compute balance, a loss-tokens column with split samples, and a plan directory.
 """
@@ -35,8 +37,9 @@ def _extra_cases(make_case):
     ]  # fmt: skip
 
 
-def plan_hashes() -> dict[str, str]:
-    """``{case id: sha256 of its plan file}`` over the matrix and the extra cases."""
+def plan_hashes(rows: bool = False) -> dict[str, str]:
+    """``{case id: sha256 of its plan file}`` (``rows``: of its rows) over the matrix and the
+    extra cases."""
     sys.path.insert(0, str(TESTS))
     from conftest import build_and_write
     from test_guarantees import CASES, loss_column_for, lengths_of, make_case
@@ -58,7 +61,7 @@ def plan_hashes() -> dict[str, str]:
             except Exception as error:  # a case the planner refuses: its message is its hash
                 hashes[case.id] = "error:" + hashlib.sha256(str(error).encode()).hexdigest()[:16]
                 continue
-            hashes[case.id] = hashlib.sha256(path.read_bytes()).hexdigest()
+            hashes[case.id] = _rows_hash([path]) if rows else hashlib.sha256(path.read_bytes()).hexdigest()
         hashes["directory"] = _directory_hash(Path(tmp), PlanConfig)
     return hashes
 
@@ -75,8 +78,15 @@ def _directory_hash(tmp: Path, config_type) -> str:
     pq.write_table(pa.table({"length": lengths}), tmp / "data.parquet")
     config = config_type(max_tokens=4096, world_size=8, epochs=3, oversize="split")
     build_plan_file(tmp / "data.parquet", tmp / "plan-dir", config, layout="directory")
+    return _rows_hash(sorted((tmp / "plan-dir").rglob("epoch-*.arrow")))
+
+
+def _rows_hash(paths: list[Path]) -> str:
+    """SHA-256 of the rows of Arrow files, one after another (no metadata)."""
+    import pyarrow as pa
+
     digest = hashlib.sha256()
-    for path in sorted((tmp / "plan-dir").rglob("epoch-*.arrow")):
+    for path in paths:
         table = pa.ipc.open_file(path).read_all().replace_schema_metadata(None)
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, table.schema) as writer:
@@ -88,8 +98,9 @@ def _directory_hash(tmp: Path, config_type) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compare", type=Path, help="a file this command wrote before")
+    parser.add_argument("--rows", action="store_true", help="hash the rows alone, not the files")
     args = parser.parse_args()
-    hashes = plan_hashes()
+    hashes = plan_hashes(args.rows)
     if args.compare is None:
         for case, digest in hashes.items():
             print(case, digest)

@@ -215,3 +215,44 @@ def test_arrow_arrays_over_numpy_buffers_equal_pa_array(arrow_type):
     assert array.equals(pa.array(values, type=arrow_type))
     assert numpy_of(array).tolist() == numpy_of(array.slice(0)).tolist() == values.tolist()
     assert numpy_of(array.slice(3, 4)).tolist() == values[3:7].tolist()
+
+
+def rewritten_with_one_value_changed(path: Path, out: Path, index: int) -> None:
+    """The plan at ``path`` written again as it is, every batch with its recorded checksum,
+    except that record batch ``index`` has one more token in its first row."""
+    reader = pa.ipc.open_file(path)
+    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_file(sink, reader.schema) as writer:
+        for i in range(reader.num_record_batches):
+            batch, custom = reader.get_batch_with_custom_metadata(i)
+            if i == index:
+                tokens = batch.column("tokens").to_numpy().copy()
+                tokens[0] += 1
+                at = batch.schema.get_field_index("tokens")
+                batch = batch.set_column(at, batch.schema.field(at), pa.array(tokens))
+            writer.write_batch(batch, custom_metadata=custom)
+
+
+def test_every_record_batch_carries_its_own_checksum(plan_path):
+    reader = pa.ipc.open_file(plan_path)
+    for i in range(reader.num_record_batches):
+        batch, custom = reader.get_batch_with_custom_metadata(i)
+        assert custom[plan_file.BATCH_CRC_KEY.encode()].decode() == plan_file.batch_checksum(batch)
+
+
+def test_a_rank_whose_rows_changed_is_refused_by_the_rank_that_reads_them(plan_path, tmp_path):
+    damaged = tmp_path / "damaged.arrow"
+    rewritten_with_one_value_changed(plan_path, damaged, index=1)  # epoch 0, rank 1
+    plan = open_plan(damaged)
+    plan.read_rank(0, 0)  # another rank's rows read as they are
+    with pytest.raises(PlanFormatError, match="epoch 0 rank 1 does not match its checksum"):
+        plan.read_rank(0, 1)
+
+
+def test_a_sampler_refuses_rows_that_changed(plan_path, tmp_path):
+    from batchplan.runtime import PlanSampler
+
+    damaged = tmp_path / "damaged.arrow"
+    rewritten_with_one_value_changed(plan_path, damaged, index=1)
+    assert len(list(PlanSampler(damaged, rank=0, world_size=open_plan(damaged).world_size))) > 0
+    with pytest.raises(PlanFormatError, match="does not match its checksum"):
+        list(PlanSampler(damaged, rank=1, world_size=open_plan(damaged).world_size))

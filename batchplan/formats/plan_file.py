@@ -63,6 +63,10 @@ def metadata_crc(metadata: dict[str, Any]) -> int:
     return zlib.crc32(dump_json({k: v for k, v in metadata.items() if k != "content_hash"}))
 
 
+# The key of a record batch's custom metadata holding the checksum of its values.
+BATCH_CRC_KEY = "batchplan_crc"
+
+
 def batch_crc(batch: pa.RecordBatch, crc: int) -> int:
     """``crc`` continued over the values of every column of ``batch``."""
     for column in batch.columns:
@@ -303,16 +307,31 @@ def check_epoch_rank(plan, epoch: int, rank: int) -> None:
 
 
 def read_batch(reader: pa.ipc.RecordBatchFileReader, index: int, path: Path, what: str) -> pa.RecordBatch:
-    """Record batch ``index``, fully validated. pyarrow reads a batch without checking its
-    list offsets against its buffers, and using a corrupt one can crash the process;
-    validating costs O(the batch's rows)."""
+    """Record batch ``index``, fully validated, and checked against its own checksum. pyarrow
+    reads a batch without checking its list offsets against its buffers, and using a corrupt
+    one can crash the process; each batch carries the CRC-32 of its values in its message's
+    custom metadata (`BATCH_CRC_KEY`, written by `batchplan.formats.plan_writer`), so a
+    changed byte in a rank's rows is found by the rank that reads them. Both cost O(the
+    batch's rows). A batch without the key (a plan from an earlier batchplan) is read as is."""
     try:
-        batch = reader.get_batch(index)
+        batch, custom = reader.get_batch_with_custom_metadata(index)
         batch.validate(full=True)
     except (pa.ArrowException, OSError) as error:
         message = f"{path}: cannot read {what} ({error}); the file is corrupt, rebuild it"
         raise PlanFormatError(message) from error
+    recorded = None if custom is None else custom.get(BATCH_CRC_KEY.encode())
+    if recorded is not None and recorded.decode(errors="replace") != batch_checksum(batch):
+        raise PlanFormatError(
+            f"{path}: {what} does not match its checksum ({batch_checksum(batch)}, recorded "
+            f"{recorded.decode(errors='replace')}); the file was damaged after it was written: rebuild the plan"
+        )
     return batch
+
+
+def batch_checksum(batch: pa.RecordBatch) -> str:
+    """The checksum a record batch carries (`BATCH_CRC_KEY`): ``crc32:`` and the CRC-32 of its
+    values (`batch_crc` from 0)."""
+    return hash_text(batch_crc(batch, 0))
 
 
 def verify_batches(reader: pa.ipc.RecordBatchFileReader, metadata: dict[str, Any], path: Path) -> None:

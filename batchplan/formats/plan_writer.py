@@ -19,9 +19,11 @@ from batchplan.errors import PlanFormatError
 from batchplan.formats.arrow import arrow_array
 from batchplan.formats.atomic import atomic_path
 from batchplan.formats.plan_file import (
+    BATCH_CRC_KEY,
     FORMAT_VERSION,
     INT32_LIMIT,
     METADATA_KEY,
+    batch_checksum,
     batch_crc,
     content_hash,
     dump_json,
@@ -110,7 +112,8 @@ def write_batches(path: Path, schema: pa.Schema, metadata: dict[str, Any], batch
                 for batch in batches:
                     if deferred:
                         hashed.append(hasher.submit(hash_next, batch))
-                    writer.write_batch(batch.replace_schema_metadata(schema.metadata))
+                    checksum = {BATCH_CRC_KEY: batch_checksum(batch)}  # each batch its own, for its reader
+                    writer.write_batch(batch.replace_schema_metadata(schema.metadata), custom_metadata=checksum)
                     while hashed and (hashed[0].done() or len(hashed) > 2):  # at most 2 batches wait
                         hashed.pop(0).result()
             for waiting in hashed:
