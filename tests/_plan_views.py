@@ -18,9 +18,9 @@ class RankReader:
         self._plan = plan
         self.reads: Counter = Counter()
 
-    def read_rank(self, epoch: int, rank: int) -> pa.RecordBatch:
+    def read_rank(self, epoch: int, rank: int, *, checked: bool = True) -> pa.RecordBatch:
         self.reads[epoch, rank] += 1
-        return self._plan.read_rank(epoch, rank)
+        return self._plan.read_rank(epoch, rank, checked=checked)
 
     def __getattr__(self, name: str):
         if name not in self.MEMBERS:

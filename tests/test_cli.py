@@ -194,4 +194,4 @@ def test_inspect_refuses_a_damaged_plan(tmp_path):
     data[position] ^= 0x01
     plan.write_bytes(bytes(data))
     result = run("inspect", plan)
-    assert result.exit_code == 1 and "content hash" in result.stderr
+    assert result.exit_code == 1 and "the file is corrupt, rebuild it" in result.stderr

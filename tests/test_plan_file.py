@@ -244,7 +244,7 @@ def test_a_rank_whose_rows_changed_is_refused_by_the_rank_that_reads_them(plan_p
     rewritten_with_one_value_changed(plan_path, damaged, index=1)  # epoch 0, rank 1
     plan = open_plan(damaged)
     plan.read_rank(0, 0)  # another rank's rows read as they are
-    with pytest.raises(PlanFormatError, match="epoch 0 rank 1 does not match its checksum"):
+    with pytest.raises(PlanFormatError, match="epoch 0 rank 1 does not match the recorded checksum"):
         plan.read_rank(0, 1)
 
 
@@ -254,5 +254,5 @@ def test_a_sampler_refuses_rows_that_changed(plan_path, tmp_path):
     damaged = tmp_path / "damaged.arrow"
     rewritten_with_one_value_changed(plan_path, damaged, index=1)
     assert len(list(PlanSampler(damaged, rank=0, world_size=open_plan(damaged).world_size))) > 0
-    with pytest.raises(PlanFormatError, match="does not match its checksum"):
+    with pytest.raises(PlanFormatError, match="does not match the recorded checksum"):
         list(PlanSampler(damaged, rank=1, world_size=open_plan(damaged).world_size))

@@ -88,11 +88,11 @@ class PlanDirectory(OpenedPlan):
     def schema(self) -> pa.Schema:
         return self._schema
 
-    def read_rank(self, epoch: int, rank: int) -> pa.RecordBatch:
-        """This rank's micro-batches of this epoch, in (step, micro) order."""
+    def read_rank(self, epoch: int, rank: int, *, checked: bool = True) -> pa.RecordBatch:
+        """This rank's micro-batches of this epoch, in (step, micro) order (`OpenedPlan.read_rank`)."""
         check_epoch_rank(self, epoch, rank)
         path = self.path / self._files[epoch]["name"]
-        batch = read_batch(self._reader(epoch), rank, path, f"rank {rank}")
+        batch = read_batch(self._reader(epoch), rank, path, f"rank {rank}", checked=checked)
         shifts = {"step": int(self._first_step[epoch]), "tokens_before_step": int(self._tokens_before[epoch])}
         return shift_columns(batch, shifts)
 

@@ -160,8 +160,10 @@ class OpenedPlan:
     def num_steps(self) -> int:
         return int(sum(self.metadata["steps_per_epoch"]))
 
-    def read_rank(self, epoch: int, rank: int) -> pa.RecordBatch:
-        """This rank's micro-batches of this epoch, in (step, micro) order."""
+    def read_rank(self, epoch: int, rank: int, *, checked: bool = True) -> pa.RecordBatch:
+        """This rank's micro-batches of this epoch, in (step, micro) order; ``checked``: against
+        the checksum of its rows (`read_batch`); `batchplan validate`, which checks the whole
+        plan's, reads on without it so as to report what else a damaged plan breaks."""
         raise NotImplementedError
 
     def read_epoch(self, epoch: int) -> pa.Table:
@@ -194,10 +196,11 @@ class PlanFile(OpenedPlan):
     def schema(self) -> pa.Schema:
         return self._reader.schema
 
-    def read_rank(self, epoch: int, rank: int) -> pa.RecordBatch:
-        """This rank's micro-batches of this epoch, in (step, micro) order."""
+    def read_rank(self, epoch: int, rank: int, *, checked: bool = True) -> pa.RecordBatch:
+        """This rank's micro-batches of this epoch, in (step, micro) order (`OpenedPlan.read_rank`)."""
         check_epoch_rank(self, epoch, rank)
-        return read_batch(self._reader, epoch * self.world_size + rank, self.path, f"epoch {epoch} rank {rank}")
+        what = f"epoch {epoch} rank {rank}"
+        return read_batch(self._reader, epoch * self.world_size + rank, self.path, what, checked=checked)
 
     def read_all(self) -> pa.Table:
         """The whole plan as one table (epoch-major, then rank)."""
@@ -306,24 +309,27 @@ def check_epoch_rank(plan, epoch: int, rank: int) -> None:
         raise PlanFormatError(f"{plan.path}: rank {rank} is outside the plan's 0..{plan.world_size - 1}")
 
 
-def read_batch(reader: pa.ipc.RecordBatchFileReader, index: int, path: Path, what: str) -> pa.RecordBatch:
+def read_batch(
+    reader: pa.ipc.RecordBatchFileReader, index: int, path: Path, what: str, *, checked: bool = True
+) -> pa.RecordBatch:
     """Record batch ``index``, fully validated, and checked against its own checksum. pyarrow
     reads a batch without checking its list offsets against its buffers, and using a corrupt
     one can crash the process; each batch carries the CRC-32 of its values in its message's
     custom metadata (`BATCH_CRC_KEY`, written by `batchplan.formats.plan_writer`), so a
     changed byte in a rank's rows is found by the rank that reads them. Both cost O(the
-    batch's rows). A batch without the key (a plan from an earlier batchplan) is read as is."""
+    batch's rows). A batch without the key (a plan from an earlier batchplan), or read with
+    ``checked`` False, is read as is."""
     try:
         batch, custom = reader.get_batch_with_custom_metadata(index)
         batch.validate(full=True)
     except (pa.ArrowException, OSError) as error:
         message = f"{path}: cannot read {what} ({error}); the file is corrupt, rebuild it"
         raise PlanFormatError(message) from error
-    recorded = None if custom is None else custom.get(BATCH_CRC_KEY.encode())
+    recorded = None if custom is None or not checked else custom.get(BATCH_CRC_KEY.encode())
     if recorded is not None and recorded.decode(errors="replace") != batch_checksum(batch):
         raise PlanFormatError(
-            f"{path}: {what} does not match its checksum ({batch_checksum(batch)}, recorded "
-            f"{recorded.decode(errors='replace')}); the file was damaged after it was written: rebuild the plan"
+            f"{path}: {what} does not match the recorded checksum of its rows ({batch_checksum(batch)}, recorded "
+            f"{recorded.decode(errors='replace')}); the file is corrupt, rebuild it"
         )
     return batch
 
