@@ -83,3 +83,23 @@ def _run(fn, rank: int, args: tuple, out_dir: str, env: dict[str, str]) -> None:
         code = 1
     finally:
         os._exit(code)
+
+
+# What gloo prints when it aborts a process at random (torch 2.13 CPU), the only failure
+# `run_documented` runs a command again for.
+GLOO_ABORT = "terminate called without an active exception"
+
+
+def run_documented(command: str, cwd: Path, env: dict[str, str], tries: int = 3):
+    """Run a documented shell command as pasted (``torchrun ...`` included) and assert it
+    succeeds. The launched scripts are the documentation's own, so they cannot leave with
+    ``os._exit`` as `launch`'s workers do: a run that gloo aborted (`GLOO_ABORT` on stderr) is
+    run again, at most ``tries`` times in all; any other failure fails at once."""
+    import subprocess
+
+    for attempt in range(tries):
+        done = subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode == 0 or GLOO_ABORT not in done.stderr or attempt == tries - 1:
+            break
+    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stderr[-3000:]}"
+    return done

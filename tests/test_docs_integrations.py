@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _spawn import run_documented
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "integrations.md"
@@ -46,9 +47,7 @@ def test_every_script_and_command_of_the_page_runs_as_written(tmp_path):
     for command, file, content in steps(PAGE.read_text()):
         if file is not None:
             (tmp_path / file).write_text(content)
-        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=600)  # fmt: skip
-        assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stderr[-3000:]}"
+        run_documented(command, tmp_path, env)
         ran.append(command)
     assert sum("torchrun" in c for c in ran) == 5
     assert (tmp_path / "out-trainer" / "checkpoint-10" / "batchplan_sampler_rank1.json").exists()

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _spawn import run_documented
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "runtime.md"
@@ -54,9 +55,7 @@ def test_every_script_and_command_of_the_page_runs_as_written(tmp_path):
     for command, file, content in steps(PAGE.read_text()):
         if file is not None:
             (tmp_path / file).write_text(content)
-        done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=600)
-        assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stderr[-3000:]}"
+        done = run_documented(command, tmp_path, env)
         outputs.append(done.stdout)
     assert "resumed from example-checkpoint.pt at step 40" in outputs[-1]
     assert re.search(r"^step   80 ", outputs[-1], re.M)

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _spawn import run_documented
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,10 +36,7 @@ def training_section() -> tuple[list[str], str]:
 
 
 def run(command: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, shell=True, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stderr[-3000:]}"
-    return done
+    return run_documented(command, cwd, {**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_the_section_opens_with_the_pinned_install_line():
