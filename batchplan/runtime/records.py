@@ -42,6 +42,9 @@ class MicroBatch(NamedTuple):
         lengths: tokens of each entry, or None like ``starts``.
         world_size: the plan's data-parallel ranks (None on a record made by hand).
         rank: the rank this micro-batch belongs to (None on a record made by hand).
+        source: in a mixture's plan, the source whose samples the micro-batch holds (its
+            position in the plan's ``mixture`` metadata; -1 for an empty one): all its
+            ``loss_tokens`` are that source's, for a loss per source. None in other plans.
     """
 
     indices: list[int]
@@ -61,6 +64,7 @@ class MicroBatch(NamedTuple):
     lengths: list[int] | None = None
     world_size: int | None = None
     rank: int | None = None
+    source: int | None = None
 
     @property
     def spans(self) -> list[tuple[int, int]] | None:

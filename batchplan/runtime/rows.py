@@ -62,6 +62,7 @@ class RankRows:
         self.has_spans = "starts" in batch.schema.names
         try:
             self._columns = {name: _scalar_column(batch, name) for name in _SCALARS}
+            self._source = _values(batch.column("source")) if "source" in batch.schema.names else None
             self._offsets, self._samples = _list_column(batch, "samples")
             if self.has_spans:
                 self._span_offsets, self._starts = _list_column(batch, "starts")
@@ -92,10 +93,11 @@ class RankRows:
             stop = min(first + CHUNK_ROWS, self.num_rows)
             columns = [self._columns[name][first:stop].tolist() for name in _SCALARS]
             samples, starts, lengths = self._chunk_lists(first, stop)
+            sources = [None] * (stop - first) if self._source is None else self._source[first:stop].tolist()
             for j, (step, micro, num_micro, *counts) in enumerate(zip(*columns)):
                 yield MicroBatch(
                     samples[j], epoch, step, micro, num_micro, micro == num_micro - 1, *counts,
-                    first + j, starts[j], lengths[j], world_size, rank,
+                    first + j, starts[j], lengths[j], world_size, rank, sources[j],
                 )  # fmt: skip
 
     def planned_rows(self, start: int = 0) -> Iterator[PlannedRows]:

@@ -1,0 +1,113 @@
+"""`MixtureDataset`: a mixture's global sample index as (source, row), over one dataset per source.
+
+A mixture's plan numbers samples over its sources in the mixture's order: source ``k``'s rows
+start at its ``offset`` (the plan's ``mixture`` metadata). Training passes one map-style
+dataset per source name; ``dataset[i]`` is row ``i - offset`` of the source that holds ``i``.
+Wrap it in `batchplan.runtime.PlanDataset` as any dataset (spans, checks and records work
+the same). A micro-batch holds one source (its record's ``source``), so `__getitems__` asks
+that source's dataset for all its rows at once.
+
+Opening checks that every source of the plan has a dataset, of the rows the plan was built
+for: a `PlanMismatchError` names the source otherwise.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from batchplan.errors import PlanMismatchError
+from batchplan.formats.opening import open_plan
+from batchplan.formats.plan_file import OpenedPlan
+
+__all__ = ["MixtureDataset", "source_names"]
+
+
+def source_names(plan: OpenedPlan | str | os.PathLike) -> list[str]:
+    """The names of a mixture plan's sources, in order: ``names[record.source]`` is a
+    micro-batch's source."""
+    plan = plan if isinstance(plan, OpenedPlan) else open_plan(plan)
+    return [source["name"] for source in _sources(plan)]
+
+
+class MixtureDataset(Dataset):
+    """One map-style dataset per source of a mixture's plan, read by global sample index.
+
+    Args:
+        plan: the mixture's plan (a path, or an opened plan).
+        datasets: source name -> a dataset with ``__getitem__(int)`` and ``__len__``, of the
+            rows the plan was built for (a source of weight 0 that the plan never uses may be
+            left out).
+
+    Raises:
+        PlanMismatchError: the plan is not a mixture's, a source it uses has no dataset, or a
+            dataset's length is not its source's.
+    """
+
+    def __init__(self, plan: OpenedPlan | str | os.PathLike, datasets: Mapping[str, Any]) -> None:
+        plan = plan if isinstance(plan, OpenedPlan) else open_plan(plan)
+        sources = _sources(plan)
+        unknown = sorted(set(datasets) - {source["name"] for source in sources})
+        if unknown:
+            raise PlanMismatchError(
+                f"{plan.path}: the plan has no source named {', '.join(map(repr, unknown))}; its sources are "
+                f"{', '.join(repr(source['name']) for source in sources)}"
+            )
+        self.names = [source["name"] for source in sources]
+        self.offsets = [int(source["offset"]) for source in sources]
+        self.num_samples = plan.num_samples
+        self.datasets = []
+        for source in sources:
+            dataset = datasets.get(source["name"])
+            if dataset is None and source["planned_tokens"] > 0:
+                raise PlanMismatchError(
+                    f"{plan.path}: source {source['name']!r} has no dataset; pass datasets={{..., "
+                    f"{source['name']!r}: <its {source['num_samples']:,} rows>}}"
+                )
+            if dataset is not None and len(dataset) != source["num_samples"]:
+                raise PlanMismatchError(
+                    f"{plan.path}: source {source['name']!r} was planned for {source['num_samples']:,} rows but its "
+                    f"dataset has {len(dataset):,}; pass the dataset the plan was built from, or rebuild the plan"
+                )
+            self.datasets.append(dataset)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """``(source, row)`` of a global sample index."""
+        index = int(index)
+        if not 0 <= index < self.num_samples:
+            raise IndexError(f"sample {index:,} is outside the mixture's 0..{self.num_samples - 1:,}")
+        source = bisect.bisect_right(self.offsets, index) - 1
+        return source, index - self.offsets[source]
+
+    def __getitem__(self, index: int) -> Any:
+        source, row = self.locate(index)
+        return self.datasets[source][row]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """The items of ``indices``; rows of one source (a micro-batch's) in one call of its
+        dataset's ``__getitems__`` when it has one."""
+        located = [self.locate(index) for index in indices]
+        sources = {source for source, _ in located}
+        if len(sources) == 1:
+            dataset = self.datasets[next(iter(sources))]
+            many = getattr(dataset, "__getitems__", None)
+            rows = [row for _, row in located]
+            return list(many(rows)) if many is not None else [dataset[row] for row in rows]
+        return [self.datasets[source][row] for source, row in located]
+
+
+def _sources(plan: OpenedPlan) -> list[dict[str, Any]]:
+    mixture = plan.metadata.get("mixture")
+    if mixture is None:
+        raise PlanMismatchError(
+            f"{plan.path}: the plan was built from one dataset, not a mixture; wrap that dataset in PlanDataset "
+            "directly"
+        )
+    return mixture["sources"]
