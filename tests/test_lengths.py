@@ -100,3 +100,18 @@ def test_real_demo_file():
     lengths = read_lengths("data/squad11_bert384.parquet")
     assert lengths.num_samples == 88_641
     assert int(lengths.lengths.max()) == 384
+
+
+def test_a_length_column_of_lists_is_refused_not_read_as_token_ids(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchplan.errors import DatasetError
+    from batchplan.formats.lengths import read_lengths
+
+    path = tmp_path / "lists.parquet"
+    pq.write_table(pa.table({"length": pa.array([[1, 2], [3]])}), path)
+    with pytest.raises(DatasetError, match="length column 'length' holds lists"):
+        read_lengths(path)
+    counted = read_lengths(path, length_column="absent", tokens_column="length")
+    assert counted.lengths.tolist() == [2, 1]

@@ -105,7 +105,7 @@ def test_nulls_slices_and_fixed_size_lists(tmp_path):
     table = pa.table({"fixed": ids, "n": pa.array([None, 3, 2**31 - 1, 0], pa.uint32())})
     shards = {"a.arrow": table.slice(1), "b.arrow": table.slice(0, 1)}
     folder = write_folder(tmp_path / "ds", shards, ["a.arrow", "b.arrow"])
-    assert read_lengths(folder, length_column="fixed").lengths.tolist() == [0, 2, 2, 2]
+    assert read_lengths(folder, length_column="absent", tokens_column="fixed").lengths.tolist() == [0, 2, 2, 2]
     assert read_lengths(folder, length_column="n").lengths.tolist() == [3, 2**31 - 1, 0, 0]
 
 

@@ -340,6 +340,15 @@ def _open_source(files: DatasetFiles, index: int) -> _ParquetFile | StreamFile:
 def _pick_length_column(source: _ParquetFile | StreamFile, length_column: str, tokens_column: str) -> str:
     names = source.schema.names
     if length_column in names:
+        kind = source.schema.field(length_column).type
+        listed = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+        if listed and length_column != tokens_column:
+            raise DatasetError(
+                f"{source.path}: length column {length_column!r} holds lists ({kind}), not token counts; "
+                f"to count the items of each list pass it as the token column (tokens_column={length_column!r}, "
+                f"CLI --tokens-column {length_column} --length-column <a name not in the file>), or name an "
+                "integer column as the length column"
+            )
         return length_column
     if tokens_column in names:
         return tokens_column
