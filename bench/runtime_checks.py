@@ -9,7 +9,9 @@ into /tmp (reused when the file exists). In one process, with the file in the pa
 for every rank, interleaved A B C A B C ... over ``--rounds`` rounds:
 
 - A: reading one rank's rows of an epoch as the sampler does without checks
-  (``read_rank``, validated record batch, `RankRows` views);
+  (``read_rank(checked=False)``, validated record batch, `RankRows` views);
+- A+: A with the rows' own checksum (``read_rank``'s default: the CRC-32 their record batch
+  carries, recomputed);
 - B: A, then `check_rank_rows` (sample indices within ``num_samples``; with spans, spans
   inside their samples and each row's tokens);
 - C: B with the dataset's lengths known (after ``check_dataset(..., lengths)``): spans
@@ -65,8 +67,8 @@ def build_if_missing(path: Path, lengths: np.ndarray, max_tokens: int, world_siz
     return time.perf_counter() - started
 
 
-def read_rows(plan, rank: int) -> RankRows:
-    batch = plan.read_rank(0, rank)
+def read_rows(plan, rank: int, checked: bool = False) -> RankRows:
+    batch = plan.read_rank(0, rank, checked=checked)
     return RankRows(batch, 0, plan.path, plan.world_size, rank=rank, span_cap=span_cap(plan.metadata, 0))
 
 
@@ -74,6 +76,7 @@ def time_reads(plan, lengths: np.ndarray, rounds: int) -> dict[str, list[float]]
     """Microseconds per rank-epoch read, per variant, interleaved rank by rank."""
     variants = {
         "A: read": lambda rank: read_rows(plan, rank),
+        "A+: read, rows' checksum": lambda rank: read_rows(plan, rank, checked=True),
         "B: read + check": lambda rank: check_rank_rows(read_rows(plan, rank), plan, rank),
         "C: read + check with lengths": lambda rank: check_rank_rows(read_rows(plan, rank), plan, rank, lengths),
     }
@@ -138,7 +141,7 @@ def main() -> None:
     args = parse_args()
     samples = int(args.samples)
     lengths = lognormal_lengths(samples, LONGEST)
-    path = args.tmp / f"runtime_checks_{samples:.0e}_ws{args.world_size}_{args.max_tokens}.arrow"
+    path = args.tmp / f"runtime_checks_crc_{samples:.0e}_ws{args.world_size}_{args.max_tokens}.arrow"
     built = build_if_missing(path, lengths, args.max_tokens, args.world_size)
     plan = open_plan(path)
     entries = [read_rows(plan, rank).entries()["samples"][1].shape[0] for rank in range(plan.world_size)]
