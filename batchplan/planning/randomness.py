@@ -58,6 +58,11 @@ def source_pass_rng(seed: int, source_name: str, pass_index: int) -> np.random.G
     return np.random.default_rng(np.random.SeedSequence([seed, STREAM_SOURCE_PASS, digest, pass_index]))
 
 
+# Permutations of fewer items run on one thread (~2^18: a few milliseconds of work, where
+# starting a thread pool twice costs about as much; a mixture's many small passes).
+THREADED_FROM = 1 << 18
+
+
 def permute(
     rng: np.random.Generator, out: NDArray[np.integer], first: int = 0, *, values=None, carried=None, threads: int = 1
 ) -> None:
@@ -72,6 +77,8 @@ def permute(
     ``threads``.
     """
     count = out.shape[0]
+    if count < THREADED_FROM:  # starting threads would cost more than the work they share
+        threads = 1
     num_groups = 1 << min(max(count >> 14, 1).bit_length() - 1, 16)  # a power of two, <= 2^16
     groups = rng.integers(0, num_groups, size=count, dtype=np.uint16)
     keys = KeyStream.draw_later(rng, count)
