@@ -8,6 +8,15 @@ plan = batchplan.open_plan("plan.arrow")            # memory-mapped; plan.metada
 assert batchplan.validate_plan(plan, "data.parquet") == []
 ```
 
+With lengths already in memory (a numpy array), plan and write in two calls. The
+fingerprint (of ``lengths``, and of ``loss_tokens`` when the plan was built with them)
+lets ``PlanSampler.check_dataset(dataset, lengths)`` tell these lengths from others later:
+
+```python
+plan = batchplan.build_plan(lengths, batchplan.PlanConfig(max_tokens=8192, world_size=8))
+batchplan.write_plan(plan, "plan.arrow", lengths_fingerprint=batchplan.fingerprint_lengths(lengths))
+```
+
 Training replays a plan with `batchplan.runtime` (``PlanSampler``, collators). Importing
 this package is light (no numba, torch or typer): the functions above load their
 modules when first used.
@@ -28,43 +37,65 @@ from batchplan.errors import (
 )
 
 if TYPE_CHECKING:
-    from batchplan.formats.lengths import read_lengths
-    from batchplan.formats.plan_file import OpenedPlan, PlanFile
+    from batchplan.formats.lengths import fingerprint_lengths, read_lengths
+    from batchplan.formats.mixture_file import read_mixture
     from batchplan.formats.opening import open_plan
+    from batchplan.formats.plan_directory import PlanDirectory
+    from batchplan.formats.plan_file import OpenedPlan, PlanFile
+    from batchplan.formats.plan_writer import write_plan
+    from batchplan.mixture import Mixture, MixtureSource
     from batchplan.operations.build import build_plan_file
+    from batchplan.operations.build_mixture import build_mixture_plan_file
     from batchplan.operations.reshard import reshard_plan_file
     from batchplan.operations.validate import Violation, validate_plan
+    from batchplan.planning.epochs import build_plan
 
 __version__ = "0.1.0"
 
 # The top-level API, each name loaded from its module on first use.
 _LAZY = {
+    "Mixture": "batchplan.mixture",
+    "MixtureSource": "batchplan.mixture",
     "OpenedPlan": "batchplan.formats.plan_file",
+    "PlanDirectory": "batchplan.formats.plan_directory",
     "PlanFile": "batchplan.formats.plan_file",
     "Violation": "batchplan.operations.validate",
+    "build_mixture_plan_file": "batchplan.operations.build_mixture",
+    "build_plan": "batchplan.planning.epochs",
     "build_plan_file": "batchplan.operations.build",
+    "fingerprint_lengths": "batchplan.formats.lengths",
     "open_plan": "batchplan.formats.opening",
     "read_lengths": "batchplan.formats.lengths",
+    "read_mixture": "batchplan.formats.mixture_file",
     "reshard_plan_file": "batchplan.operations.reshard",
     "validate_plan": "batchplan.operations.validate",
+    "write_plan": "batchplan.formats.plan_writer",
 }
 
 __all__ = [
     "BatchPlanError",
     "ConfigError",
     "DatasetError",
+    "Mixture",
+    "MixtureSource",
     "OpenedPlan",
     "PlanConfig",
+    "PlanDirectory",
     "PlanFile",
     "PlanFormatError",
     "PlanMismatchError",
     "Violation",
     "__version__",
+    "build_mixture_plan_file",
+    "build_plan",
     "build_plan_file",
+    "fingerprint_lengths",
     "open_plan",
     "read_lengths",
+    "read_mixture",
     "reshard_plan_file",
     "validate_plan",
+    "write_plan",
 ]
 
 

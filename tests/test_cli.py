@@ -123,6 +123,7 @@ def test_validate_refuses_another_dataset(tmp_path):
     assert result.exit_code == 1 and "[dataset]" in result.stderr
 
 
+@pytest.mark.slow
 def test_debug_variable_shows_the_traceback(tmp_path):
     command = [sys.executable, "-m", "batchplan_cli.main", "build", str(DIALOGUES), "-o", str(tmp_path / "p.arrow"),
                "--max-tokens", "8192"]  # fmt: skip
@@ -133,6 +134,7 @@ def test_debug_variable_shows_the_traceback(tmp_path):
     assert loud.returncode != 0 and "Traceback" in loud.stderr
 
 
+@pytest.mark.slow
 def test_help_does_not_import_numba():
     code = "import sys; from batchplan_cli.main import app; assert 'numba' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -140,6 +142,7 @@ def test_help_does_not_import_numba():
     assert result.returncode == 0 and "build" in result.stdout
 
 
+@pytest.mark.slow
 def test_interrupted_build_leaves_no_partial_plan_and_keeps_the_old_one(tmp_path):
     """SIGTERM mid-build: the previous plan is intact and no temporary file stays behind."""
     import signal
@@ -160,6 +163,7 @@ def test_interrupted_build_leaves_no_partial_plan_and_keeps_the_old_one(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.arrow"]
 
 
+@pytest.mark.slow
 def test_the_command_keeps_exit_codes_and_output_when_it_skips_teardown(tmp_path):
     """`main` ends with os._exit after flushing: the exit code (0 done, 1 known error,
     2 usage) and every line of output survive."""

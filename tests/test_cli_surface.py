@@ -71,6 +71,7 @@ def test_the_enumerated_options_are_the_library_choices():
             ("compare", "--oversize")} <= enumerated  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(commands()))
 def test_help_at_80_columns_shows_every_option_whole_and_every_choice(name):
     text = help_text(name)
@@ -85,6 +86,7 @@ def test_help_at_80_columns_shows_every_option_whole_and_every_choice(name):
             assert f"{param.opts[-1]} <{shown}>" in text, f"choices of {param.opts[-1]} not shown:\n{text}"
 
 
+@pytest.mark.slow
 def test_top_level_help_lists_every_command_with_its_whole_summary():
     text = help_text()
     assert max(len(line) for line in text.splitlines()) <= 80, text
@@ -94,6 +96,7 @@ def test_top_level_help_lists_every_command_with_its_whole_summary():
         assert not line.rstrip().endswith(("...", "…")), line
 
 
+@pytest.mark.slow
 def test_help_does_not_import_the_planner_or_plotting():
     code = (
         "import sys; from batchplan_cli.main import app; "
@@ -130,6 +133,7 @@ def demo_command() -> str:
     return next(line for line in lines[start:] if not line.startswith("```"))
 
 
+@pytest.mark.slow
 def test_the_readme_demo_builds_then_prints_one_summary(tmp_path):
     """The demo's batchplan commands, run as written in a folder whose ``data`` is the repo's
     (the set-up steps before them are the test command's, run by CI)."""

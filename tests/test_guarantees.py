@@ -351,6 +351,7 @@ build_and_write(dataset_lengths("lognormal"), config, {out!r})
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["pack", "pad"])
 def test_rebuild_in_another_process_is_byte_identical(tmp_path, mode):
     """Another interpreter with another hash seed writes the same bytes."""

@@ -92,6 +92,7 @@ def test_lightning_replacing_the_batch_sampler_is_a_clear_error(lightning_runs):
         assert "use_distributed_sampler=False" in result["replaced_sampler"]
 
 
+@pytest.mark.slow
 def test_importing_the_integration_without_lightning_says_how_to_install_it():
     code = (
         "import sys; sys.modules['lightning'] = None\n"

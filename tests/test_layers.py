@@ -10,15 +10,18 @@ import pytest
 from _modules import loaded_after
 
 
+@pytest.mark.slow
 def test_import_batchplan_is_light():
     assert loaded_after("import batchplan") == set()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", ["batchplan.formats.plan_file", "batchplan.formats.lengths", "batchplan.reports.summary", "batchplan.operations.validate"])
 def test_file_layer_does_not_import_numba(module):
     assert "numba" not in loaded_after(f"import {module}")
 
 
+@pytest.mark.slow
 def test_kernels_package_import_is_light():
     assert loaded_after("import batchplan.kernels") == set()
 
@@ -116,6 +119,7 @@ def test_no_module_imports_itself_through_others():
     assert cycles == []
 
 
+@pytest.mark.slow
 def test_a_build_leaves_pandas_out(tmp_path):
     """Training images carry pandas; pyarrow imports it (0.35 s and more) for ``pa.array`` and
     ``to_numpy``, which the build path does not call (`batchplan.formats.arrow`)."""
@@ -134,6 +138,7 @@ def test_a_build_leaves_pandas_out(tmp_path):
     assert "pandas" not in loaded_after(build, watch=("pandas",))
 
 
+@pytest.mark.slow
 def test_replaying_a_plan_leaves_pandas_out(tmp_path):
     """The runtime reads plan columns over their buffers too: a training process that has
     pandas installed does not import it for the sampler or the LR schedule."""

@@ -258,6 +258,7 @@ def test_find_dataset_files_keeps_parquet_as_it_was(tmp_path):
     assert count_samples(found) == 2
 
 
+@pytest.mark.slow
 def test_reading_and_building_from_a_folder_import_neither_datasets_nor_pandas(tmp_path):
     folder = save_to_disk(tmp_path / "ds", {"input_ids": token_ids(100, seed=4), "n": list(range(100))}, num_shards=2)
     # Reading the lengths loads neither module (pyarrow's to_numpy and fill_null would load pandas).

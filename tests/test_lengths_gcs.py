@@ -90,6 +90,7 @@ def uri(name: str, endpoint: str) -> str:
     return name.replace("gs://", "gs://anonymous@", 1) + query
 
 
+@pytest.mark.slow
 def test_a_prefix_reads_like_its_local_copy(gcs):
     local, endpoint = gcs
     remote = read_lengths(uri(NAME, endpoint), loss_tokens_column="loss")
@@ -104,11 +105,13 @@ def test_a_prefix_reads_like_its_local_copy(gcs):
     assert folders.index("a") < folders.index("a-b")
 
 
+@pytest.mark.slow
 def test_a_plan_built_from_a_prefix_equals_the_local_one(gcs, tmp_path):
     local, endpoint = gcs
     assert_plans_equal(uri(NAME, endpoint), local, tmp_path, name=NAME)
 
 
+@pytest.mark.slow
 def test_cli_builds_and_validates_from_a_prefix(gcs, tmp_path):
     _, endpoint = gcs
     plan = tmp_path / "plan.arrow"
@@ -124,6 +127,7 @@ def test_cli_builds_and_validates_from_a_prefix(gcs, tmp_path):
     assert "OK" in result.output
 
 
+@pytest.mark.slow
 def test_one_object_and_an_endpoint_from_the_environment(gcs, monkeypatch):
     local, endpoint = gcs
     name = f"{NAME}/a/shard-00001.parquet"
@@ -137,6 +141,7 @@ def test_one_object_and_an_endpoint_from_the_environment(gcs, monkeypatch):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("path", "message"),
     [
@@ -154,6 +159,7 @@ def test_errors_name_the_uri(gcs, path, message):
     assert "\n" not in str(raised.value)
 
 
+@pytest.mark.slow
 def test_an_object_that_is_not_parquet_is_named_without_the_query(gcs):
     name = f"{NAME}/README.txt"
     with pytest.raises(DatasetError, match=f"^{name}: not a readable Parquet file") as raised:
@@ -161,6 +167,7 @@ def test_an_object_that_is_not_parquet_is_named_without_the_query(gcs):
     assert "\n" not in str(raised.value)
 
 
+@pytest.mark.slow
 def test_gs_uris_retry_for_a_minute_unless_they_say(gcs):
     """Without credentials pyarrow's GCS client retries for 15 minutes before reporting anything:
     a gs:// URI that sets no ``retry_limit_seconds`` gets `GCS_RETRY_SECONDS` appended to its

@@ -68,6 +68,7 @@ needs_pandas = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow
 @needs_pandas
 def test_validating_and_summarising_plans_leave_pandas_out(plans):
     statement = (
@@ -84,6 +85,7 @@ def test_validating_and_summarising_plans_leave_pandas_out(plans):
     assert not imports_pandas(statement)
 
 
+@pytest.mark.slow
 @needs_pandas
 @pytest.mark.parametrize("command", ["inspect --json", "validate --dataset"])
 def test_the_inspect_and_validate_commands_leave_pandas_out(plans, command):
@@ -98,6 +100,7 @@ def test_the_inspect_and_validate_commands_leave_pandas_out(plans, command):
     assert not imports_pandas(statement)
 
 
+@pytest.mark.slow
 @needs_pandas
 def test_plotting_a_plan_leaves_pandas_out(plans):
     pytest.importorskip("matplotlib")
@@ -110,6 +113,7 @@ def test_plotting_a_plan_leaves_pandas_out(plans):
     assert not imports_pandas(statement)
 
 
+@pytest.mark.slow
 @needs_pandas
 def test_resharding_a_plan_leaves_pandas_out(plans, tmp_path):
     statement = (
@@ -142,6 +146,7 @@ assert trainer.global_step > 0
 """
 
 
+@pytest.mark.slow
 @needs_pandas
 def test_the_lightning_adapter_reads_its_plan_without_pandas(tmp_path):
     """A fit with automatic optimisation: the data module checks the plan's steps against

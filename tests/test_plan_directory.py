@@ -111,6 +111,7 @@ def test_parallel_epoch_range_builds_are_byte_identical_to_one_build(tmp_path):
         assert (whole / name).read_bytes() == (parts / name).read_bytes(), name
 
 
+@pytest.mark.slow
 def test_every_reader_takes_a_directory(built):
     from batchplan.runtime import PlanSampler
     from batchplan.runtime.schedule import read_step_tokens
@@ -162,6 +163,7 @@ def test_a_missing_epoch_file_is_named(built, tmp_path):
         open_plan(copy)
 
 
+@pytest.mark.slow
 def test_a_corrupt_epoch_file_is_named(built, tmp_path):
     copy = _copy(built["directory"], tmp_path)
     path = _epoch_path(copy, 1)

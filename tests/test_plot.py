@@ -140,6 +140,7 @@ def test_missing_matplotlib_is_a_clear_error(squad_plan, monkeypatch, tmp_path):
     assert result.exit_code == 1 and "pip install -e '.[plot]'" in result.stderr
 
 
+@pytest.mark.slow
 def test_plotting_modules_load_matplotlib_only_when_drawing():
     code = ("import sys, batchplan.reports.plot, batchplan.reports.compare, batchplan_cli.main; "
             "print(sorted(m for m in ('matplotlib', 'numba') if m in sys.modules))")  # fmt: skip

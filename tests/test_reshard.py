@@ -555,6 +555,7 @@ def test_the_command_writes_a_valid_plan_and_fails_in_one_line(make_parent, tmp_
 # --------------------------------------------------------------------------- real DDP
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("old_world", "new_world", "options", "steps"), [
     (2, 3, dict(max_tokens=64, epochs=2, tokens_per_step=400, oversize="split", seed=3), 3),
     (4, 2, dict(max_tokens=96, mode="pad", epochs=2, micro_batches=1, oversize="truncate", shuffle_window=8,

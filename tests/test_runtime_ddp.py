@@ -35,6 +35,7 @@ def ddp(tmp_path_factory):
     return results, plans
 
 
+@pytest.mark.slow
 def test_each_rank_replays_exactly_its_rows_of_the_plan(ddp):
     results, plans = ddp
     plan = open_plan(plans["pack"])
@@ -47,6 +48,7 @@ def test_each_rank_replays_exactly_its_rows_of_the_plan(ddp):
         assert [entry[:7] for entry in result["coverage"]] == expected
 
 
+@pytest.mark.slow
 def test_all_ranks_together_cover_every_micro_batch_once_per_epoch(ddp):
     results, plans = ddp
     plan = open_plan(plans["pack"])
@@ -62,6 +64,7 @@ def test_all_ranks_together_cover_every_micro_batch_once_per_epoch(ddp):
         assert ran == planned
 
 
+@pytest.mark.slow
 def test_every_rank_runs_the_same_number_of_micro_batches_each_step(ddp):
     results, _ = ddp
     counts = [defaultdict(int) for _ in results]
@@ -73,6 +76,7 @@ def test_every_rank_runs_the_same_number_of_micro_batches_each_step(ddp):
     assert max(counts[0].values()) > 1  # the plan really has several micro-batches per step
 
 
+@pytest.mark.slow
 def test_collated_batches_match_the_records(ddp):
     results, _ = ddp
     for result in results:
@@ -82,6 +86,7 @@ def test_collated_batches_match_the_records(ddp):
             assert counted_loss == planned_loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["pack", "pack-mask", "pad", "pad-mask", "single"])
 def test_ddp_gradients_equal_the_single_process_token_mean(ddp, name):
     results, _ = ddp
@@ -98,6 +103,7 @@ def test_ddp_gradients_equal_the_single_process_token_mean(ddp, name):
             assert error <= 1e-5, f"{name}: {param} relative error {error:.3e}"
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_replays_the_rest_and_reaches_the_same_parameters(ddp):
     results, plans = ddp
     for result in results:
@@ -112,6 +118,7 @@ def test_resume_mid_epoch_replays_the_rest_and_reaches_the_same_parameters(ddp):
             torch.testing.assert_close(resume["rest"]["params"][name], value, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_params_are_the_same_on_both_ranks_after_training(ddp):
     results, _ = ddp
     for name, value in results[0]["resume"]["full"]["params"].items():

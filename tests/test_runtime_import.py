@@ -6,7 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_importing_the_runtime_loads_no_numba_and_no_typer():
     code = (
         "import sys\n"
@@ -30,6 +33,7 @@ def test_the_public_api_is_exported():
         assert getattr(runtime, name) is not None
 
 
+@pytest.mark.slow
 def test_an_integration_whose_library_is_missing_says_how_to_install_it():
     code = (
         "import sys\n"

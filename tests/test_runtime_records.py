@@ -56,7 +56,7 @@ def walk(sampler, loader) -> list:
 
 
 @pytest.mark.parametrize("mode", ["pack", "pad"])
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # workers are processes
 def test_every_batch_carries_its_record_in_order(plans, mode, num_workers):
     workers = {"num_workers": num_workers, "multiprocessing_context": "fork"} if num_workers else {}
     sampler, loader = loader_for(plans[mode], **workers)
@@ -147,7 +147,7 @@ def walk_batches(sampler, loader):
         yield from loader
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("num_workers", [0, pytest.param(2, marks=pytest.mark.slow)])  # workers are processes
 def test_stateful_dataloader_resumes_exactly_from_its_own_state(plans, num_workers):
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
     workers = {"num_workers": num_workers, "multiprocessing_context": "fork"} if num_workers else {}

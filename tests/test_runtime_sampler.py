@@ -362,6 +362,7 @@ def test_a_pickled_sampler_reopens_the_plan_at_the_same_place(plans):
 # -- loaders and files -------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_loader_workers_give_the_same_batches(plans):
     sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
     dataset, collate = PlanDataset(make_dataset()), PackCollator()

@@ -49,7 +49,7 @@ class PlanSampler(Sampler[list[int]]):
     ``batch.record``.
 
     Args:
-        path: the plan: a file (``batchplan build ... -o plan.arrow``) or a plan directory.
+        plan: a plan file (``batchplan build ... -o plan.arrow``), directory, or opened plan (used as is).
         rank: this process's data-parallel rank; default: ``torch.distributed``,
             then the ``RANK`` environment variable, then 0.
         world_size: number of data-parallel ranks; default like ``rank``. It must
@@ -61,8 +61,8 @@ class PlanSampler(Sampler[list[int]]):
         ConfigError: rank or world size are not valid integers.
     """
 
-    def __init__(self, path: str | os.PathLike, rank: int | None = None, world_size: int | None = None) -> None:
-        self._plan = open_plan(path)
+    def __init__(self, plan: str | os.PathLike | OpenedPlan, rank: int | None = None, world_size: int | None = None):
+        self._plan = plan if isinstance(plan, OpenedPlan) else open_plan(plan)
         self._placement = resolve_placement(rank, world_size)
         check_world_size(self._placement, self._plan.world_size, self._plan.path)
         check_runtime_columns(self._plan)
