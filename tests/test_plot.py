@@ -300,3 +300,26 @@ def test_values_above_max_tokens_count_in_the_last_bucket(squad_plan, tmp_path):
     assert scan.histograms["tokens"][-1] == scan.histograms["nonempty_tokens"][-1] == 1
     notes = [t.get_text() for t in plot_plan(open_plan(corrupt)).axes[0].texts]
     assert any("1 > max_tokens" in note for note in notes)
+
+
+def test_a_mixture_plan_draws_each_sources_share_of_the_steps(tmp_path):
+    from batchplan import PlanConfig
+    from batchplan.operations.build_mixture import build_mixture_plan_file
+    from batchplan.reports.mixture import step_source_tokens
+
+    path = tmp_path / "mix.arrow"
+    mixture = Path(__file__).resolve().parent.parent / "data" / "mixture.yaml"
+    build_mixture_plan_file(mixture, path, PlanConfig(max_tokens=8192, world_size=8, micro_batches=4, oversize="split"))
+    plan = open_plan(path)
+    figure = plot_plan(plan)
+    panel = figure.axes[4]
+    assert panel.get_title().startswith("share of each step, per source")
+    assert [line.get_label() for line in panel.get_lines()][:1] == ["chat"]
+    per_step = step_source_tokens(plan)
+    counted = np.zeros_like(per_step)  # the same tokens recounted from the rows' samples
+    bounds = np.array([s["offset"] for s in plan.metadata["mixture"]["sources"]] + [plan.num_samples])
+    for rank in range(plan.world_size):
+        for row in plan.read_rank(0, rank).to_pylist():
+            if row["samples"]:
+                counted[row["step"], np.searchsorted(bounds, row["samples"][0], side="right") - 1] += row["tokens"]
+    assert (counted == per_step).all()

@@ -28,6 +28,7 @@ from numpy.typing import NDArray
 from batchplan.errors import BatchPlanError, PlanMismatchError
 from batchplan.formats.arrow import list_values
 from batchplan.formats.plan_file import OpenedPlan
+from batchplan.reports.mixture import step_source_tokens
 from batchplan.reports.statistics import format_share, last_steps_of, regular_steps
 from batchplan.reports.summary import PlanScan, scan_plan, summarize_plan
 
@@ -43,7 +44,7 @@ PLAN_PANELS = (
     "micro-batch fill",
     "tokens per step",
     "rank imbalance per step",
-    "micro-batches per step",
+    "micro-batches per step",  # a mixture's plan: each source's share of the steps
     "summary",
 )
 _MAX_POINTS = 2_000
@@ -134,7 +135,10 @@ def plot_plan(plan: OpenedPlan, lengths: NDArray[np.integer] | None = None, leng
     _fill_panel(axes[1], data, summary)
     _tokens_per_step_panel(axes[2], data, summary)
     _imbalance_panel(axes[3], data, summary)
-    _micro_per_step_panel(axes[4], data, summary)
+    if data.get("source_tokens") is not None:  # a mixture: each source's share of the steps instead
+        _shares_panel(axes[4], data, summary)
+    else:
+        _micro_per_step_panel(axes[4], data, summary)
     _summary_panel(axes[5], summary)
     figure.suptitle(_settings_line(plan), fontsize=13)
     return figure
@@ -154,6 +158,7 @@ def _plan_arrays(plan: OpenedPlan, scan: PlanScan) -> dict[str, Any]:
     }
     if scan.cost_imbalance is not None:
         data["cost_imbalance"] = scan.cost_imbalance
+    data["source_tokens"] = step_source_tokens(plan)
     return data
 
 
@@ -298,6 +303,28 @@ def _micro_per_step_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     ax.set_ylim(bottom=0, top=max(1, high) * 1.15 + 0.5)
     ax.set_title(f"micro-batches per step: {low}..{high} per rank, {per_step.sum() * data['world_size']:,} in all",
                  fontsize=10)  # fmt: skip
+
+
+def _shares_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
+    """Each source's share of every step's tokens (each epoch's last step left out), and its
+    weight as a dashed line of the same colour."""
+    per_step = data["source_tokens"].astype(np.float64)
+    totals = per_step.sum(axis=1)
+    shares = np.full(per_step.shape, np.nan)
+    held = totals > 0
+    shares[held] = per_step[held] / totals[held, None]
+    shares[data["last_steps"]] = np.nan
+    colors = [f"C{index % 10}" for index in range(per_step.shape[1])]
+    for index, source in enumerate(summary["mixture"]):
+        _series(ax, 100 * shares[:, index], colors[index], source["name"])
+        ax.axhline(100 * source["weight"], color=colors[index], linestyle="--", linewidth=0.8)
+    _epoch_lines(ax, data["epoch_starts"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("% of the step's tokens")
+    ax.set_ylim(bottom=0)
+    if per_step.shape[1] <= 10:
+        ax.legend(loc="upper right", fontsize=7)
+    ax.set_title("share of each step, per source (dashed: its weight; epochs' last steps left out)", fontsize=10)
 
 
 def _schedule_ends(ax: Axes, summary: dict[str, Any]) -> None:
