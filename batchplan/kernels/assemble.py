@@ -73,7 +73,9 @@ def take_scheduled(
         if by_values:
             for i in range(n):
                 costs[i] = values[schedule[first + i]]
-            order[:n] = np.argsort(-costs[:n], kind="mergesort")  # stable: depends only on the input order
+            positions = np.argsort(-costs[:n], kind="mergesort")  # stable: depends only on the input order
+            for i in range(n):  # a loop, not a slice assignment (`batchplan.kernels.order`)
+                order[i] = positions[i]
         else:
             for i in range(n):
                 tokens[i] = table[schedule[first + i], 0]

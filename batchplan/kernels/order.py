@@ -30,7 +30,11 @@ def order_by_decreasing(keys, max_key, by_counting, counts, order):
     """
     n = keys.shape[0]
     if not by_counting:
-        order[:n] = np.argsort(-keys, kind="mergesort")  # stable: depends only on the input order
+        # Copied in a loop: an array assigned to a slice makes numba compile the message of
+        # its shape check (str of ints), ~2-4 s of a first run.
+        positions = np.argsort(-keys, kind="mergesort")  # stable: depends only on the input order
+        for i in range(n):
+            order[i] = positions[i]
         return
     counts[:] = 0
     for i in range(n):

@@ -39,7 +39,8 @@ def _push(head, below, tree, size, target, residual):
     if residual > 0:
         below[target] = head[residual]
         head[residual] = target
-        tree_add(tree, size, residual, 1)
+        # np.int64 at kernel calls: a literal (or a count that starts as one) compiles a specialisation of its own
+        tree_add(tree, size, residual, np.int64(1))
 
 
 @njit(cache=True, nogil=True)
@@ -79,7 +80,9 @@ def _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts, below, 
             # Longer than half: every open bin holds a longer item or one of these, so none
             # has room; each item opens its own bin (as the loop below would, one tree
             # search and one tree update per item).
-            num_bins, slot = _open_each(left, max_tokens - length, head, below, tree, size, slot_bin, counts, num_bins, slot)
+            num_bins, slot = _open_each(
+                left, max_tokens - length, head, below, tree, size, slot_bin, counts, np.int64(num_bins), np.int64(slot)
+            )
             left = 0
         while left > 0:
             fit = tree_first_at_least(tree, size, length)
@@ -93,7 +96,7 @@ def _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts, below, 
                 else:
                     target = head[fit]
                     head[fit] = below[target]
-                    tree_add(tree, size, fit, -1)
+                    tree_add(tree, size, fit, np.int64(-1))
                 take = min(left, fit // length)
                 slot_bin[slot : slot + take] = target
                 slot += take
@@ -103,7 +106,7 @@ def _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts, below, 
                 take = _one_each(left, length, fit, head, below, tree, size, slot_bin, counts, slot)
                 slot += take
             left -= take
-    tokens = _bin_tokens(head, below, tree, size, max_tokens, num_bins, tokens)
+    tokens = _bin_tokens(head, below, tree, size, max_tokens, np.int64(num_bins), tokens)
     for target in range(num_bins):
         counts[target + 1] += counts[target]
     return slot_bin, counts[: num_bins + 1], tokens

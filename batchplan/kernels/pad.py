@@ -62,13 +62,16 @@ def cut_padded(members, member_lengths, window, max_tokens, batch_multiple):
     num_batches = 0
     for begin in range(0, num_entries, window):
         end = min(begin + window, num_entries)
-        order_by_decreasing(member_lengths[begin:end], max_tokens, by_counting, counts, order)
+        # int64 keys, as `batchplan.kernels.assemble` passes them: one compiled specialisation
+        order_by_decreasing(member_lengths[begin:end].astype(np.int64), max_tokens, by_counting, counts, order)
         for i in range(end - begin):  # the window in that order, through the spare space
             spare[i] = members[begin + order[i]]
             spare_lengths[i] = member_lengths[begin + order[i]]
-        members[begin:end] = spare[: end - begin]
-        member_lengths[begin:end] = spare_lengths[: end - begin]
-        num_batches = _cut_window(member_lengths[begin:end], max_tokens, batch_multiple, sizes, num_batches)
+        for i in range(end - begin):  # loops, not slice assignments (`batchplan.kernels.order`)
+            members[begin + i] = spare[i]
+            member_lengths[begin + i] = spare_lengths[i]
+        num_batches = _cut_window(member_lengths[begin:end], max_tokens, batch_multiple, sizes, np.int64(num_batches))
     offsets = np.zeros(num_batches + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum(sizes[:num_batches])
+    for b in range(num_batches):
+        offsets[b + 1] = offsets[b] + sizes[b]
     return offsets

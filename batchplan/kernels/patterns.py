@@ -157,7 +157,7 @@ def _take(left, tree, size, length, count, bin_lengths, num_items):
     """Take ``count`` items of ``length`` into the bin being filled; returns its new item count."""
     left[length] -= count
     if left[length] == 0:
-        tree_add(tree, size, length, -1)
+        tree_add(tree, size, length, np.int64(-1))
     for _ in range(count):
         bin_lengths[num_items] = length
         num_items += 1
@@ -268,7 +268,7 @@ def fill_exact(histogram, max_tokens):
             if more > 0:
                 left[length] -= more * (stop - start)
                 if left[length] == 0:
-                    tree_add(tree, size, length, -1)
+                    tree_add(tree, size, length, np.int64(-1))
             pattern_lengths[end] = length
             pattern_counts[end] = stop - start
             end += 1

@@ -87,4 +87,5 @@ def steps_by_tokens(round_tokens, target):
         int64 offsets: step ``s`` holds rounds ``offsets[s]:offsets[s + 1]``.
     """
     goal = float(target)
-    return ramp_steps(round_tokens, 0, goal, goal, 0, 0)
+    zero = np.int64(0)  # int64, as `batchplan.planning.steps` passes them: one compiled specialisation
+    return ramp_steps(round_tokens, zero, goal, goal, zero, zero)
