@@ -2,6 +2,7 @@
 
     python -m bench.mixture --samples 1e7 --sources 50 [--pairs 3] [--json]
     python -m bench.mixture --fill
+    python -m bench.mixture --shares 40 [--seed 0]
 
 The time and memory case writes ``--samples`` lognormal lengths (`bench.build`) as
 ``--sources`` Parquet files of Zipf-distributed sizes, and a mixture of them whose weights
@@ -15,6 +16,13 @@ and of peaks, and the load average before each run.
 ``--fill`` plans data/mixture.yaml (8,192, 8 ranks, 4 micro-batches, split) and the same
 uses as one dataset, in-process, and prints each one's packed micro-batches and bound:
 what packing every source's passes on their own costs.
+
+``--shares N`` plans N random mixtures in-process (2-11 sources of lognormal lengths, weights
+10^-3..1, ``tokens`` 0.5-3x the lengths' total, caps 512/2,048/8,192, pack or pad, 1-64 ranks,
+1-4 micro-batches per step, a token target or the default, 1-2 epochs) and prints, for each,
+the worst step's miss of its share bound (``|tokens - weight x step tokens| /
+max(0.5 % of it, max_tokens)``, every step but an epoch's last: <= 1 holds) and the worst drift
+against ``max(the epoch's mean step, max_tokens)`` (<= 1 holds); then the worst of each.
 """
 
 from __future__ import annotations
@@ -111,6 +119,48 @@ def fill_case() -> dict:
     }
 
 
+def shares_case(count: int, seed: int) -> list[dict]:
+    from batchplan import PlanConfig
+    from batchplan.mixture import Mixture, MixtureSource
+    from batchplan.planning.epochs import PreparedEntries, plan_epochs
+    from batchplan.planning.mixture_epochs import prepare_mixture_entries
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(count):
+        num_sources, cap = int(rng.integers(2, 12)), int(rng.choice([512, 2048, 8192]))
+        lengths = [np.clip(rng.lognormal(rng.uniform(3, 7), rng.uniform(0.3, 1.2), rng.integers(50, 20000)), 1, cap)
+                   .astype(np.int32) for _ in range(num_sources)]  # fmt: skip
+        weights = 10 ** rng.uniform(-3, 0, num_sources)
+        world_size, mode, kind = int(rng.choice([1, 2, 8, 16, 64])), str(rng.choice(["pack", "pad"])), rng.integers(3)
+        options = {"max_tokens": cap, "world_size": world_size, "mode": mode, "epochs": int(rng.integers(1, 3))}
+        if kind == 0:
+            options["micro_batches"] = int(rng.integers(1, 5))
+        elif kind == 1:
+            options["tokens_per_step"] = int(world_size * cap * rng.integers(2, 6))
+        tokens = int(sum(int(part.sum()) for part in lengths) * rng.uniform(0.5, 3))
+        config = PlanConfig(**options)
+        mixture = Mixture(sources=tuple(MixtureSource(name=f"s{i}", paths=("x",), weight=float(w))
+                                        for i, w in enumerate(weights)), tokens=tokens)  # fmt: skip
+        joined = np.concatenate(lengths)
+        offsets = np.concatenate([[0], np.cumsum([part.shape[0] for part in lengths])])
+        prepared = prepare_mixture_entries(mixture, joined, offsets, config)
+        weight = np.array([selection.weight for selection in prepared.selections])
+        worst = drift = 0.0
+        for epoch in plan_epochs(PreparedEntries.of_mixture(joined.shape[0], prepared), config):
+            per_step = np.zeros((epoch.num_steps, num_sources))
+            held = epoch.source >= 0
+            np.add.at(per_step, (epoch.step[held], epoch.source[held]), epoch.tokens[held])
+            totals = per_step.sum(axis=1)
+            if epoch.num_steps > 1:
+                bound = np.maximum(0.005 * totals[:-1], cap)[:, None]
+                worst = max(worst, float((np.abs(per_step[:-1] - weight * totals[:-1, None]) / bound).max()))
+            lag = np.abs(np.cumsum(per_step, axis=0) - weight * np.cumsum(totals)[:, None]).max()
+            drift = max(drift, float(lag / max(totals.mean(), cap)))
+        rows.append({**options, "sources": num_sources, "worst_share_miss": worst, "worst_drift": drift})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", default="1e7")
@@ -119,8 +169,20 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=1024)
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--fill", action="store_true", help="the demo mixture's packing against one dataset's")
+    parser.add_argument("--shares", type=int, default=0, help="plan this many random mixtures: shares and drift")
+    parser.add_argument("--seed", type=int, default=0, help="the random mixtures' seed (--shares)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.shares:
+        rows = shares_case(args.shares, args.seed)
+        for row in ([] if args.json else rows):
+            print(" ".join(f"{key}={value:.4f}" if isinstance(value, float) else f"{key}={value}"
+                           for key, value in row.items()))  # fmt: skip
+        worst = {key: max(row[key] for row in rows) for key in ("worst_share_miss", "worst_drift")}
+        print(json.dumps({"mixtures": rows, **worst}, indent=1) if args.json else
+              f"{len(rows)} mixtures: worst share miss {worst['worst_share_miss']:.4f}, worst drift "
+              f"{worst['worst_drift']:.4f} (<= 1 holds)")  # fmt: skip
+        return
     result = fill_case() if args.fill else time_case(args)
     if args.json:
         print(json.dumps(result, indent=1))
