@@ -103,3 +103,26 @@ def run_documented(command: str, cwd: Path, env: dict[str, str], tries: int = 3)
             break
     assert done.returncode == 0, f"{command} exited {done.returncode}:\n{done.stderr[-3000:]}"
     return done
+
+
+def documented_steps(page: Path, *, fragments: bool = False) -> list[tuple[str, str | None, str]]:
+    """``(command, file, content)`` for each runnable piece of a docs page, in order: each line
+    of a ```sh block, and each ```python block that opens with ``# <file>: <command>`` (a script
+    to write, then run). With ``fragments``, a python block whose first line starts ``# fragment
+    of `` is left out; any other python block must be a script."""
+    import re
+
+    script = re.compile(r"# (?P<file>[\w.-]+\.py): (?P<command>.+)")
+    out = []
+    for kind, body in re.findall(r"```(python|sh)\n(.*?)```", page.read_text(), re.S):
+        if kind == "sh":
+            out += [(line, None, "") for line in body.splitlines() if line.strip()]
+            continue
+        first = body.splitlines()[0]
+        if fragments and first.startswith("# fragment of "):
+            continue
+        header = script.match(first)
+        what = "neither a script nor a fragment" if fragments else "does not open with '# <file>: <command>'"
+        assert header, f"a python block of {page.name} {what}:\n{body[:200]}"
+        out.append((header["command"], header["file"], body))
+    return out

@@ -10,33 +10,18 @@ ignored by the repository's .gitignore.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _spawn import run_documented
+from _spawn import documented_steps, run_documented
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "integrations.md"
-HEADER = re.compile(r"# (?P<file>[\w.-]+\.py): (?P<command>.+)")
 
 for module in ("transformers", "trl", "accelerate", "lightning", "torchdata", "datasets"):
     pytest.importorskip(module)
-
-
-def steps(text: str) -> list[tuple[str, str | None, str]]:
-    """``(command, file, content)`` for each runnable piece of the page, in order."""
-    out = []
-    for kind, body in re.findall(r"```(python|sh)\n(.*?)```", text, re.S):
-        if kind == "sh":
-            out += [(line, None, "") for line in body.splitlines() if line.strip()]
-            continue
-        header = HEADER.match(body.splitlines()[0])
-        assert header, f"a python block of {PAGE.name} does not open with '# <file>: <command>':\n{body[:200]}"
-        out.append((header["command"], header["file"], body))
-    return out
 
 
 @pytest.mark.slow
@@ -44,7 +29,7 @@ def test_every_script_and_command_of_the_page_runs_as_written(tmp_path):
     (tmp_path / ".venv").symlink_to(Path(sys.prefix))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     ran = []
-    for command, file, content in steps(PAGE.read_text()):
+    for command, file, content in documented_steps(PAGE):
         if file is not None:
             (tmp_path / file).write_text(content)
         run_documented(command, tmp_path, env)

@@ -13,35 +13,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from _spawn import run_documented
+from _spawn import documented_steps, run_documented
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "runtime.md"
-SCRIPT = re.compile(r"# (?P<file>[\w.-]+\.py): (?P<command>.+)")
-
-
-def steps(text: str) -> list[tuple[str, str | None, str]]:
-    """``(command, file, content)`` for each runnable piece of the page, in order; fragments are left out."""
-    out = []
-    for kind, body in re.findall(r"```(python|sh)\n(.*?)```", text, re.S):
-        if kind == "sh":
-            out += [(line, None, "") for line in body.splitlines() if line.strip()]
-            continue
-        first = body.splitlines()[0]
-        if first.startswith("# fragment of "):
-            continue
-        script = SCRIPT.match(first)
-        assert script, f"a python block of {PAGE.name} is neither a script nor a fragment:\n{body[:200]}"
-        out.append((script["command"], script["file"], body))
-    return out
 
 
 def test_every_python_block_is_a_script_or_says_it_is_a_fragment():
-    assert len(steps(PAGE.read_text())) >= 2
+    assert len(documented_steps(PAGE, fragments=True)) >= 2
 
 
 def test_every_command_calls_the_venv():
-    for command, _, _ in steps(PAGE.read_text()):
+    for command, _, _ in documented_steps(PAGE, fragments=True):
         assert command.startswith(".venv/bin/"), command
 
 
@@ -52,7 +35,7 @@ def test_every_script_and_command_of_the_page_runs_as_written(tmp_path):
     (tmp_path / ".venv").symlink_to(Path(sys.prefix))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     outputs = []
-    for command, file, content in steps(PAGE.read_text()):
+    for command, file, content in documented_steps(PAGE, fragments=True):
         if file is not None:
             (tmp_path / file).write_text(content)
         done = run_documented(command, tmp_path, env)

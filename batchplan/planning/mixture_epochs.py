@@ -103,9 +103,10 @@ def prepare_mixture_entries(
     lengths = np.asarray(lengths)
     selections = select_sources(mixture, sizing_lengths(lengths, config), offsets, seed=config.seed, threads=threads)
     chunks, chunk_source, epoch_chunks = [], [], [0]
+    cuts = [_epoch_cuts(selection.order, lengths, config.epochs) for selection in selections]
     for epoch in range(config.epochs):
         for source, selection in enumerate(selections):
-            part = _epoch_part(selection, lengths, epoch, config.epochs)
+            part = slice(int(cuts[source][epoch]), int(cuts[source][epoch + 1]))
             for chunk in _passes(part, selection.num_samples):
                 chunks.append(selection.order[chunk])
                 chunk_source.append(source)
@@ -125,17 +126,15 @@ def prepare_mixture_entries(
     )
 
 
-def _epoch_part(selection: SourceSelection, lengths: NDArray[np.integer], epoch: int, epochs: int) -> slice:
-    """Positions of ``selection.order`` in ``epoch``: the run cut into ``epochs`` consecutive
-    parts of about equal tokens."""
-    order = selection.order
+def _epoch_cuts(order: NDArray[np.integer], lengths: NDArray[np.integer], epochs: int) -> NDArray[np.int64]:
+    """Shape (epochs + 1,): positions of ``order`` where each epoch's part begins, the run cut
+    into ``epochs`` consecutive parts of about equal tokens."""
     if epochs == 1 or order.shape[0] == 0:
-        return slice(0, order.shape[0]) if epoch == 0 else slice(0, 0)
+        return np.array([0] + [order.shape[0]] * epochs, dtype=np.int64)
     sums = np.cumsum(lengths[order], dtype=np.int64)
     targets = sums[-1] * np.arange(1, epochs, dtype=np.float64) / epochs
-    cuts = np.concatenate([[0], np.minimum(np.searchsorted(sums, targets, side="left") + 1, order.shape[0]),
-                           [order.shape[0]]])  # fmt: skip
-    return slice(int(cuts[epoch]), int(cuts[epoch + 1]))
+    inner = np.minimum(np.searchsorted(sums, targets, side="left") + 1, order.shape[0])
+    return np.concatenate([[0], inner, [order.shape[0]]]).astype(np.int64)
 
 
 def _passes(part: slice, num_samples: int) -> list[slice]:

@@ -128,7 +128,7 @@ def plot_plan(plan: OpenedPlan, lengths: NDArray[np.integer] | None = None, leng
     figure_class, _ = matplotlib_modules()
     scan = scan_plan(plan, histograms=True)  # one pass over the plan, one record batch at a time
     data = _plan_arrays(plan, scan)
-    summary = summarize_plan(plan, scan=scan)
+    summary = summarize_plan(plan, scan=scan, source_tokens=data["source_tokens"])  # the rows read once more at most
     figure = figure_class(figsize=(16, 9), layout="constrained")
     axes = figure.subplots(2, 3).reshape(-1)
     _lengths_panel(axes[0], data, lengths, lengths_label)

@@ -216,8 +216,11 @@ def _first_step_longest(batch: pa.RecordBatch, step) -> int:
     return int(values.max()) if values.size else 0
 
 
-def summarize_plan(plan: OpenedPlan, *, scan: PlanScan | None = None) -> dict[str, Any]:
-    """Key numbers of a plan as a JSON-able dict; ``scan`` is `scan_plan`'s, when already made."""
+def summarize_plan(
+    plan: OpenedPlan, *, scan: PlanScan | None = None, source_tokens: NDArray[np.int64] | None = None
+) -> dict[str, Any]:
+    """Key numbers of a plan as a JSON-able dict; ``scan`` is `scan_plan`'s and ``source_tokens``
+    a mixture's `batchplan.reports.mixture.step_source_tokens`, when already made."""
     meta = plan.metadata
     scan = scan_plan(plan) if scan is None else scan
     world_size = plan.world_size
@@ -261,7 +264,7 @@ def summarize_plan(plan: OpenedPlan, *, scan: PlanScan | None = None) -> dict[st
         "resharded_from": _parent(meta.get("resharded_from")),
         "dropped_samples": _count_dropped(dropped),
         "dropped": {reason: _count_dropped({reason: v}) for reason, v in dropped.items()},
-        "mixture": summarize_sources(plan),
+        "mixture": summarize_sources(plan, source_tokens),
     }
 
 
