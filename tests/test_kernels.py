@@ -713,20 +713,21 @@ def test_bin_layout_lays_out_the_shuffled_entries_bins_in_any_layout(case, seed)
         count_groups(lengths, counts, part, parts)
     cursors = block + np.cumsum(counts, axis=0) - counts
     laid = np.full(len(want), -1, dtype=dtype)
-    written = sum(scatter_entries(lengths, cursors, places, None, laid, 0, part, parts) for part in range(parts))
-    assert (laid.tolist(), written) == (want, len(want))
+    base = random.randint(0, 3)  # the entries' first id, when they are a part of more
+    written = sum(scatter_entries(lengths, cursors, places, None, laid, 0, base, part, parts) for part in range(parts))
+    assert (laid.tolist(), written) == ([member + base for member in want], len(want))
     window = random.randint(1, max(1, len(want)))  # the same members, a window at a time
     for first in range(0, len(want), window):
         cursors = block + np.cumsum(counts, axis=0) - counts
         laid = np.full(min(window, len(want) - first), -1, dtype=dtype)
-        written = sum(scatter_entries(lengths, cursors, places, None, laid, first, part, parts)
+        written = sum(scatter_entries(lengths, cursors, places, None, laid, first, 0, part, parts)
                       for part in range(parts))  # fmt: skip
         assert (laid.tolist(), written) == (want[first : first + window], laid.shape[0])
     values = (np.arange(count, dtype=np.int32) * 7) % 5  # values written instead of entries
     cursors = block + np.cumsum(counts, axis=0) - counts
     laid_values = np.full(len(want), -1, dtype=np.int32)
     for part in range(parts):
-        scatter_entries(lengths, cursors, places, values, laid_values, 0, part, parts)
+        scatter_entries(lengths, cursors, places, values, laid_values, 0, 0, part, parts)
     assert laid_values.tolist() == [int(values[m]) for m in want]
 
 

@@ -100,7 +100,7 @@ def unshuffle_groups(start, block, keys, first, values):
 
 
 @njit(cache=True, nogil=True)
-def scatter_entries(groups, cursors, places, values, out, first, part, parts):
+def scatter_entries(groups, cursors, places, values, out, first, base, part, parts):
     """Write this part's share of the entries to their places: entry ``i`` of group ``g`` takes
     the next place of its group's stream (``places[cursors[part, g]]``, advanced); a place
     outside ``first:first + len(out)`` (-1: left out) is not written.
@@ -110,10 +110,13 @@ def scatter_entries(groups, cursors, places, values, out, first, part, parts):
         cursors: int64, shape (parts, groups): where part ``part`` reads its first place of each
             group (after the parts before it); advanced as it reads.
         places: each position's place (`place_slots`, then `unshuffle_groups`).
-        values: None to write entry indices, else write ``values[i]`` for entry ``i``.
+        values: None to write entry indices (``base + i`` for entry ``i``), else write
+            ``values[i]``.
         out: filled at the places less ``first`` (made by the caller,
             `batchplan.planning.buffers`: the writes land at random).
         first: the place ``out[0]`` stands for (0: the whole layout; more: a window of it).
+        base: added to the entry indices written (the entries' first id, when ``groups``
+            are a part of a larger set of entries).
 
     Returns:
         How many entries this part wrote.
@@ -129,7 +132,7 @@ def scatter_entries(groups, cursors, places, values, out, first, part, parts):
         if place < first or place >= stop:
             continue
         if values is None:
-            out[place - first] = item
+            out[place - first] = base + item
         else:
             out[place - first] = values[item]
         written += 1

@@ -1,5 +1,5 @@
 """End to end for a mixture: mixture file -> sources' lengths -> plan file, what the CLI's
-``build --mixture`` does, as a library call."""
+``build`` does with a mixture file, as a library call."""
 
 from __future__ import annotations
 
@@ -65,32 +65,34 @@ def build_mixture_plan_file(
     prepared = prepare_mixture_entries(
         mixture, lengths.lengths, lengths.offsets, config, loss_tokens=lengths.loss_tokens, threads=threads
     )
+    # The sources' lengths are in the entries now: only what describes them is kept.
+    num_samples, fingerprint, sources = lengths.num_samples, lengths.fingerprint(), lengths.sources
+    del lengths
     used = prepared.entries.length
     check_build_memory(estimate_build_memory(used.shape[0], config, num_threads=threads, lengths=used))
-    prepared_epochs = PreparedEntries.of_mixture(lengths.num_samples, prepared)
-    described = mixture_metadata(mixture, lengths, prepared.selections, columns)
+    prepared_epochs = PreparedEntries.of_mixture(num_samples, prepared)
+    described = mixture_metadata(mixture, sources, prepared.selections, columns)
     if layout == "directory":
         from batchplan.formats.plan_writer import header_metadata
 
-        header = header_metadata(config, lengths.num_samples, prepared.entries, None, lengths.fingerprint(), described)
+        header = header_metadata(config, num_samples, prepared.entries, None, fingerprint, described)
         return write_directory(output, config, prepared_epochs, header, wanted, progress)
     advance = stage(progress, "planning epochs", config.epochs)
     epochs = []
     for epoch in plan_epochs(prepared_epochs, config):
         epochs.append(epoch)
         advance(1)
-    plan = Plan(config=config, num_samples=lengths.num_samples, entries=prepared.entries, epochs=tuple(epochs))
+    plan = Plan(config=config, num_samples=num_samples, entries=prepared.entries, epochs=tuple(epochs))
     advance = stage(progress, "writing plan", config.epochs * config.world_size)
-    return write_plan(
-        plan, output, lengths_fingerprint=lengths.fingerprint(), mixture=described, on_batch=lambda _: advance(1)
-    )
+    return write_plan(plan, output, lengths_fingerprint=fingerprint, mixture=described, on_batch=lambda _: advance(1))
 
 
-def mixture_metadata(mixture: Mixture, lengths, selections, columns: dict[str, Any]) -> dict[str, Any]:
+def mixture_metadata(mixture: Mixture, read_sources, selections, columns: dict[str, Any]) -> dict[str, Any]:
     """The plan's ``mixture`` metadata: the file as given, and per source (in order) where its
-    samples lie, what was asked of it and what the plan uses."""
+    samples lie (``read_sources``: `batchplan.formats.mixture_file.SourceLengths`), what was
+    asked of it and what the plan uses."""
     sources = []
-    for source, read, selection in zip(mixture.sources, lengths.sources, selections):
+    for source, read, selection in zip(mixture.sources, read_sources, selections):
         if (read.name, selection.name) != (source.name, source.name):
             raise ConfigError(f"sources out of order: {source.name!r}, {read.name!r}, {selection.name!r}")
         sources.append({

@@ -30,7 +30,7 @@ from batchplan.planning.cutting_stock import pack_histogram
 from batchplan.planning.randomness import KeyStream, unshuffle_by_group
 from batchplan.planning.threads import run_in_parts
 
-__all__ = ["MEMBERS_AT_ONCE", "PARK_FROM_ENTRIES", "PackedBins", "PendingMembers", "count_by_group"]
+__all__ = ["MEMBERS_AT_ONCE", "PARK_FROM_ENTRIES", "PackedBins", "PendingMembers", "Placed", "count_by_group", "left_to_right_sum"]
 
 
 class PackedBins:
@@ -171,7 +171,7 @@ class PackedBins:
         if not extra.shape[0]:
             return per_bin
         pieces = self.range_lengths(extra[:, 0], extra[:, 1])
-        return np.concatenate([per_bin, np.array([_float_sum(table[lengths]) for lengths in pieces])])
+        return np.concatenate([per_bin, np.array([left_to_right_sum(table[lengths]) for lengths in pieces])])
 
     def entry_sums(self, values: NDArray[np.integer], extra: NDArray[np.int64]) -> NDArray[np.int64]:
         """Per micro-batch, ``sum(values[entry])`` over its entries: ``values`` laid out in member
@@ -188,8 +188,15 @@ class PackedBins:
     def gather(self, extra, order, sizes, threads: int, scratch) -> tuple[NDArray[np.int64], NDArray]:
         """`MicroBatches.gather`, leaving the bins as they are."""
         where = self.destinations(extra, order, sizes, threads)
+        members = new_buffer(where.count, self.slot_bin.dtype)
+        check_written(self.write_members(where, members, threads), members)
+        return where.offsets, members
+
+    def write_members(self, where: Destinations, out: NDArray, threads: int, base: int = 0) -> int:
+        """Write the members at ``where`` into ``out`` (entry ``i`` as ``base + i``), leaving the
+        bins as they are; returns how many were written."""
         places = self._places(self.slot_bin, where.take_destination(), where.ranges, self._new_places())
-        return where.offsets, self._members(places, where.count, threads)
+        return scatter_to_places(self.lengths, self._unshuffle(places, threads), places, None, out, 0, base)
 
     def destinations(self, extra: NDArray[np.int64], order, sizes, threads: int) -> Destinations:
         """Where micro-batches ``order`` (of ``sizes`` entries) go when laid out one after another.
@@ -212,17 +219,16 @@ class PackedBins:
         using the bins up: each slot's place is written over its bin, the bins' arrays (and
         ``where``'s per-bin one) are let go, and the shuffle is undone on the places. The
         micro-batches must hold no view of the bins (`MicroBatches.lay_out` lets them go first)."""
+        return PendingMembers([self.placed(where, threads)], where.count)
+
+    def placed(self, where: Destinations, threads: int, base: int = 0) -> Placed:
+        """Each slot's place at ``where``, the bins used up (`lay_out`); entry ``i`` is ``base + i``."""
         slot_bin = self._pack_again(last=True) if self._parked else self._slot_bin
         self._slot_bin = self.tokens = self._pack_buffers = None
         places = self._places(slot_bin, where.take_destination(), where.ranges, slot_bin)
         del slot_bin
         self.offsets = None
-        return PendingMembers(self.lengths, places, self._unshuffle(places, threads), where.count)
-
-    def _members(self, places, count: int, threads: int) -> NDArray:
-        members = new_buffer(count, places.dtype)
-        check_written(self._write_entries(places, None, members, threads), members)
-        return members
+        return Placed(self.lengths, places, self._unshuffle(places, threads), base)
 
     def _new_places(self) -> NDArray:
         return new_buffer(self.slot_bin.shape[0], self.slot_bin.dtype)
@@ -252,12 +258,16 @@ class PendingMembers(Members):
     longer) is laid out by one pass over the entries and kept until a range outside it, or
     the last member, is asked for. A writer asking for ranks in order makes one pass per
     window; the peak holds the places and one window, not every member. `all` lays every
-    member out once, keeps them, and lets the places go."""
+    member out once, keeps them, and lets the places go.
 
-    def __init__(self, lengths: NDArray[np.integer], places: NDArray, cursors: NDArray[np.int64], count: int) -> None:
+    The entries come as one or more `Placed` streams (the parts of an epoch packed part by
+    part, `batchplan.planning.parted_bins`), each writing its entries' ids to their places."""
+
+    def __init__(self, streams: list[Placed], count: int, dtype: np.dtype | None = None) -> None:
         super().__init__(None)
-        self._lengths, self._places, self._cursors, self._count = lengths, places, cursors, count
-        self._window = (0, places[:0])  # (first, members)
+        self._streams, self._count = streams, count
+        self._dtype = np.dtype(dtype or streams[0].places.dtype)
+        self._window = (0, np.zeros(0, dtype=self._dtype))  # (first, members)
 
     @property
     def count(self) -> int:
@@ -273,23 +283,34 @@ class PendingMembers(Members):
         if not (first <= start and stop <= first + window.shape[0]):
             self._window = first, window = start, self._lay_out(start, max(stop, start + MEMBERS_AT_ONCE))
         if stop == self._count:  # read to the end: the window is let go (a reader may hold this view)
-            self._window = (0, self._places[:0])
+            self._window = (0, window[:0])
         return window[start - first : stop - first]
 
     def all(self) -> NDArray:
         if self._array is None:
-            self._window = (0, self._places[:0])
+            self._window = (0, self._window[1][:0])
             self._array = self._lay_out(0, self._count)
-            self._places = self._cursors = None
+            self._streams = []
         return self._array
 
     def _lay_out(self, start: int, stop: int) -> NDArray:
-        """Members ``start:min(stop, count)``, by one pass over the entries."""
+        """Members ``start:min(stop, count)``, by one pass over each stream's entries."""
         stop = min(stop, self._count)
-        members = new_buffer(stop - start, self._places.dtype)
-        written = scatter_to_places(self._lengths, self._cursors, self._places, None, members, start)
+        members = new_buffer(stop - start, self._dtype)
+        written = sum(
+            scatter_to_places(stream.lengths, stream.cursors, stream.places, None, members, start, stream.base)
+            for stream in self._streams
+        )
         check_written(written, members)
         return members
+
+
+class Placed:
+    """Entries ``base..base + len(lengths) - 1`` with each slot's place (`PackedBins.lay_out`):
+    ``cursors`` start each part of the entries in ``places`` (`scatter_to_places`)."""
+
+    def __init__(self, lengths: NDArray[np.integer], places: NDArray, cursors: NDArray[np.int64], base: int = 0) -> None:
+        self.lengths, self.places, self.cursors, self.base = lengths, places, cursors, base
 
 
 # Epochs of at least this many entries park the bin of each slot while they are scheduled
@@ -302,11 +323,12 @@ PARK_FROM_ENTRIES = 1 << 27
 MEMBERS_AT_ONCE = 1 << 26
 
 
-def scatter_to_places(lengths, cursors, places, values, out, first: int) -> int:
+def scatter_to_places(lengths, cursors, places, values, out, first: int, base: int = 0) -> int:
     """`scatter_entries` of every entry whose place is in ``first:first + len(out)``, in the
-    parts ``cursors`` holds a row for (on as many threads); ``cursors`` is left as it is."""
+    parts ``cursors`` holds a row for (on as many threads); ``cursors`` is left as it is.
+    Entry ``i`` is written as ``base + i``."""
     cursors = cursors.copy()
-    return sum(run_in_parts(scatter_entries, cursors.shape[0], lengths, cursors, places, values, out, first))
+    return sum(run_in_parts(scatter_entries, cursors.shape[0], lengths, cursors, places, values, out, first, base))
 
 
 def count_by_group(groups: NDArray[np.integer], num_groups: int, threads: int) -> NDArray[np.int64]:
@@ -324,7 +346,7 @@ def _no_pieces() -> tuple[NDArray[np.int64], NDArray[np.int64], NDArray[np.int64
     return none, none, none
 
 
-def _float_sum(values: NDArray[np.float64]) -> float:
+def left_to_right_sum(values: NDArray[np.float64]) -> float:
     """Left-to-right float sum, as the kernels add."""
     total = 0.0
     for value in values.tolist():

@@ -2,7 +2,8 @@
 
 The entries themselves have one of two layouts with the same methods: `LaidOut` (members
 and lengths in memory: pad mode, a warmup, a reshard) or `batchplan.planning.bins.PackedBins`
-(best fit's bins, members laid out only when needed). Formed by
+(best fit's bins, members laid out only when needed; `batchplan.planning.parted_bins.PartedBins`:
+a mixture's parts, each packed on its own). Formed by
 `batchplan.planning.forming`, scheduled by `batchplan.planning.schedule`.
 """
 
@@ -16,6 +17,7 @@ from numpy.typing import NDArray
 from batchplan.kernels.segments import lay_out_segments, range_sums, scatter_segments, segment_destinations
 from batchplan.plan import Members, PackingBound, index_dtype
 from batchplan.planning.bins import PackedBins
+from batchplan.planning.parted_bins import PartedBins
 from batchplan.planning.destinations import Destinations, check_written
 from batchplan.planning.buffers import new_buffer, scratch_or_new
 
@@ -113,8 +115,8 @@ class MicroBatches:
     up; `release_lengths` lets laid-out lengths go once what is needed of them is known.
     """
 
-    def __init__(self, layout: LaidOut | PackedBins) -> None:
-        self.layout: LaidOut | PackedBins = layout
+    def __init__(self, layout: LaidOut | PackedBins | PartedBins) -> None:
+        self.layout: LaidOut | PackedBins | PartedBins = layout
         self._base_tokens = layout.tokens if isinstance(layout, PackedBins) else None
         self._extra = np.zeros((0, 3), dtype=np.int64)  # rows (start, end, tokens)
         self._joined_cache: tuple[NDArray[np.int64], NDArray[np.int64]] | None = None
@@ -126,8 +128,8 @@ class MicroBatches:
         return cls(LaidOut(members, lengths, starts, ends))
 
     @classmethod
-    def of_bins(cls, packed: PackedBins) -> MicroBatches:
-        """Micro-batch ``k`` = bin ``k``."""
+    def of_bins(cls, packed: PackedBins | PartedBins) -> MicroBatches:
+        """Micro-batch ``k`` = bin ``k`` (of every part, one part after another)."""
         return cls(packed)
 
     @property
@@ -169,7 +171,7 @@ class MicroBatches:
         return self._laid_out().lengths
 
     def _laid_out(self) -> LaidOut:
-        if isinstance(self.layout, PackedBins):
+        if not isinstance(self.layout, LaidOut):
             starts, ends = self.layout.starts, self.layout.ends
             self.layout = LaidOut(*self.layout.members(use_up=True), starts, ends)
         return self.layout
@@ -228,7 +230,7 @@ class MicroBatches:
     def park(self) -> None:
         """Packed bins of a large epoch let the bin of each slot go until it is needed again
         (`batchplan.planning.bins.PackedBins.park`); otherwise nothing changes."""
-        if isinstance(self.layout, PackedBins):
+        if not isinstance(self.layout, LaidOut):
             self.layout.park()
 
     def release_lengths(self) -> None:

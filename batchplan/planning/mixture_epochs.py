@@ -22,6 +22,7 @@ together (docs/mixtures.md).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -33,7 +34,9 @@ from batchplan.mixture import Mixture
 from batchplan.plan import Entries, EpochPlan, index_dtype
 from batchplan.planning.entries import make_entries
 from batchplan.planning.forming import concatenate_parts, form_micro_batches
+from batchplan.planning.bins import PackedBins
 from batchplan.planning.micro_batches import MicroBatches
+from batchplan.planning.parted_bins import PartedBins
 from batchplan.planning.mixture_sizing import SourceSelection, select_sources
 from batchplan.planning.randomness import STREAM_ENTRY_ORDER, STREAM_MICRO_BATCH_ORDER, epoch_rng
 from batchplan.planning.schedule import schedule_epoch
@@ -52,7 +55,8 @@ class MixtureEntries:
         chunk_source: shape (chunks,): the source of each chunk.
         epoch_chunks: shape (epochs + 1,): epoch ``e`` is chunks ``epoch_chunks[e]:epoch_chunks[e + 1]``
             (its sources in order, each source's passes in order).
-        selections: what the run uses of each source (`mixture_sizing.SourceSelection`).
+        selections: what the run uses of each source (`mixture_sizing.SourceSelection`,
+            without their orders: the entries hold them).
     """
 
     entries: Entries
@@ -67,13 +71,17 @@ class MixtureEntries:
         return int(self.entries.length[first:last].sum(dtype=np.int64))
 
 
-def sizing_lengths(lengths: NDArray[np.integer], config: PlanConfig) -> NDArray[np.int64]:
+def sizing_lengths(lengths: NDArray[np.integer], config: PlanConfig) -> NDArray[np.integer]:
     """The tokens each sample brings to a source's target: 0 for what the build drops
-    (empty, and oversize under ``drop``), ``max_tokens`` for a truncated sample."""
-    sized = np.asarray(lengths).astype(np.int64)
+    (empty, and oversize under ``drop``), ``max_tokens`` for a truncated sample; in the
+    lengths' own dtype, and ``lengths`` itself when no sample changes."""
+    lengths = np.asarray(lengths)
+    if config.oversize not in ("drop", "truncate") or int(lengths.max(initial=0)) <= config.max_tokens:
+        return lengths
+    sized = lengths.copy()
     if config.oversize == "drop":
         sized[sized > config.max_tokens] = 0
-    elif config.oversize == "truncate":
+    else:
         np.minimum(sized, config.max_tokens, out=sized)
     return sized
 
@@ -104,6 +112,7 @@ def prepare_mixture_entries(
     selections = select_sources(mixture, sizing_lengths(lengths, config), offsets, seed=config.seed, threads=threads)
     chunks, chunk_source, epoch_chunks = [], [], [0]
     cuts = [_epoch_cuts(selection.order, lengths, config.epochs) for selection in selections]
+    # The sources' orders are copied into the entries below, then let go (4 bytes per use).
     for epoch in range(config.epochs):
         for source, selection in enumerate(selections):
             part = slice(int(cuts[source][epoch]), int(cuts[source][epoch + 1]))
@@ -116,6 +125,8 @@ def prepare_mixture_entries(
         raise DatasetError("the mixture selects no samples: give its sources tokens, or raise their weights")
     use_bounds = np.zeros(len(chunks) + 1, dtype=np.int64)
     np.cumsum([chunk.shape[0] for chunk in chunks], out=use_bounds[1:])
+    del chunks
+    selections = tuple(selection.without_order() for selection in selections)
     use_loss = None if loss_tokens is None else np.asarray(loss_tokens)[uses]
     entries, chunk_bounds = _to_samples(make_entries(lengths[uses], config, use_loss), uses, use_bounds)
     if entries.num_entries == 0:
@@ -170,49 +181,77 @@ def plan_mixture_epoch(
     entries = mixture.entries
     rng = epoch_rng(config.seed, epoch, STREAM_ENTRY_ORDER)
     order_rng = epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER)
-    parts = []  # (source, micro-batches, their entries, their order), a source's passes in order
+    parts = []  # a source's passes in order
     for chunk in range(int(mixture.epoch_chunks[epoch]), int(mixture.epoch_chunks[epoch + 1])):
         first, last = int(mixture.chunk_bounds[chunk]), int(mixture.chunk_bounds[chunk + 1])
         if last > first:
-            formed = form_micro_batches(entries.length[first:last], config, rng, threads)
-            ids = np.arange(first, last, dtype=np.int64)
-            parts.append((int(mixture.chunk_source[chunk]), formed, ids, order_rng.permutation(formed.count)))
+            formed = form_micro_batches(entries.length[first:last], config, rng, _part_threads(last - first, threads))
+            parts.append(_Part(int(mixture.chunk_source[chunk]), formed, first, last - first,
+                               order_rng.permutation(formed.count)))  # fmt: skip
     if not parts:
         raise DatasetError(f"epoch {epoch} of the mixture holds no samples; use fewer epochs")
     weights = np.array([selection.weight for selection in mixture.selections], dtype=np.float64)
-    batches, steps = _composed(parts, entries.num_entries, config, tokens_before, weights)
-    plan = schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before, ordered=batches.count,
-                          steps=steps, threads=threads)  # fmt: skip
-    return dataclasses.replace(plan, source=_row_sources(plan, mixture, epoch))
+    batches, steps, order = _composed(parts, entries.num_entries, config, tokens_before, weights)
+    bounds = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum([part.entries for part in parts], out=bounds[1:])
+    sources = (bounds, np.array([part.source for part in parts], dtype=np.int16))
+    return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before, order=order, steps=steps,
+                          sources=sources, threads=threads)  # fmt: skip
+
+
+class _Part(NamedTuple):
+    """A chunk's micro-batches: its source, its formed micro-batches over its ``entries``
+    entries from ``first`` on, and their seeded order."""
+
+    source: int
+    batches: MicroBatches
+    first: int
+    entries: int
+    order: NDArray[np.int64]
+
+
+def _part_threads(entries: int, threads: int) -> int:
+    """Threads for a part's kernels: one below 2^18 entries (threads would cost more than they save)."""
+    return threads if entries >= 1 << 18 else 1
 
 
 def _composed(parts, num_entries: int, config: PlanConfig, tokens_before: int, weights: NDArray[np.float64]):
-    """Every part's micro-batches in one `MicroBatches`, in the steps `compose_steps` makes of
-    them (a source's parts one after another in its queue), and the steps' bounds.
+    """Every part's micro-batches in one `MicroBatches` (packed: `PartedBins`, the parts' bins
+    as they are; padded: laid out one part after another), the order `compose_steps` gives
+    them (a source's queue: its parts' micro-batches one part after another, each part's in a
+    seeded order) and the steps' bounds over that order.
 
     Every step holds each source within ``max_tokens`` of the mixture's weight (validate's
     check; a billionth inside it, against rounding), and deficits are counted against the
     epoch's own shares (its sources' tokens over its tokens, within a document of the
     weights), so that every source runs out with the epoch's last step."""
-    sources = sorted({source for source, *_ in parts})
-    by_source = [[part for part in parts if part[0] == source] for source in sources]
-    ordered = [part for group in by_source for part in group]  # stable: passes stay in order
-    joined = concatenate_parts([(formed, ids, order) for _, formed, ids, order in ordered], num_entries)
-    counts = np.array([sum(part[1].count for part in group) for group in by_source], dtype=np.int64)
+    if all(isinstance(part.batches.layout, PackedBins) for part in parts):
+        layout = PartedBins([part.batches.layout for part in parts], [part.first for part in parts], num_entries)
+        batches = MicroBatches.of_bins(layout)
+        packings = [part.batches.packing for part in parts]
+        batches.packing = sum(packings[1:], packings[0])
+    else:
+        laid = [(part.batches, part.first + np.arange(part.entries, dtype=np.int64), np.arange(part.batches.count))
+                for part in parts]  # fmt: skip
+        batches = concatenate_parts(laid, num_entries)
+    base = np.zeros(len(parts) + 1, dtype=np.int64)
+    np.cumsum([part.batches.count for part in parts], out=base[1:])
+    queue = np.concatenate([base[index] + part.order for index, part in enumerate(parts)])  # parts are source by source
+    sources = sorted({part.source for part in parts})
+    counts = np.array([sum(part.batches.count for part in parts if part.source == source) for source in sources],
+                      dtype=np.int64)  # fmt: skip
     source_offsets = np.zeros(counts.shape[0] + 1, dtype=np.int64)
     np.cumsum(counts, out=source_offsets[1:])
-    tokens = joined.tokens().astype(np.int64)
+    tokens = batches.tokens().astype(np.int64)[queue]
     source_tokens = np.add.reduceat(tokens, source_offsets[:-1]).astype(np.float64)
     shares = source_tokens / max(float(source_tokens.sum()), 1.0)
     asked = weights[sources] / max(float(weights[sources].sum()), 1e-300)
     sizing = _sizing(config, tokens_before, float(tokens.mean()) if tokens.shape[0] else 0.0)
-    order = np.empty(joined.count, dtype=np.int64)
-    steps = np.empty(joined.count + 1, dtype=np.int64)
+    order = np.empty(queue.shape[0], dtype=np.int64)
+    steps = np.empty(queue.shape[0] + 1, dtype=np.int64)
     num_steps = compose_steps(source_offsets, tokens, asked, shares, config.world_size, config.max_tokens * (1 - 1e-9),
                               sizing, order, steps)  # fmt: skip
-    batches = MicroBatches.of_ranges(joined.members, joined.lengths, joined.starts[order], joined.ends[order])
-    batches.packing = joined.packing
-    return batches, steps[: num_steps + 1].copy()
+    return batches, steps[: num_steps + 1].copy(), queue[order]
 
 
 def _sizing(config: PlanConfig, tokens_before: int, mean_tokens: float) -> NDArray[np.float64]:
@@ -227,14 +266,3 @@ def _sizing(config: PlanConfig, tokens_before: int, mean_tokens: float) -> NDArr
     start = float(config.rampup_start) if config.has_rampup else full
     ramp = config.rampup_tokens if config.has_rampup else 0
     return np.array([0, tokens_before, start, full, ramp, per_step or 0], dtype=np.float64)
-
-
-def _row_sources(plan: EpochPlan, mixture: MixtureEntries, epoch: int) -> NDArray[np.int16]:
-    """The source of each row: that of the chunk its first member is in; -1 when empty."""
-    first = plan.offsets[:-1]
-    has = plan.offsets[1:] > first
-    source = np.full(plan.num_rows, -1, dtype=np.int16)
-    starts = plan.members[first[has]].astype(np.int64)
-    chunk = np.searchsorted(mixture.chunk_bounds, starts, side="right") - 1
-    source[has] = mixture.chunk_source[chunk]
-    return source

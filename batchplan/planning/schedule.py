@@ -41,6 +41,8 @@ def schedule_epoch(
     threads: int = 1,
     costs: NDArray[np.float64] | None = None,
     steps: NDArray[np.int64] | None = None,
+    order: NDArray[np.integer] | None = None,
+    sources: tuple[NDArray[np.int64], NDArray[np.int16]] | None = None,
 ) -> EpochPlan:
     """Steps 2-5 of the module docstring for formed micro-batches: shuffle them, complete
     or drop the last round, form balanced steps, assign ranks. ``batches`` may be
@@ -55,8 +57,13 @@ def schedule_epoch(
             (a resharded plan's micro-batches, whose entries stand for whole micro-batches);
             empty micro-batches added here cost 0. Default: from the entries' lengths.
         steps: the steps' bounds over ``batches`` in their order, made by the caller (a
-            mixture's composed steps, with ``ordered`` all of them); the last step also takes
+            mixture's composed steps, with ``order``); the last step also takes
             what completes its last round. Default: cut here (`steps.cut_steps`).
+        order: the order of every micro-batch, all kept (a mixture's composed steps; with
+            ``steps``); default: the first ``ordered`` in their order, the rest shuffled.
+        sources: a mixture's ``(bounds, source)``: member space ``bounds[k]:bounds[k + 1]``
+            (as formed) holds source ``source[k]``; each row gets the source of its first
+            member (-1 when empty) as the plan's ``source``.
     """
     if config.has_rampup and tokens_before is None:
         raise ConfigError(
@@ -64,7 +71,9 @@ def schedule_epoch(
             "which were not given (resharding a plan built with --rampup is not supported yet)"
         )
     sizing = StepSizing.of(config, tokens_before or 0, batches)
-    room, schedule, num_full, dropped = _shuffle(batches, config, epoch, ordered, threads)
+    if order is not None:
+        ordered = int(order.shape[0])
+    room, schedule, num_full, dropped = _shuffle(batches, config, epoch, ordered, threads, order)
     compute = None if config.cost_coefficient is None else _costs_of(batches, config, costs)
     # What is needed of the entries' lengths is known now (tokens, longest): let them go.
     longest = batches.longest() if config.mode == "pad" else None
@@ -89,16 +98,17 @@ def schedule_epoch(
         step_offsets = cut_steps(at.tokens, config, sizing)
     rows = Rows.lay_out(config, batches, at, step_offsets, longest, loss, threads)
     del at, longest, loss  # not needed once the rows are laid out
-    return _assemble(config, epoch, batches, rows, dropped, threads)
+    return _assemble(config, epoch, batches, rows, dropped, threads, sources)
 
 
-def _shuffle(batches: MicroBatches, config: PlanConfig, epoch: int, ordered: int, threads: int):
-    """The micro-batches after the first ``ordered`` shuffled, and the epoch's end completed or
-    dropped (`epoch_end`): ``(room, schedule, whole rounds' micro-batches, dropped entries)``;
-    the schedule is written in ``room``, which has room to complete the last round in place."""
+def _shuffle(batches: MicroBatches, config: PlanConfig, epoch: int, ordered: int, threads: int, order=None):
+    """The micro-batches after the first ``ordered`` shuffled (or all in ``order``), and the
+    epoch's end completed or dropped (`epoch_end`): ``(room, schedule, whole rounds'
+    micro-batches, dropped entries)``; the schedule is written in ``room``, which has room to
+    complete the last round in place."""
     room = np.empty(batches.count + config.world_size, dtype=index_dtype(batches.count + config.world_size))
     schedule = room[: batches.count]
-    schedule[:ordered] = np.arange(ordered)
+    schedule[:ordered] = np.arange(ordered) if order is None else order
     permute(epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER), schedule[ordered:], first=ordered, threads=threads)
     dropped = None  # under drop_last with a ramp-up: decided on the final steps
     if config.drop_last:
@@ -156,11 +166,13 @@ class Rows:
         return cls(order, values, padded, None if at.compute is None else cost, rank_rows, step_sums)
 
 
-def _assemble(config: PlanConfig, epoch: int, batches: MicroBatches, rows: Rows, dropped, threads: int) -> EpochPlan:
+def _assemble(config: PlanConfig, epoch: int, batches: MicroBatches, rows: Rows, dropped, threads: int,
+              sources) -> EpochPlan:  # fmt: skip
     """The epoch's plan: the rows, and the members laid out in row order. The micro-batches
     are used up, and each array is let go as soon as it is used, before the members are made."""
     tokens, loss_tokens = rows.values
     batch_of_row, sizes = rows.order
+    source = None if sources is None else _row_sources(batches.starts[batch_of_row], sizes, *sources)
     where = batches.destinations(batch_of_row, sizes, threads)
     del batch_of_row, sizes
     rows.order = None
@@ -184,4 +196,11 @@ def _assemble(config: PlanConfig, epoch: int, batches: MicroBatches, rows: Rows,
         step_loss_tokens=rows.step_sums[1],
         dropped_entries=dropped,
         packing=packing,
+        source=source,
     )
+
+
+def _row_sources(starts, sizes, bounds: NDArray[np.int64], source: NDArray[np.int16]) -> NDArray[np.int16]:
+    """The source of the range of member space each row's first member lies in; -1 when empty."""
+    part = np.searchsorted(bounds, starts, side="right") - 1
+    return np.where(sizes > 0, source[np.clip(part, 0, source.shape[0] - 1)], -1).astype(np.int16)
