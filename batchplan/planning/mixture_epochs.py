@@ -161,7 +161,9 @@ def _to_samples(over_uses: Entries, uses: NDArray[np.integer], use_bounds: NDArr
     """Entries whose ``sample`` is the global sample (not the use), drops listed by sample,
     and the entry bounds of every (epoch, source) part."""
     use_of_entry = over_uses.sample
-    if use_of_entry is None:
+    one_each = use_of_entry is not None and use_of_entry.shape[0] == uses.shape[0]
+    if use_of_entry is None or (one_each and not any(which.size for which in over_uses.dropped.values())):
+        # Every use is one entry, in order (spans of truncated samples included): no gather.
         bounds = use_bounds
         sample = uses
     else:
