@@ -17,6 +17,10 @@ plan = batchplan.build_plan(lengths, batchplan.PlanConfig(max_tokens=8192, world
 batchplan.write_plan(plan, "plan.arrow", lengths_fingerprint=batchplan.fingerprint_lengths(lengths))
 ```
 
+Inside a training loop whose lengths exist only at run time (RL rollouts, dynamic
+batching), ``batchplan.plan_batch(lengths, world_size, max_tokens)`` splits one batch into
+each rank's micro-batches with the same guarantees (docs/online.md).
+
 Training replays a plan with `batchplan.runtime` (``PlanSampler``, collators). Importing
 this package is light (no numba, torch or typer): the functions above load their
 modules when first used.
@@ -48,12 +52,14 @@ if TYPE_CHECKING:
     from batchplan.operations.build_mixture import build_mixture_plan_file
     from batchplan.operations.reshard import reshard_plan_file
     from batchplan.operations.validate import Violation, validate_plan
+    from batchplan.planning.batch import BatchPlan, plan_batch
     from batchplan.planning.epochs import build_plan
 
 __version__ = "0.1.0"
 
 # The top-level API, each name loaded from its module on first use.
 _LAZY = {
+    "BatchPlan": "batchplan.planning.batch",
     "Mixture": "batchplan.mixture",
     "MixtureSource": "batchplan.mixture",
     "OpenedPlan": "batchplan.formats.plan_file",
@@ -65,6 +71,7 @@ _LAZY = {
     "build_plan_file": "batchplan.operations.build",
     "fingerprint_lengths": "batchplan.formats.lengths",
     "open_plan": "batchplan.formats.opening",
+    "plan_batch": "batchplan.planning.batch",
     "read_lengths": "batchplan.formats.lengths",
     "read_mixture": "batchplan.formats.mixture_file",
     "reshard_plan_file": "batchplan.operations.reshard",
@@ -73,6 +80,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "BatchPlan",
     "BatchPlanError",
     "ConfigError",
     "DatasetError",
@@ -91,6 +99,7 @@ __all__ = [
     "build_plan_file",
     "fingerprint_lengths",
     "open_plan",
+    "plan_batch",
     "read_lengths",
     "read_mixture",
     "reshard_plan_file",

@@ -19,7 +19,7 @@ from batchplan.planning.threads import run_in_parts
 __all__ = [
     "STREAM_ENTRY_ORDER", "STREAM_MICRO_BATCH_ORDER", "STREAM_ROUND_ORDER", "STREAM_SEQLEN_WARMUP", "KeyStream",
     "epoch_rng", "permute", "shuffle_by_group", "unshuffle_by_group",
-    "STREAM_SOURCE_PASS", "source_pass_rng",
+    "STREAM_SOURCE_PASS", "source_pass_rng", "STREAM_BATCH_ORDER", "batch_rng",
 ]  # fmt: skip
 
 # Keys drawn at a time when a `KeyStream` is read: 1 MiB (small beside any array of one
@@ -56,6 +56,15 @@ def source_pass_rng(seed: int, source_name: str, pass_index: int) -> np.random.G
     other sources are added, removed or reordered."""
     digest = int.from_bytes(hashlib.sha256(source_name.encode("utf-8")).digest()[:8], "little")
     return np.random.default_rng(np.random.SeedSequence([seed, STREAM_SOURCE_PASS, digest, pass_index]))
+
+
+# `batchplan.planning.batch.plan_batch`'s draws: one batch planned in the training loop.
+STREAM_BATCH_ORDER = 5
+
+
+def batch_rng(seed: int) -> np.random.Generator:
+    """The stream of one `plan_batch` call: ``SeedSequence([seed, 0, STREAM_BATCH_ORDER])``."""
+    return epoch_rng(seed, 0, STREAM_BATCH_ORDER)
 
 
 # Permutations of fewer items run on one thread (~2^18: a few milliseconds of work, where

@@ -1,0 +1,360 @@
+"""`plan_batch` beside verl's and OpenRLHF's micro-batch balancing, on the same batches.
+
+The peers are not dependencies of batchplan. Only their balancing module is imported (pure
+Python and torch, on CPU), from the wheels as the package index ships them:
+
+    mkdir -p /tmp/peers && cd /tmp/peers && pip download --no-deps verl openrlhf
+    unzip -q -o verl-*.whl -d verl && unzip -q -o openrlhf-*.whl -d openrlhf && cd -
+    .venv/bin/python -m bench.online --peers /tmp/peers            # every case, table
+    .venv/bin/python -m bench.online --speed                       # 65,536 sequences on 512 ranks
+    .venv/bin/python -m bench.online --cold                        # first call in a fresh process
+
+What each planner does with one global batch (what their trainers run, the ranks' all-reduces
+played in one process):
+
+- batchplan: ``plan_batch(lengths, W, max_tokens, attention_coefficient=1/24576)`` (verl's
+  workload ``24576 L + L^2``, divided by 24,576); with ``groups`` too for the GRPO case.
+- verl 0.9: ``_balance_batch``: ``get_seqlen_balanced_partitions(workload, W, equal_size=True)``
+  (Karmarkar-Karp); then on each rank ``rearrange_micro_batches(batch, max_tokens)`` with the
+  ranks' micro-batch count synchronised as its ``dp_group`` all-reduce does (the largest count,
+  and again while a rank's partition breaks the cap).
+- OpenRLHF 0.11: an equal share per rank (``get_seqlen_balanced_partitions(lengths, W,
+  equal_size=True)``, the local batch its replay buffer slices), then per rank
+  ``get_minimum_num_micro_batch_size`` (first fit), the largest over ranks (its all-reduce),
+  and ``get_seqlen_balanced_partitions(lengths, count, equal_size=False)``.
+
+Reported per planner and case: micro-batches over the cap, whether every rank runs the same
+count, samples dropped or repeated, empty micro-batches, the busiest rank's cost over the mean
+(cost = L + L^2 / 24,576 per sequence), the same in lockstep (sum over micro-batch positions of
+the costliest rank's micro-batch, over the mean: FSDP waits at every forward), groups split
+over micro-batches (GRPO case), and time: batchplan one call (every rank makes the same call);
+a peer, its global balance plus its slowest rank's micro-batching (the ranks run in parallel).
+Best of ``--repeats``, planners interleaved (A B A B); the load average is printed beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO.parent / "shared" / "data"  # ../shared/data beside the checkout
+WORKLOAD = 24576  # verl's calculate_workload: 24576 L + L^2
+COEFFICIENT = 1 / WORKLOAD
+
+
+def load_lengths(name: str) -> np.ndarray:
+    return pq.read_table(DATA / f"{name}.parquet", columns=["length"])["length"].to_numpy().astype(np.int64)
+
+
+def grpo_batch(prompts: int, generations: int, seed: int = 0):
+    """A GRPO step: ``prompts`` prompts (ShareGPT segments, at most 2,048 tokens) each with
+    ``generations`` responses (ShareGPT dialogues, at most 6,144): sequence = prompt + response."""
+    rng = np.random.default_rng(seed)
+    prompt = np.minimum(rng.choice(load_lengths("sharegpt_segments_cl100k"), prompts), 2048)
+    response = np.minimum(rng.choice(load_lengths("sharegpt_dialogues_cl100k"), prompts * generations), 6144)
+    return np.repeat(prompt, generations) + response, np.repeat(np.arange(prompts), generations)
+
+
+def cases() -> dict[str, tuple]:
+    """name -> (lengths, world_size, max_tokens, groups)."""
+    rng = np.random.default_rng(31)
+    grpo, groups = grpo_batch(512, 8)
+    return {
+        "grpo 512x8, 8 ranks": (grpo, 8, 16384, groups),
+        "grpo 512x8, 64 ranks": (grpo, 64, 16384, groups),
+        # verl #6176: shares needing different counts (a few at the cap, many short)
+        "unequal counts": (np.concatenate([np.full(8, 8192), rng.integers(1, 128, 1016)]), 8, 8192, None),
+        # verl #6735: balancing on L^2 puts many short sequences beside a long one's cost
+        "quadratic over cap": (np.concatenate([np.full(8, 8000), np.full(504, 64)]), 8, 8192, None),
+        # OpenRLHF #1296: a batch that does not divide by the ranks
+        "not divisible": (rng.integers(100, 4000, 1020), 8, 8192, None),
+        # slime #1860: fewer sequences than ranks
+        "fewer than ranks": (np.array([4000, 300, 20]), 8, 8192, None),
+    }
+
+
+# ---------------------------------------------------------------- the peers' modules
+
+
+def find_module(root: Path, package: str) -> Path:
+    found = sorted(root.glob(f"**/{package}/utils/seqlen_balancing.py"))
+    if not found:
+        raise FileNotFoundError(f"no {package}/utils/seqlen_balancing.py under {root}; see this module's docstring")
+    return found[0]
+
+
+def import_file(name: str, path: Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def import_verl(root: Path) -> types.ModuleType:
+    """verl's seqlen_balancing with its three verl imports stood in for (it uses them only to
+    slice a TensorDict and name the device)."""
+    stubs = {
+        "verl": types.ModuleType("verl"),
+        "verl.protocol": types.ModuleType("verl.protocol"),
+        "verl.utils": types.ModuleType("verl.utils"),
+        "verl.utils.tensordict_utils": types.ModuleType("verl.utils.tensordict_utils"),
+        "verl.utils.device": types.ModuleType("verl.utils.device"),
+    }
+    stubs["verl.protocol"].DataProto = object
+    stubs["verl.utils.tensordict_utils"].index_select_tensor_dict = lambda batch, indices: indices
+    stubs["verl.utils.device"].get_device_name = lambda: "cpu"
+    stubs["verl.utils"].tensordict_utils = stubs["verl.utils.tensordict_utils"]
+    saved = {name: sys.modules.get(name) for name in stubs}
+    sys.modules.update(stubs)
+    try:
+        return import_file("verl_seqlen_balancing", find_module(root, "verl"))
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+class _Nested:
+    """What rearrange_micro_batches reads of ``input_ids``: a nested tensor's offsets."""
+
+    is_nested = True
+
+    def __init__(self, lengths):
+        import torch
+
+        self._offsets = torch.tensor(np.concatenate(([0], np.cumsum(lengths))))
+
+    def offsets(self):
+        return self._offsets
+
+
+def run_verl(verl, lengths, world_size, max_tokens):
+    """Returns (ranks: list of lists of micro-batches, seconds on the critical path)."""
+    import torch
+
+    start = time.perf_counter()
+    workload = verl.calculate_workload(torch.tensor(lengths)).tolist()
+    shares = verl.get_seqlen_balanced_partitions(workload, k_partitions=world_size, equal_size=True)
+    balance_s = time.perf_counter() - start
+    batches = [{"input_ids": _Nested(lengths[share])} for share in shares]
+    count, slowest = None, 0.0
+    while True:  # the dp all-reduce of the count, played out: every rank again at the largest
+        counts, ranks, slowest = [], [], 0.0
+        for share, batch in zip(shares, batches):
+            start = time.perf_counter()
+            _, indices = verl.rearrange_micro_batches(batch, max_tokens, min_num_micro_batch=count)
+            slowest = max(slowest, time.perf_counter() - start)
+            ranks.append([[share[i] for i in micro] for micro in indices])
+            counts.append(len(indices))
+        if count is not None and max(counts) == count:
+            return ranks, balance_s + slowest
+        count = max(counts)
+
+
+def run_openrlhf(openrlhf, lengths, world_size, max_tokens):
+    start = time.perf_counter()
+    shares = openrlhf.get_seqlen_balanced_partitions(lengths.tolist(), world_size, equal_size=True)
+    balance_s = time.perf_counter() - start
+    slowest, counts = 0.0, []
+    for share in shares:
+        start = time.perf_counter()
+        counts.append(openrlhf.get_minimum_num_micro_batch_size(lengths[share].tolist(), max_tokens, 1, 1))
+        slowest = max(slowest, time.perf_counter() - start)
+    count, ranks, rest = max(counts), [], 0.0
+    for share in shares:
+        start = time.perf_counter()
+        parts = openrlhf.get_seqlen_balanced_partitions(lengths[share].tolist(), count, equal_size=False)
+        rest = max(rest, time.perf_counter() - start)
+        ranks.append([[share[i] for i in part] for part in parts])
+    return ranks, balance_s + slowest + rest
+
+
+def run_batchplan(lengths, world_size, max_tokens, groups=None):
+    from batchplan import plan_batch
+
+    start = time.perf_counter()
+    plan = plan_batch(lengths, world_size, max_tokens, attention_coefficient=COEFFICIENT, groups=groups)
+    seconds = time.perf_counter() - start
+    return [[list(micro) for micro in plan.ranks[r]] for r in range(world_size)], seconds
+
+
+# ---------------------------------------------------------------- judging
+
+
+def judge(ranks, lengths, max_tokens, groups) -> dict:
+    cost = lengths + lengths.astype(np.float64) ** 2 * COEFFICIENT
+    counts = [len(rank) for rank in ranks]
+    seen = np.bincount(np.array([s for rank in ranks for micro in rank for s in micro], dtype=np.int64),
+                       minlength=len(lengths))  # fmt: skip
+    over = sum(int(lengths[micro].sum()) > max_tokens for rank in ranks for micro in rank)
+    rank_costs = np.array([sum(cost[micro].sum() for micro in rank) for rank in ranks])
+    mean = rank_costs.sum() / len(ranks)
+    positions = max(counts)
+    lockstep = sum(max((cost[rank[m]].sum() if m < len(rank) else 0.0) for rank in ranks) for m in range(positions))
+    split_groups = 0
+    if groups is not None:
+        where = {}
+        for r, rank in enumerate(ranks):
+            for m, micro in enumerate(rank):
+                for s in micro:
+                    where.setdefault(groups[s], set()).add((r, m))
+        split_groups = sum(len(places) > 1 for places in where.values())
+    return {
+        "over_cap": int(over),
+        "equal_counts": len(set(counts)) == 1,
+        "micro_batches": positions,
+        "dropped": int((seen == 0).sum()),
+        "repeated": int((seen > 1).sum()),
+        "empty": sum(len(micro) == 0 for rank in ranks for micro in rank),
+        "max_over_mean": float(rank_costs.max() / mean),
+        "bound": lower_bound(cost, len(ranks)),
+        "lockstep_over_mean": float(lockstep / mean),
+        "groups_split": split_groups,
+    }
+
+
+def lower_bound(cost, world_size: int) -> float:
+    """No assignment of these sequences has a lower max/mean: the mean, the costliest, and
+    two of the ``world_size + 1`` costliest on one rank."""
+    mean = cost.sum() / world_size
+    largest = -np.sort(-cost)[: world_size + 1]
+    bound = max(mean, largest[0], largest[world_size - 1] + largest[world_size] if len(largest) > world_size else 0)
+    return float(bound / mean)
+
+
+def run_case(name, case, planners, repeats: int) -> list[dict]:
+    lengths, world_size, max_tokens, groups = case
+    rows = {key: {"case": name, "planner": key, "seconds": float("inf")} for key in planners}
+    for key, planner in planners.items():  # untimed: loads numba's kernels, warms Python's caches
+        try:
+            planner(lengths, world_size, max_tokens, groups)
+        except Exception:  # noqa: BLE001 -- reported by the timed runs
+            pass
+    for _ in range(repeats):  # interleaved: A B A B
+        for key, planner in planners.items():
+            try:
+                ranks, seconds = planner(lengths, world_size, max_tokens, groups)
+            except Exception as error:  # noqa: BLE001 -- a peer that fails on a batch is a result
+                rows[key]["error"] = f"{type(error).__name__}: {' '.join(str(error).split())[:120]}"
+                continue
+            rows[key]["seconds"] = min(rows[key]["seconds"], seconds)
+            rows[key].update(judge(ranks, lengths, max_tokens, groups))
+    return list(rows.values())
+
+
+def planners_for(peers: Path | None) -> dict:
+    planners = {
+        "batchplan": lambda lengths, w, cap, groups: run_batchplan(lengths, w, cap),
+        "batchplan, groups": lambda lengths, w, cap, groups: run_batchplan(lengths, w, cap, groups),
+    }
+    if peers is not None:
+        verl = import_verl(peers)
+        openrlhf = import_file("openrlhf_seqlen_balancing", find_module(peers, "openrlhf"))
+        planners["verl"] = lambda lengths, w, cap, groups: run_verl(verl, lengths, w, cap)
+        planners["openrlhf"] = lambda lengths, w, cap, groups: run_openrlhf(openrlhf, lengths, w, cap)
+    return planners
+
+
+# ---------------------------------------------------------------- speed
+
+
+def speed(repeats: int, sequences: int = 65536, world_size: int = 512, max_tokens: int = 16384) -> dict:
+    """Warm ``plan_batch`` on one core: GRPO-like lengths, best of ``repeats``."""
+    from batchplan import plan_batch
+
+    lengths, _ = grpo_batch(sequences // 8, 8, seed=1)
+    plan_batch(lengths[:100], 4, max_tokens)  # loads the kernels
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        plan = plan_batch(lengths, world_size, max_tokens, attention_coefficient=COEFFICIENT)
+        times.append(time.perf_counter() - start)
+    return {"sequences": sequences, "world_size": world_size, "max_tokens": max_tokens, "best_ms": min(times) * 1e3,
+            "median_ms": float(np.median(times)) * 1e3, "num_micro": plan.num_micro, "balance": plan.balance}  # fmt: skip
+
+
+COLD = """
+import time
+start = time.perf_counter()
+import numpy as np
+import batchplan
+lengths = np.random.default_rng(0).integers(1, 8192, 4096)
+plan = batchplan.plan_batch(lengths, 8, 16384, hidden_size=4096)
+print(time.perf_counter() - start)
+"""
+
+
+def cold(repeats: int) -> dict:
+    """Seconds of a fresh process from its first line to the first result, imports included
+    (and the interpreter's start, measured outside): with numba's cache empty (compiles) and
+    filled (loads the kernels)."""
+    out = {"empty_cache": [], "warm_cache": [], "warm_cache_process_s": []}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
+        for key in ["empty_cache"] + ["warm_cache"] * repeats:
+            start = time.perf_counter()
+            done = subprocess.run([sys.executable, "-c", COLD], env=env, capture_output=True, text=True, check=True)
+            out[key].append(float(done.stdout.split()[-1]))
+            if key == "warm_cache":
+                out["warm_cache_process_s"].append(time.perf_counter() - start)
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    header = ("case", "planner", "over cap", "equal counts", "micro", "dropped", "repeated", "empty",
+              "max/mean", "bound", "lockstep", "groups split", "ms")  # fmt: skip
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    for row in rows:
+        if "over_cap" not in row:
+            print(f"{row['case']} | {row['planner']} | fails: {row.get('error', '?')}" + " |" * (len(header) - 3))
+            continue
+        print(f"{row['case']} | {row['planner']} | {row['over_cap']} | {'yes' if row['equal_counts'] else 'NO'} | "
+              f"{row['micro_batches']} | {row['dropped']} | {row['repeated']} | {row['empty']} | "
+              f"{row['max_over_mean']:.6f} | {row['bound']:.6f} | {row['lockstep_over_mean']:.4f} | {row['groups_split']} | "
+              f"{row['seconds'] * 1e3:.1f}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", type=Path, help="folder with the unpacked verl and openrlhf wheels")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--speed", action="store_true", help="65,536 sequences on 512 ranks, warm")
+    parser.add_argument("--cold", action="store_true", help="first call in a fresh process")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+    report = {"load_before": Path("/proc/loadavg").read_text().split()[:3]}
+    if args.speed:
+        report["speed"] = speed(args.repeats)
+    elif args.cold:
+        report["cold"] = cold(args.repeats)
+    else:
+        planners = planners_for(args.peers)
+        report["rows"] = [row for name, case in cases().items() for row in run_case(name, case, planners, args.repeats)]
+    report["load_after"] = Path("/proc/loadavg").read_text().split()[:3]
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    elif "rows" in report:
+        print_table(report["rows"])
+        print(f"load average before {' '.join(report['load_before'])}, after {' '.join(report['load_after'])}")
+    else:
+        print(json.dumps(report, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
