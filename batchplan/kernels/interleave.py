@@ -4,9 +4,11 @@ Step by step: a step of ``seats`` micro-batches (a fixed number of rounds, or th
 whose tokens come nearest a token target, which a ramp-up grows) takes ``n_s`` micro-batches
 from the front of each source's queue. Each ``n_s`` is kept where the source's tokens in the
 step lie within ``max_tokens`` of ``weight_s x`` the step's tokens (a window two micro-batches
-wide, which always holds a count): every source first takes the count in its window that
-brings it nearest its share of the run so far, then places are added to the source furthest
-behind that share (or taken from the one furthest ahead), within windows where they can. The step's
+wide, which always holds a count): every source first takes the least count of its window,
+then places go one at a time to the micro-batch that finishes first on its source's clock
+(its tokens over its share) among sources not ahead of their share, within windows where
+they can: worst-case fair weighted fair queueing (WF2Q, Bennett and Zhang 1996), so that
+no source drifts from its share of the epoch by more than a step. The step's
 tokens, on which the windows depend, are found by iterating from an estimate (at most four
 times); a last repair moves micro-batches while a source misses its window.
 O(n x sources) per pass.
@@ -133,10 +135,8 @@ def _compose(seats, mean, tokens, cursor, source_offsets, weights, shares, taken
     for _ in range(_PASSES):
         for source in range(num_sources):
             low[source], high[source] = _window(prefix[source], avail[source], weights[source] * estimate, max_tokens)
-            # Within the window, the count nearest the source's share of the run after the step.
-            wanted = shares[source] * (so_far + estimate) - taken[source]
-            count[source] = _nearest(prefix[source], low[source], high[source], wanted)
-        _fit(seats, prefix, shares, taken, so_far + estimate, avail, low, high, count)
+            count[source] = low[source]
+        _fit(seats, prefix, shares, taken, so_far, avail, low, high, count)
         step_tokens = 0.0
         for source in range(num_sources):
             step_tokens += prefix[source, count[source]]
@@ -162,42 +162,48 @@ def _window(prefix, avail, target, max_tokens):
 
 
 @njit(cache=True, nogil=True)
-def _nearest(prefix, low, high, wanted):
-    best, best_off = low, np.inf
-    for n in range(low, high + 1):
-        off = abs(prefix[n] - wanted)
-        if off < best_off:
-            best, best_off = n, off
-    return best
+def _fit(seats, prefix, shares, taken, so_far, avail, low, high, count):
+    """Bring the counts to ``seats`` a micro-batch at a time, within windows where it can.
 
-
-@njit(cache=True, nogil=True)
-def _fit(seats, prefix, shares, taken, after, avail, low, high, count):
-    """Bring the counts to ``seats``: a place to the source furthest behind its share of the
-    ``after`` tokens of the run at the step's end (or out of the one furthest ahead), within
-    windows where it can."""
+    Added: of the sources not ahead of their share of the run (``so_far`` tokens before the
+    step, and those placed), the next micro-batch that finishes first on its source's clock
+    (its source's tokens after it, over the source's share); taken back: the placed one
+    that finishes last. This is worst-case fair weighted fair queueing (WF2Q): each source
+    stays within a micro-batch of its share of the run at every step."""
     num_sources = shares.shape[0]
     placed = 0
+    now = so_far
     for source in range(num_sources):
         placed += count[source]
+        now += prefix[source, count[source]]
     while placed != seats:
         grow = placed < seats
         best, best_key = -1, -np.inf
-        for bounded in (True, False):
+        for tier in range(4):  # within windows and not ahead; within windows; not ahead; any
+            bounded, eligible = tier < 2, tier % 2 == 0
             for source in range(num_sources):
                 n = count[source]
                 if grow and (n >= avail[source] or (bounded and n >= high[source])):
                     continue
                 if not grow and (n <= 0 or (bounded and n <= low[source])):
                     continue
-                behind = shares[source] * after - taken[source] - prefix[source, n]
-                key = behind if grow else -behind
+                done = taken[source] + prefix[source, n]
+                if grow and eligible and done > shares[source] * now:
+                    continue
+                clock = max(shares[source], 1e-300)
+                key = -(taken[source] + prefix[source, n + 1]) / clock if grow else done / clock
                 if key > best_key:
                     best, best_key = source, key
             if best >= 0:
                 break
-        count[best] += 1 if grow else -1
-        placed += 1 if grow else -1
+        if grow:
+            now += prefix[best, count[best] + 1] - prefix[best, count[best]]
+            count[best] += 1
+            placed += 1
+        else:
+            now -= prefix[best, count[best]] - prefix[best, count[best] - 1]
+            count[best] -= 1
+            placed -= 1
 
 
 @njit(cache=True, nogil=True)
