@@ -808,6 +808,15 @@ def test_order_by_decreasing_is_a_stable_sort(keys, by_counting):
     assert order.tolist() == sorted(range(len(keys)), key=lambda i: -keys[i])
 
 
-def test_order_by_decreasing_refuses_a_key_out_of_range():
+@given(st.lists(st.integers(0, 70_000), max_size=200), st.booleans())
+def test_order_by_decreasing_sorts_keys_of_several_digits(keys, by_counting):
+    """Keys of up to three radix digits (max_key 70,000), both ways: Python's stable sort by -key."""
+    order = np.full(len(keys), -1, dtype=np.int64)
+    order_by_decreasing(np.array(keys, dtype=np.int64), 70_000, by_counting, np.empty(70_002, dtype=np.int64), order)
+    assert order.tolist() == sorted(range(len(keys)), key=lambda i: -keys[i])
+
+
+@pytest.mark.parametrize("by_counting", [True, False])
+def test_order_by_decreasing_refuses_a_key_out_of_range(by_counting):
     with pytest.raises(ValueError, match="outside"):
-        order_by_decreasing(np.array([3, 21]), 20, True, np.empty(22, dtype=np.int64), np.empty(2, dtype=np.int64))
+        order_by_decreasing(np.array([3, 21]), 20, by_counting, np.empty(22, dtype=np.int64), np.empty(2, dtype=np.int64))

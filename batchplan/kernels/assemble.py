@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit
 
 from batchplan.kernels.balance import assign_step
-from batchplan.kernels.order import counting_pays, order_by_decreasing
+from batchplan.kernels.order import counting_pays, order_by_counting
 from batchplan.kernels.split import share
 
 __all__ = ["lay_out_rows", "take_scheduled"]
@@ -63,23 +63,25 @@ def take_scheduled(
         inverse[round_order[j]] = j
     size = min(window, max(end - begin, 0))
     by_counting = not by_values and counting_pays(max_tokens, window)
-    tokens = np.empty(0 if by_values else size, dtype=np.int64)
-    costs = np.empty(size if by_values else 0, dtype=np.float64)
+    # Tokens sort by counting where that pays, else as float64 costs: the one argsort numba compiles.
+    tokens = np.empty(size if by_counting else 0, dtype=np.int64)
+    costs = np.empty(0 if by_counting else size, dtype=np.float64)
     counts = np.empty(max_tokens + 2 if by_counting else 0, dtype=np.int64)
     order = np.empty(size, dtype=np.int64)
     first_window, last_window = share(-(-(end - begin) // max(window, 1)), part, parts)
     for first in range(begin + first_window * window, min(begin + last_window * window, end), max(window, 1)):
         n = min(first + window, end) - first
-        if by_values:
-            for i in range(n):
-                costs[i] = values[schedule[first + i]]
-            positions = np.argsort(-costs[:n], kind="mergesort")  # stable: depends only on the input order
-            for i in range(n):  # a loop, not a slice assignment (`batchplan.kernels.order`)
-                order[i] = positions[i]
-        else:
+        if by_counting:
             for i in range(n):
                 tokens[i] = table[schedule[first + i], 0]
-            order_by_decreasing(tokens[:n], max_tokens, by_counting, counts, order)
+            order_by_counting(tokens[:n], max_tokens, counts, order)
+        else:
+            for i in range(n):
+                k = schedule[first + i]
+                costs[i] = -values[k] if by_values else -table[k, 0]
+            positions = np.argsort(costs[:n], kind="mergesort")  # stable: depends only on the input order
+            for i in range(n):  # a loop, not a slice assignment (`batchplan.kernels.order`'s radix sort says why)
+                order[i] = positions[i]
         for i in range(n):
             relative = first - begin + i  # its place once sorted, then its round's place
             target = begin + inverse[relative // world_size] * world_size + relative % world_size

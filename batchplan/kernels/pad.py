@@ -62,7 +62,7 @@ def cut_padded(members, member_lengths, window, max_tokens, batch_multiple):
     num_batches = 0
     for begin in range(0, num_entries, window):
         end = min(begin + window, num_entries)
-        # int64 keys, as `batchplan.kernels.assemble` passes them: one compiled specialisation
+        # int64 keys, as `batchplan.planning.batch` passes them: one compiled specialisation
         order_by_decreasing(member_lengths[begin:end].astype(np.int64), max_tokens, by_counting, counts, order)
         for i in range(end - begin):  # the window in that order, through the spare space
             spare[i] = members[begin + order[i]]

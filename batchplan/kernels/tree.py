@@ -1,5 +1,8 @@
 """A counting segment tree over 0..size-1 (leaves at ``size + i``, ``size`` a power of two):
-add to a leaf, and find the smallest non-empty leaf at or above one, both O(log size)."""
+add to a leaf, and find the smallest non-empty leaf at or above one, both O(log size).
+
+Both are inlined into the packing kernels that call them (a few lines each): no kernels of
+their own for numba to compile on a first run."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ from numba import njit
 __all__ = ["tree_add", "tree_first_at_least"]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def tree_add(tree, size, leaf, delta):
     node = leaf + size
     while node > 0:
@@ -16,7 +19,7 @@ def tree_add(tree, size, leaf, delta):
         node >>= 1
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def tree_first_at_least(tree, size, leaf):
     """Smallest leaf index >= ``leaf`` with a non-zero count, or -1."""
     node = leaf + size
