@@ -1,6 +1,7 @@
 """What a mixture costs against one dataset: build time, peak memory and fill.
 
     python -m bench.mixture --samples 1e7 --sources 50 [--pairs 3] [--json]
+    python -m bench.mixture --samples 1e9 --sources 50 --mixture-only [--epochs E]
     python -m bench.mixture --fill
     python -m bench.mixture --shares 40 [--seed 0]
 
@@ -12,6 +13,10 @@ options (pack, ``--max-tokens``, ``--world-size``, one epoch, truncate), each in
 process (`bench.build.run_measured`: wall seconds and the child's own peak RSS),
 interleaved A B A B for ``--pairs`` pairs, and prints each run, the median ratio of times
 and of peaks, and the load average before each run.
+
+``--mixture-only`` builds only the mixture (a plan directory, ``--epochs`` parts), its sources
+written by a child process (no uses computed, no one-dataset build): the wall time and peak
+RSS of a mixture of ``--samples`` at scale (docs/scaling.md has one dataset's).
 
 ``--fill`` plans data/mixture.yaml (8,192, 8 ranks, 4 micro-batches, split) and the same
 uses as one dataset, in-process, and prints each one's packed micro-batches and bound:
@@ -37,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.build import lognormal_lengths, run_measured, write_lengths
+from bench.build import lognormal_lengths, run_in_child, run_measured, write_lengths
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,6 +72,36 @@ def write_case(directory: Path, num_samples: int, num_sources: int, max_tokens: 
     single = directory / "uses.parquet"
     write_lengths(uses.length.astype(np.int32), single)
     return mixture, single
+
+
+def write_sources(directory: str, num_samples: int, num_sources: int, max_tokens: int) -> None:
+    """The time case's sources and mixture file (`write_case`) without the uses: each source's
+    lengths drawn on their own (seed: its index), so no array of every length is held."""
+    ranks = np.arange(1, num_sources + 1, dtype=np.float64)
+    sizes = np.maximum(1, np.floor(num_samples * (1 / ranks) / (1 / ranks).sum())).astype(np.int64)
+    sizes[0] += num_samples - sizes.sum()
+    weights = np.random.default_rng(1).permutation(1 / ranks)
+    sources, total = [], 0
+    for index in range(num_sources):
+        lengths = lognormal_lengths(int(sizes[index]), max_tokens, seed=index)
+        total += int(lengths.sum(dtype=np.int64))
+        write_lengths(lengths, Path(directory) / f"source{index:03d}.parquet")
+        del lengths
+        sources.append({"name": f"s{index:03d}", "paths": [f"source{index:03d}.parquet"], "weight": float(weights[index])})
+    (Path(directory) / "mixture.json").write_text(json.dumps({"sources": sources, "tokens": total}))
+
+
+def mixture_only_case(args) -> dict:
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+        samples = int(float(args.samples))
+        run_in_child("bench.mixture:write_sources", tmp, samples, args.sources, args.max_tokens)
+        command = [sys.executable, "-m", "batchplan_cli.main", "build", "--mixture", str(Path(tmp) / "mixture.json"),
+                   "-o", str(Path(tmp) / "plan"), "--layout", "directory", "--epochs", str(args.epochs),
+                   *build_args(args)]  # fmt: skip
+        load = os.getloadavg()[0]
+        seconds, peak = run_measured(command)
+    return {"samples": samples, "sources": args.sources, "epochs": args.epochs, "seconds": seconds,
+            "peak_gib": peak, "load": load}  # fmt: skip
 
 
 def build_args(args) -> list[str]:
@@ -176,8 +211,16 @@ def main() -> None:
     parser.add_argument("--fill", action="store_true", help="the demo mixture's packing against one dataset's")
     parser.add_argument("--shares", type=int, default=0, help="plan this many random mixtures: shares and drift")
     parser.add_argument("--seed", type=int, default=0, help="the random mixtures' seed (--shares)")
+    parser.add_argument("--mixture-only", action="store_true", help="build only the mixture, as a plan directory")
+    parser.add_argument("--epochs", type=int, default=1, help="the mixture's epochs (--mixture-only)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.mixture_only:
+        result = mixture_only_case(args)
+        print(json.dumps(result, indent=1) if args.json else
+              f"{result['samples']:,} samples over {result['sources']} sources, {result['epochs']} epoch(s): "
+              f"{result['seconds']:.1f} s, peak {result['peak_gib']:.2f} GiB (load {result['load']:.2f})")  # fmt: skip
+        return
     if args.shares:
         rows = shares_case(args.shares, args.seed)
         for row in ([] if args.json else rows):
