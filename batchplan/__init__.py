@@ -43,9 +43,10 @@ from batchplan.errors import (
 if TYPE_CHECKING:
     from batchplan.formats.lengths import fingerprint_lengths, read_lengths
     from batchplan.formats.mixture_file import read_mixture
+    from batchplan.formats.opened_plan import OpenedPlan
     from batchplan.formats.opening import open_plan
     from batchplan.formats.plan_directory import PlanDirectory
-    from batchplan.formats.plan_file import OpenedPlan, PlanFile
+    from batchplan.formats.plan_file import PlanFile
     from batchplan.formats.plan_writer import write_plan
     from batchplan.mixture import Mixture, MixtureSource
     from batchplan.operations.build import build_plan_file
@@ -62,7 +63,7 @@ _LAZY = {
     "BatchPlan": "batchplan.planning.batch",
     "Mixture": "batchplan.mixture",
     "MixtureSource": "batchplan.mixture",
-    "OpenedPlan": "batchplan.formats.plan_file",
+    "OpenedPlan": "batchplan.formats.opened_plan",
     "PlanDirectory": "batchplan.formats.plan_directory",
     "PlanFile": "batchplan.formats.plan_file",
     "Violation": "batchplan.operations.validate",

@@ -9,7 +9,7 @@ into /tmp (reused when the file exists). In one process, with the file in the pa
 for every rank, interleaved A B C A B C ... over ``--rounds`` rounds:
 
 - A: reading one rank's rows of an epoch as the sampler does without checks
-  (``read_rank(checked=False)``, validated record batch, `RankRows` views);
+  (``rank_rows(checked=False)``, validated record batch, `RankRows` views);
 - A+: A with the rows' own checksum (``read_rank``'s default: the CRC-32 their record batch
   carries, recomputed);
 - B: A, then `check_rank_rows` (sample indices within ``num_samples``; with spans, spans
@@ -68,8 +68,8 @@ def build_if_missing(path: Path, lengths: np.ndarray, max_tokens: int, world_siz
 
 
 def read_rows(plan, rank: int, checked: bool = False) -> RankRows:
-    batch = plan.read_rank(0, rank, checked=checked)
-    return RankRows(batch, 0, plan.path, plan.world_size, rank=rank, span_cap=span_cap(plan.metadata, 0))
+    rows = plan.rank_rows(0, rank, checked=checked)
+    return RankRows(rows, 0, plan.world_size, rank=rank, span_cap=span_cap(plan.metadata, 0))
 
 
 def time_reads(plan, lengths: np.ndarray, rounds: int) -> dict[str, list[float]]:

@@ -7,6 +7,8 @@ from collections import Counter
 
 import pyarrow as pa
 
+from batchplan.formats.opened_plan import OpenedPlan
+
 
 class RankReader:
     """A plan that hands out one rank's record batch at a time (no ``read_epoch``, no
@@ -21,6 +23,8 @@ class RankReader:
     def read_rank(self, epoch: int, rank: int, *, checked: bool = True) -> pa.RecordBatch:
         self.reads[epoch, rank] += 1
         return self._plan.read_rank(epoch, rank, checked=checked)
+
+    rank_rows = OpenedPlan.rank_rows  # `read_rank` as numpy: counted there
 
     def __getattr__(self, name: str):
         if name not in self.MEMBERS:

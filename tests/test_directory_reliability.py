@@ -28,7 +28,7 @@ import batchplan
 from batchplan import PlanConfig, build_plan_file, open_plan, validate_plan
 from batchplan.errors import BatchPlanError, ConfigError, PlanFormatError
 from batchplan.formats import directory_writer
-from batchplan.formats.plan_file import dump_json, hash_text, metadata_crc
+from batchplan.formats.plan_format import dump_json, hash_text, metadata_crc
 from batchplan_cli.main import app
 
 DATA = Path(__file__).resolve().parent.parent / "data"

@@ -26,8 +26,8 @@ from _plan_views import RankReader
 from batchplan import PlanConfig
 from batchplan.formats.arrow import list_lengths, list_offsets, list_values, numpy_of
 from batchplan.formats.opening import open_plan
+from batchplan.formats.plan_rows import PlanRows
 from batchplan.formats.plan_writer import write_plan
-from batchplan.operations.epoch_checks import Rows
 from batchplan.operations.validate import check_plan
 from batchplan.planning.epochs import build_plan
 from batchplan.reports.summary import summarize_plan
@@ -163,10 +163,10 @@ def test_the_lightning_adapter_reads_its_plan_without_pandas(tmp_path):
 def test_trainer_dataset_lengths_come_from_the_list_offsets():
     pytest.importorskip("transformers")
     datasets = pytest.importorskip("datasets")
-    from batchplan.integrations.transformers import _arrow_lengths
+    from batchplan.formats.datasets_folder import loaded_dataset_lengths
 
     dataset = datasets.Dataset.from_dict({"input_ids": [[1] * n for n in (3, 0, 7, 1)]})
-    lengths = _arrow_lengths(dataset)
+    lengths = loaded_dataset_lengths(dataset)
     expected = pc.list_value_length(dataset.data.column("input_ids")).to_numpy()
     assert lengths.dtype == expected.dtype and lengths.tolist() == expected.tolist() == [3, 0, 7, 1]
 
@@ -217,12 +217,12 @@ def test_summary_and_checks_use_only_the_plan_interface(plans, name):
     assert check_plan(RankReader(plan), lengths) == []
 
 
-def test_the_epoch_checks_read_every_column_as_its_dtype(plans):
-    """`Rows`, the epoch checks' reader, reads columns as pyarrow would convert them."""
+def test_plan_rows_read_every_column_as_its_dtype(plans):
+    """`PlanRows`, every reader's view of plan rows, reads columns as pyarrow would convert them."""
     table = open_plan(plans["spans"]).read_epoch(1)
-    rows = Rows(table)
+    rows = PlanRows(table, plans["spans"], "epoch 1")
     for name in ("step", "tokens", "cost", "micro"):
         expected = table.column(name).to_numpy()
         assert rows.numbers(name).dtype == expected.dtype and np.array_equal(rows.numbers(name), expected)
     assert np.array_equal(rows.entries("samples"), table.column("samples").combine_chunks().flatten().to_numpy())
-    assert np.array_equal(rows.offsets, table.column("samples").combine_chunks().offsets.to_numpy())
+    assert np.array_equal(rows.offsets(), table.column("samples").combine_chunks().offsets.to_numpy())

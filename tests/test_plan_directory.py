@@ -14,11 +14,11 @@ import pytest
 from typer.testing import CliRunner
 
 from batchplan import PlanConfig, build_plan_file, open_plan, reshard_plan_file, validate_plan
-from batchplan.config import parse_epoch_range
 from batchplan.errors import ConfigError, PlanFormatError
 from batchplan.planning.epochs import build_plan, plan_epochs, prepare_entries
 from batchplan.reports.summary import summarize_plan
 from batchplan_cli.main import app
+from batchplan_cli.parsing import parse_epoch_range
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 DIALOGUES = DATA / "sharegpt_dialogues_cl100k.parquet"
@@ -214,12 +214,12 @@ def test_bad_layouts_and_ranges_are_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match=r"holds files that are not a plan's \(notes\.txt\)"):
         build_plan_file(SQUAD, tmp_path, config, layout="directory")
-    with pytest.raises(ConfigError, match=r"--only-epochs writes part of a plan directory"):
+    with pytest.raises(ConfigError, match=r"`only_epochs` writes part of a plan directory"):
         build_plan_file(SQUAD, tmp_path / "x", config, layout="file", only_epochs=range(0, 1))
     for bad in (range(2, 4), range(1, 1)):
         with pytest.raises(ConfigError, match=r"not a range START:STOP of the plan's epochs 0\.\.2"):
             build_plan_file(SQUAD, tmp_path / "x", config, only_epochs=bad)
-    with pytest.raises(ConfigError, match=r"is a directory; give a file path.*--layout directory"):
+    with pytest.raises(ConfigError, match=r'is a directory; give a file path.*`layout="directory"`'):
         build_plan_file(SQUAD, tmp_path, config)
     assert not (tmp_path / "x").exists()
 

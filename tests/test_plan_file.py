@@ -9,12 +9,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-import batchplan.formats.plan_file as plan_file
+import batchplan.formats.plan_format as plan_format
 import batchplan.formats.plan_writer as plan_writer
 from batchplan.config import PlanConfig
 from batchplan.errors import PlanFormatError
-from batchplan.formats.plan_file import METADATA_KEY
 from batchplan.formats.opening import open_plan
+from batchplan.formats.plan_format import METADATA_KEY
 from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.epochs import build_plan
 
@@ -42,7 +42,7 @@ def test_one_record_batch_per_epoch_and_rank(plan_path):
 
 def test_metadata_records_how_the_plan_was_made(plan_path):
     meta = open_plan(plan_path).metadata
-    assert meta["format_version"] == plan_file.FORMAT_VERSION
+    assert meta["format_version"] == plan_format.FORMAT_VERSION
     assert PlanConfig.from_dict(meta["config"]) == PlanConfig(max_tokens=256, world_size=3, epochs=2)
     assert set(meta["versions"]) == {"batchplan", "numpy", "numba", "pyarrow", "highspy"}
     assert meta["num_samples"] == 500 and meta["dropped"] == {}
@@ -236,7 +236,7 @@ def test_every_record_batch_carries_its_own_checksum(plan_path):
     reader = pa.ipc.open_file(plan_path)
     for i in range(reader.num_record_batches):
         batch, custom = reader.get_batch_with_custom_metadata(i)
-        assert custom[plan_file.BATCH_CRC_KEY.encode()].decode() == plan_file.batch_checksum(batch)
+        assert custom[plan_format.BATCH_CRC_KEY.encode()].decode() == plan_format.batch_checksum(batch)
 
 
 def test_a_rank_whose_rows_changed_is_refused_by_the_rank_that_reads_them(plan_path, tmp_path):

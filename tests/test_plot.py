@@ -46,7 +46,7 @@ def test_plan_figure_has_six_titled_panels(squad_plan):
     figure = plot_plan(plan)
     assert len(figure.axes) == len(PLAN_PANELS) == 6
     found = titles(figure)
-    assert found[0].startswith("tokens per micro-batch (no lengths: --dataset)")
+    assert found[0].startswith("tokens per micro-batch (no dataset given)")
     assert found[1].startswith("micro-batch fill: ")
     assert found[2].startswith("tokens per step: mean")
     assert found[3] == "rank imbalance per step (max / mean - 1): tokens (no cost column)"
@@ -64,7 +64,7 @@ def test_plan_figure_has_six_titled_panels(squad_plan):
 def test_lengths_come_from_the_dataset_when_given(squad_plan):
     plan = open_plan(squad_plan)
     lengths, label = plan_lengths(plan, SQUAD)
-    assert lengths.shape == (88_641,) and label == "sample lengths (from --dataset)"
+    assert lengths.shape == (88_641,) and label == "sample lengths (from the dataset)"
     figure = plot_plan(plan, lengths, label)
     assert titles(figure)[0] == label
     assert figure.axes[0].get_ylabel() == "samples"
@@ -77,7 +77,7 @@ def test_spans_give_entry_lengths_and_pad_mode_shows_padding(tmp_path):
     build_plan_file(DIALOGUES, path, PlanConfig(max_tokens=8192, world_size=8, mode="pad", oversize="split"))
     plan = open_plan(path)
     lengths, label = plan_lengths(plan)
-    assert label == "entry lengths (samples cut by --oversize split)" and lengths.max() <= 8192
+    assert label == "entry lengths (oversize samples: split)" and lengths.max() <= 8192
     assert ", padding " in titles(plot_plan(plan, lengths, label))[1]
     path = tmp_path / "pad_whole.arrow"
     build_plan_file(SQUAD, path, PlanConfig(max_tokens=4096, world_size=2, mode="pad"))
@@ -191,13 +191,11 @@ def test_varying_micro_batches_per_step_and_schedule_ends_are_drawn(tmp_path):
 
 def micro_batch_values(plan) -> dict[str, np.ndarray]:
     """The per-micro-batch values the histograms count, read row by row (the slow reference)."""
-    from batchplan.formats.plan_file import padded_tokens_column
-    from batchplan.reports.summary import samples_per_row
-
     batches = [plan.read_rank(e, r) for e in range(plan.num_epochs) for r in range(plan.world_size)]
     tokens = np.concatenate([b.column("tokens").to_numpy() for b in batches])
-    padded = np.concatenate([padded_tokens_column(b).to_numpy() for b in batches])
-    counts = np.concatenate([samples_per_row(b) for b in batches])
+    padded_name = "padded_tokens" if "padded_tokens" in plan.schema.names else "tokens"  # pack: no padding
+    padded = np.concatenate([b.column(padded_name).to_numpy() for b in batches])
+    counts = np.array([len(samples) for b in batches for samples in b.column("samples").to_pylist()], np.int64)
     nonempty = counts > 0
     return {"tokens": tokens, "padded": padded, "nonempty_tokens": tokens[nonempty],
             "longest": padded[nonempty] // counts[nonempty]}  # fmt: skip

@@ -37,7 +37,7 @@ from batchplan.operations.build import build_plan_file
 from batchplan.config import OVERSIZE_POLICIES, PlanConfig
 from batchplan.errors import BatchPlanError, PlanFormatError
 from batchplan.formats.lengths import fingerprint_lengths
-from batchplan.formats.plan_file import METADATA_KEY
+from batchplan.formats.plan_format import METADATA_KEY
 from batchplan.formats.opening import open_plan
 from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.epochs import build_plan
@@ -207,7 +207,7 @@ ROWS = {
     "oversize under --oversize error": (
         build_args(dataset_of(length=[10, 100, 65]), "--oversize", "error"),
         "2 samples are longer than max_tokens 64 (longest: 100 tokens; first: sample 1 with 100); "
-        "raise --max-tokens or pass --oversize drop|truncate|split"),
+        "raise --max-tokens or set --oversize to drop, truncate or split"),
     "loss tokens above the length": (
         build_args(dataset_of(length=[5, 6], loss=[2, 7]), "--loss-tokens-column", "loss"),
         "data.parquet (row 1): 1 samples have more loss tokens than tokens (sample 1: 7 in 'loss' > length 6)"),
@@ -370,7 +370,7 @@ def test_the_refusal_names_what_would_fit(monkeypatch):
     message = str(caught.value)
     assert "8 epoch(s), 8 planned at once" in message
     assert f"use BATCHPLAN_THREADS=1 (one epoch planned at a time: ~{one_thread / 2**30:,.2f} GiB)" in message
-    assert "or --epochs " in message and "or a machine with more memory" in message
+    assert "or `epochs=" in message and "or a machine with more memory" in message
     monkeypatch.setenv("BATCHPLAN_MEMORY_CHECK", "0")
     memory.check_build_memory(estimate)  # the escape hatch
 

@@ -321,7 +321,7 @@ def test_bad_options_are_config_errors(make_parent, tmp_path):
     out = tmp_path / "child.arrow"
     with pytest.raises(ConfigError, match="the plan being resharded"):
         reshard_plan_file(parent, parent, world_size=3, from_step=1)
-    with pytest.raises(ConfigError, match="world-size must be"):
+    with pytest.raises(ConfigError, match="`world_size` must be"):
         reshard_plan_file(parent, out, world_size=0, from_step=1)
     with pytest.raises(ConfigError, match="pass only one"):
         reshard_plan_file(parent, out, world_size=3, from_step=1, micro_batches=2, tokens_per_step=4096)
@@ -465,7 +465,7 @@ def test_a_parent_state_at_another_step_is_refused(make_parent, tmp_path, steps,
     child = tmp_path / "child.arrow"
     reshard_plan_file(parent, child, world_size=3, from_step=6)
     sampler = PlanSampler(child, rank=0, world_size=3)
-    with pytest.raises(PlanMismatchError, match=f"{pattern}.*reshard the parent again with --from-step"):
+    with pytest.raises(PlanMismatchError, match=f"{pattern}.*reshard the parent again with `from_step`"):
         sampler.load_state_dict(states_after(parent, 2, steps)[0])
 
 

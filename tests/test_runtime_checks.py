@@ -13,13 +13,16 @@ from torch.utils.data import DataLoader
 
 from batchplan.config import PlanConfig
 from batchplan.errors import PlanFormatError, PlanMismatchError
-from batchplan.formats.plan_file import METADATA_KEY
+from batchplan.formats.plan_format import METADATA_KEY
 from batchplan.formats.opening import open_plan
 from batchplan.operations.build import build_plan_file
 from batchplan.runtime import PackCollator, PadCollator, PlanDataset, PlanSampler
 from batchplan.runtime.records import MicroBatch, PlannedItems, PlannedRows, SpanItem
 
-DRIFT = r"the dataset does not match the plan: rebuild the plan on this dataset, or run `batchplan validate PLAN"
+DRIFT = (
+    r"the dataset does not match the plan: rebuild the plan on this dataset, or compare the plan with the "
+    r"dataset's lengths: `batchplan\.validate_plan\(PLAN, DATA\)`"
+)
 DAMAGED = r"the plan is damaged: rebuild it, or run `batchplan validate .*` to see what else is"
 
 

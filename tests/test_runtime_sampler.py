@@ -137,7 +137,7 @@ def test_half_set_environment_is_a_config_error(plans, monkeypatch):
 
 def test_an_epoch_beyond_the_plan_is_a_clear_error(plans):
     sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
-    with pytest.raises(PlanMismatchError, match=r"epoch 2 is beyond the plan, which has epochs 0\.\.1; .*--epochs 3"):
+    with pytest.raises(PlanMismatchError, match=r"epoch 2 is beyond the plan, which has epochs 0\.\.1; .*`epochs=3`"):
         sampler.set_epoch(2)
     with pytest.raises(ConfigError):
         sampler.set_epoch("1")
@@ -155,7 +155,7 @@ def test_epochs_differ_and_repeat_identically(plans):
 def test_opening_reads_no_rows_and_an_epoch_reads_only_this_rank(plans, monkeypatch):
     calls = []
     original = PlanFile.read_rank
-    monkeypatch.setattr(PlanFile, "read_rank", lambda self, e, r: calls.append((e, r)) or original(self, e, r))
+    monkeypatch.setattr(PlanFile, "read_rank", lambda self, e, r, **kw: calls.append((e, r)) or original(self, e, r, **kw))
     sampler = PlanSampler(plans["pack"], rank=1, world_size=2)
     assert calls == []
     sampler.set_epoch(1)
@@ -284,7 +284,7 @@ def test_iterating_again_walks_the_next_epoch_and_never_repeats_one(plans):
         rows = plan.read_rank(epoch, 0).to_pylist()
         assert batches == [(epoch, row["step"], row["micro"]) for row in rows]
     assert sampler.epoch == 1 and len(sampler) == 0
-    with pytest.raises(PlanMismatchError, match=r"all 2 epoch\(s\) of the plan are done.*--epochs 3"):
+    with pytest.raises(PlanMismatchError, match=r"all 2 epoch\(s\) of the plan are done.*`epochs=3`"):
         list(sampler)
 
 

@@ -18,7 +18,7 @@ import pytest
 import reference as ref
 
 from batchplan import BatchPlanError, PlanConfig, PlanFormatError
-from batchplan.formats.plan_file import METADATA_KEY, content_hash
+from batchplan.formats.plan_format import METADATA_KEY, content_hash
 from batchplan.formats.opening import open_plan
 from batchplan.operations.validate import check_plan
 
@@ -351,14 +351,25 @@ def test_metadata_without_a_required_key_is_a_plan_format_error(good):
         open_plan(good["broken"])
 
 
-def test_any_flipped_byte_is_a_plan_format_error_or_reported(good):
-    """Every 37th byte flipped in turn: the plan either refuses to open / validate with a
-    BatchPlanError, reports a violation, or the byte did not matter (padding, a metadata
-    value); never a raw exception."""
+def test_any_flipped_byte_is_refused_reported_as_integrity_or_changes_nothing(good):
+    """Every 37th byte flipped in turn: opening or checking the plan raises a BatchPlanError
+    (never another exception), or `check_plan` reports ``integrity`` (the checksum no longer
+    matches), or the byte is one nothing reads (padding, the schema message's copy of the
+    metadata): the file then reads back exactly as the sound one, rows and metadata."""
     data = good["path"].read_bytes()
+    sound = read_rows(good["path"])
+    outcomes = Counter()
     for position in range(0, len(data), 37):
         path = flip(good["path"], position, good["broken"])
         try:
-            check_plan(open_plan(path), good["lengths"])
+            found = {v.guarantee for v in check_plan(open_plan(path), good["lengths"])}
         except BatchPlanError:
-            pass
+            outcomes["refused"] += 1
+            continue
+        if found:
+            assert "integrity" in found, (position, found)
+            outcomes["reported"] += 1
+        else:
+            assert read_rows(path) == sound, f"byte {position} changed the plan and nothing was reported"
+            outcomes["unchanged"] += 1
+    assert outcomes["refused"] and outcomes["reported"], outcomes

@@ -18,10 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
+from numpy.typing import NDArray
 
 from batchplan.errors import DatasetError, one_line
+from batchplan.formats.arrow import list_lengths
 
-__all__ = ["StreamFile", "is_datasets_folder", "list_arrow_files"]
+__all__ = ["StreamFile", "is_datasets_folder", "list_arrow_files", "loaded_dataset_lengths"]
 
 STATE_FILE = "state.json"
 DICT_FILE = "dataset_dict.json"
@@ -138,6 +140,16 @@ class StreamFile:
             f"{self.path}: not a readable Arrow IPC stream ({detail}); expected the Arrow files that "
             f"Dataset.save_to_disk writes into {self.folder}; the folder is damaged: {_RESAVE}"
         )
+
+
+def loaded_dataset_lengths(dataset, column: str = "input_ids") -> NDArray | None:
+    """The entries of each row's ``column`` list in a loaded ``datasets.Dataset``, from its Arrow
+    table's list offsets (no row is decoded); None when its rows are not its table's in order
+    (an indices mapping: ``select``, ``shuffle``), or it has no such table or column."""
+    table = getattr(dataset, "data", None)
+    if getattr(dataset, "_indices", True) is not None or table is None or column not in table.column_names:
+        return None
+    return list_lengths(table.column(column))
 
 
 def _splits_of(folder: Path) -> list[str]:

@@ -36,9 +36,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from batchplan.errors import BatchPlanError, ConfigError, PlanFormatError
+from batchplan.formats.arrow_file import open_arrow, read_metadata
 from batchplan.formats.atomic import atomic_path, remove_stale_temporaries
 from batchplan.formats.plan_directory import EPOCH_FILE, MANIFEST, epoch_file_name, read_manifest_names
-from batchplan.formats.plan_file import dump_json, hash_text, metadata_crc, open_arrow, read_metadata
+from batchplan.formats.plan_format import dump_json, hash_text, metadata_crc
 from batchplan.formats.plan_writer import epoch_batches, epoch_metadata, merge_metadata, plan_schema, write_batches
 
 if TYPE_CHECKING:
@@ -163,7 +164,7 @@ class DirectoryWriter:
             raise ConfigError(
                 f"{self.directory}: {', '.join(damaged)} are damaged or renamed (their metadata is not that "
                 "epoch's of this plan); delete them and build those epochs again with the same command "
-                "(--only-epochs)"
+                "(`only_epochs`)"
             )
         manifest = {**merge_metadata(self.header, parts), "layout": "directory", "plan": self.plan}
         manifest["epoch_files"] = files

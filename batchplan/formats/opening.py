@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 
 from batchplan.formats.plan_directory import PlanDirectory
-from batchplan.formats.plan_file import OpenedPlan, PlanFile
+from batchplan.formats.opened_plan import OpenedPlan
+from batchplan.formats.plan_file import PlanFile
 
 __all__ = ["open_plan"]
 

@@ -32,22 +32,23 @@ import numpy as np
 import pyarrow as pa
 
 from batchplan.errors import PlanFormatError
-from batchplan.formats.plan_file import (
-    OpenedPlan,
+from batchplan.formats.arrow_file import (
     check_batch_count,
-    check_columns,
-    check_epoch_rank,
-    check_metadata,
-    decode_metadata,
-    expected_schema,
-    hash_text,
-    metadata_crc,
     open_arrow,
     read_batch,
     read_metadata,
     shift_columns,
     unreadable_schema,
     verify_batches,
+)
+from batchplan.formats.opened_plan import OpenedPlan, check_epoch_rank
+from batchplan.formats.plan_format import (
+    check_columns,
+    check_metadata,
+    decode_metadata,
+    expected_schema,
+    hash_text,
+    metadata_crc,
 )
 
 __all__ = ["EPOCH_FILE", "MANIFEST", "PlanDirectory", "epoch_file_name", "open_manifest", "read_manifest_names"]
@@ -78,7 +79,7 @@ class PlanDirectory(OpenedPlan):
         if missing:
             raise PlanFormatError(
                 f"{self.path}: epoch file(s) {', '.join(missing)} missing; copy them back, or build those "
-                "epochs again with the plan's build command and --only-epochs"
+                "epochs again with the plan's build command and `only_epochs`"
             )
         self._first_step = np.cumsum(steps) - steps
         self._tokens_before = np.cumsum(tokens) - tokens
@@ -230,13 +231,13 @@ def _incomplete(path: Path) -> str:
         return (
             f"{path}: incomplete plan directory: all {epochs} epoch files are there{others} but no {MANIFEST}: "
             "the build that wrote the last one stopped before writing it, or is still running; run any part of "
-            "that build again (the same command, with or without --only-epochs) to write it"
+            "that build again (the same command, with or without `only_epochs`) to write it"
         )
     else:
         there = f"epochs {_ranges(_missing(found, epochs))} of {epochs} are missing{others}"
     return (
         f"{path}: incomplete plan directory: no {MANIFEST}; {there}; build them with the same command "
-        "and --only-epochs (the build that writes the last one writes the manifest)"
+        "and `only_epochs` (the build that writes the last one writes the manifest)"
     )
 
 

@@ -1,6 +1,6 @@
 """Write a plan file: one record batch per (epoch, rank), the metadata, and a checksum
 of the content, written atomically (`batchplan.formats.atomic`). The layout is in
-`batchplan.formats.plan_file` and docs/plan-format.md."""
+`batchplan.formats.plan_format` and docs/plan-format.md."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from numpy.typing import NDArray
 from batchplan.errors import PlanFormatError
 from batchplan.formats.arrow import arrow_array
 from batchplan.formats.atomic import atomic_path
-from batchplan.formats.plan_file import (
+from batchplan.formats.arrow_file import shift_columns
+from batchplan.formats.arrow_layout import replace_in_schema
+from batchplan.formats.plan_format import (
     BATCH_CRC_KEY,
     FORMAT_VERSION,
     INT32_LIMIT,
@@ -30,7 +32,6 @@ from batchplan.formats.plan_file import (
     hash_text,
     metadata_crc,
     plan_schema,
-    shift_columns,
 )
 
 if TYPE_CHECKING:
@@ -89,9 +90,9 @@ def write_batches(path: Path, schema: pa.Schema, metadata: dict[str, Any], batch
 
     The hash covers the metadata and the values, not the file's bytes: it is computed
     while the file is written (CRC and writes release the GIL), then written over a
-    placeholder of the same length. The bytes are those of writing the hash up front,
-    which is done instead when the placeholder's text occurs elsewhere in the metadata
-    (a caller's nested dict could hold it).
+    placeholder of the same length (`batchplan.formats.arrow_layout.replace_in_schema`). The
+    bytes are those of writing the hash up front, which is done instead when the
+    placeholder's text occurs elsewhere in the metadata (a caller's nested dict could hold it).
     """
     metadata["content_hash"] = _HASH_PLACEHOLDER
     deferred = dump_json(metadata).count(_placeholder_entry()) == 1
@@ -319,23 +320,5 @@ def _placeholder_entry() -> bytes:
 
 
 def _replace_placeholder(path: Path, content_hash: str) -> None:
-    """Write ``content_hash`` over the placeholder in the schema's two copies in an Arrow
-    IPC file: the schema message after the leading magic, and the footer before the
-    trailing one (their lengths are in the file; only those two messages are read)."""
-    placeholder = _placeholder_entry()
-    replacement = dump_json({"content_hash": content_hash})[1:-1]
-    if len(replacement) != len(placeholder):
-        raise AssertionError(f"content hash {content_hash!r} is not as long as its placeholder")
-    with open(path, "rb+") as file:
-        size = os.fstat(file.fileno()).st_size
-        # "ARROW1\0\0", then the schema message: 0xFFFFFFFF, its length, the flatbuffer.
-        header = os.pread(file.fileno(), 16, 8)
-        schema_at, schema_length = 16, int.from_bytes(header[4:8], "little")
-        # The footer (a flatbuffer holding the schema again), its length, then "ARROW1".
-        footer_length = int.from_bytes(os.pread(file.fileno(), 4, size - 10), "little")
-        footer_at = size - 10 - footer_length
-        for start, length in ((schema_at, schema_length), (footer_at, footer_length)):
-            message = os.pread(file.fileno(), length, start)
-            if message.count(placeholder) != 1:
-                raise AssertionError(f"{path}: the content-hash placeholder is not where the Arrow format puts it")
-            os.pwrite(file.fileno(), replacement, start + message.index(placeholder))
+    """Write ``content_hash`` over the placeholder in the written file's schema (both copies)."""
+    replace_in_schema(path, _placeholder_entry(), dump_json({"content_hash": content_hash})[1:-1])

@@ -30,13 +30,13 @@ trains on the plan's micro-batches, steps and epochs, and nothing else:
 
 Two ways to optimise, both exact against the plain loop (``tests/test_integrations_lightning.py``):
 
-(a) **Automatic optimisation**, for plans built with ``--micro-batches M``:
+(a) **Automatic optimisation**, for plans built with ``micro_batches=M``:
     ``Trainer(accumulate_grad_batches=M)`` and ``training_step`` returns
     ``plan_loss(token_loss_sum(output, batch), batch, self.trainer)``. Lightning
     divides a returned loss by ``accumulate_grad_batches``; `plan_loss` multiplies
     it back, so gradients are those of the step's token mean, as in the plain loop.
     Lightning steps every M batches counted from the epoch start, so the plan must
-    have exactly M micro-batches in every step (a ``--tokens-per-step`` plan is a
+    have exactly M micro-batches in every step (a ``tokens_per_step`` plan is a
     `ConfigError`).
 
 (b) **Manual optimisation**, for any plan (steps of varying size):
@@ -61,7 +61,6 @@ import os
 from typing import Any
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
-from batchplan.formats.arrow import numpy_of
 from batchplan.integrations import require
 
 lightning_pytorch = require("lightning.pytorch")
@@ -143,10 +142,12 @@ class PlanDataModule(lightning_pytorch.LightningDataModule):
             _check_trainer(trainer, sampler)
         self._apply_pending_state()
         collate = self.collate_fn or (PackCollator() if sampler.mode == "pack" else PadCollator())
-        return _PlanLoader(
+        loader = _PlanLoader(
             PlanDataset(self.dataset), batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
             pin_memory=self.pin_memory,
         )  # fmt: skip
+        loader.steps_done = self._steps_done
+        return loader
 
     # -- batches ---------------------------------------------------------------------------
 
@@ -211,17 +212,37 @@ class PlanDataModule(lightning_pytorch.LightningDataModule):
     def _trainer_or_none(self):
         return getattr(self, "trainer", None)
 
+    def _steps_done(self) -> int | None:
+        """The optimizer steps the fitting trainer has done, or None outside training."""
+        trainer = self._trainer_or_none()
+        return int(trainer.global_step) if trainer is not None and trainer.training else None
+
 
 class _PlanLoader(DataLoader):
-    """A plan ``DataLoader`` whose length is the micro-batches of the epoch it walks.
+    """A plan ``DataLoader`` whose length is the micro-batches of the epoch it walks, and whose
+    every iteration starts at the trainer's next step.
 
     Lightning counts an epoch's batches from its start, also when it resumes inside
     it; the sampler's own length (what is left) would end a resumed epoch early.
+    With ``reload_dataloaders_every_n_epochs``, Lightning makes two iterators at the
+    start of every epoch after the first and trains the second; the first one's
+    workers have drawn ``num_workers x prefetch_factor`` micro-batches by then, which
+    the second would skip. So each iteration first puts the sampler right before step
+    ``steps_done()`` (`PlanSampler.state_at_step`), as a resume does.
     """
+
+    steps_done = None  # () -> the trainer's optimizer steps done, or None: the sampler is left as it is
 
     def __len__(self) -> int:
         sampler = self.batch_sampler
         return int(sampler.plan.metadata["rows_per_rank"][sampler.epoch])
+
+    def __iter__(self):
+        done = self.steps_done() if self.steps_done is not None else None
+        if done is not None:
+            sampler = self.batch_sampler
+            sampler.load_state_dict(sampler.state_at_step(done))
+        return super().__iter__()
 
 
 # -- training-step helpers --------------------------------------------------------------
@@ -299,7 +320,7 @@ def _check_length(trainer: Any, sampler: PlanSampler) -> None:
     if max_steps is not None and max_steps > sampler.num_steps:
         raise ConfigError(
             f"max_steps is {max_steps:,} but the plan has {sampler.num_steps:,} steps; rebuild it with more "
-            "--epochs or lower max_steps"
+            "`epochs` or lower max_steps"
         )
     stops_by_steps = max_steps is not None and max_steps >= 0
     stops_by_epochs = max_epochs is not None and 0 <= max_epochs <= sampler.num_epochs
@@ -316,9 +337,9 @@ def _check_accumulation(trainer: Any, sampler: PlanSampler) -> None:
     micro = trainer.accumulate_grad_batches
     sizes = []
     for epoch in range(sampler.num_epochs):
-        rows = sampler.plan.read_rank(epoch, sampler.rank)
-        first = numpy_of(rows.column("micro")) == 0  # one row per step
-        sizes.append(numpy_of(rows.column("num_micro"))[first])
+        rows = sampler.plan.rank_rows(epoch, sampler.rank)
+        first = rows.numbers("micro") == 0  # one row per step
+        sizes.append(rows.numbers("num_micro")[first])
     inner = {int(n) for epoch in sizes for n in epoch[:-1]}
     last = max((int(epoch[-1]) for epoch in sizes if epoch.size), default=0)
     if inner <= {micro} and last <= micro:
@@ -326,9 +347,9 @@ def _check_accumulation(trainer: Any, sampler: PlanSampler) -> None:
     if len(inner) > 1:
         raise ConfigError(
             f"{sampler.path} has steps of {min(inner)} to {max(inner)} micro-batches (built with "
-            "--tokens-per-step or a ramp-up); Lightning's automatic optimisation steps every "
+            "`tokens_per_step` or a ramp-up); Lightning's automatic optimisation steps every "
             "accumulate_grad_batches batches: use manual optimisation with plan_backward, or build the plan "
-            "with --micro-batches M"
+            "with `micro_batches=M`"
         )
     planned = max(inner | {last})
     raise ConfigError(

@@ -10,7 +10,7 @@ the plan's micro-batches, steps and epochs, and nothing else:
 - Trainer sees one *step* of the plan per batch (``gradient_accumulation_steps``
   stays 1): `PlanTrainerMixin.training_step` runs the step's micro-batches, with
   DDP's gradient sync only on the last, so steps whose micro-batch count varies
-  (``--tokens-per-step``) train as planned.
+  (``tokens_per_step``) train as planned.
 - The loss is normalised by the plan's ``step_loss_tokens`` (Trainer's
   ``num_items_in_batch``), the exact token mean over all ranks with no all-reduce;
   each micro-batch's labelled tokens are checked against the plan.
@@ -20,6 +20,9 @@ the plan's micro-batches, steps and epochs, and nothing else:
 - Packed batches carry ``use_cache=False`` and the model's config gets it too
   (Hugging Face models find packed samples from ``position_ids`` only without a
   KV cache).
+- A mixture's plan trains on ``MixtureDataset(plan, {name: dataset})`` like any
+  dataset, and each training log also holds ``loss/<source>``: the token-mean loss
+  of each source over all ranks since the last log (`batchplan.runtime.SourceLosses`).
 
 TRL: ``class PlanSFTTrainer(PlanTrainerMixin, SFTTrainer)``. Build the plan on the
 dataset as the trainer prepares it (after tokenisation and truncation): the trainer
@@ -43,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
-from batchplan.formats.arrow import list_lengths
+from batchplan.formats.datasets_folder import loaded_dataset_lengths
 from batchplan.integrations import require
 
 transformers = require("transformers")
@@ -53,6 +56,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from batchplan.runtime import PackCollator, PadCollator, PlanBatch, PlanDataset, PlanSampler  # noqa: E402
 from batchplan.runtime.loss import count_loss_tokens, token_loss_sum  # noqa: E402
+from batchplan.runtime.source_loss import SourceLosses  # noqa: E402
 from batchplan.runtime.steps import PlanStep, PlanSteps  # noqa: E402
 
 __all__ = ["PlanTrainer", "PlanTrainerMixin", "SAMPLER_STATE_FILE"]
@@ -82,8 +86,8 @@ class PlanTrainerMixin:
         if self.args.gradient_accumulation_steps != 1:
             raise ConfigError(
                 f"gradient_accumulation_steps is {self.args.gradient_accumulation_steps}, but the plan sets the "
-                "micro-batches of every step; leave it at 1 (build the plan with --micro-batches M or "
-                "--tokens-per-step T instead)"
+                "micro-batches of every step; leave it at 1 (build the plan with `micro_batches=M` or "
+                "`tokens_per_step=T` instead)"
             )
         if not self.args.average_tokens_across_devices:
             raise ConfigError(
@@ -106,6 +110,8 @@ class PlanTrainerMixin:
             config.use_cache = False  # a KV cache hides the packed samples' boundaries from HF models
         if not self.model_accepts_loss_kwargs and self.compute_loss_func is None:
             self.compute_loss_func = _token_mean_loss  # exact for a model that returns only logits
+        mixture = self.plan_sampler.plan.metadata.get("mixture") is not None
+        self.plan_source_losses = SourceLosses(self.plan_sampler) if mixture else None
 
     def _default_plan_collator(self):
         pad = getattr(self.processing_class, "pad_token_id", None)
@@ -137,7 +143,7 @@ class PlanTrainerMixin:
         max_steps = args.max_steps if args.max_steps > 0 else total
         if max_steps > total:
             raise ConfigError(
-                f"max_steps is {max_steps:,} but the plan has {total:,} steps; rebuild it with more --epochs "
+                f"max_steps is {max_steps:,} but the plan has {total:,} steps; rebuild it with more `epochs` "
                 "or lower max_steps"
             )
         epochs = int(np.searchsorted(np.cumsum(steps), max_steps, side="left")) + 1
@@ -164,8 +170,18 @@ class PlanTrainerMixin:
             sync = contextlib.nullcontext() if record.is_last else self.accelerator.no_sync(model)
             with sync:
                 loss = super().training_step(model, batch, num_items_in_batch=max(record.step_loss_tokens, 1))
+            if self.plan_source_losses is not None:
+                self.plan_source_losses.add(loss / record.loss_scale(), record)  # the loss sum: see log
             total = loss if total is None else total + loss
         return total
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Trainer's log; for a mixture's plan, a training log also holds ``loss/<source>``: each
+        source's token-mean loss on all ranks since the last log (`SourceLosses`; a collective,
+        which Trainer's training logs are on every rank)."""
+        if self.plan_source_losses is not None and "loss" in logs:
+            logs.update({f"loss/{name}": loss.mean for name, loss in self.plan_source_losses.reduce().items()})
+        super().log(logs, *args, **kwargs)
 
     def _build_accelerator_args(self, **kwargs) -> dict[str, Any]:
         # Trainer asks DDP to find unused parameters unless told otherwise, which costs a graph walk per
@@ -238,7 +254,7 @@ def _check_loss_tokens(batch: PlanBatch, record) -> None:
         raise PlanMismatchError(
             f"micro-batch {record.micro} of step {record.step} has {found} labelled tokens but the plan counts "
             f"{record.loss_tokens}; the labels do not match the plan's loss tokens: build the plan with "
-            "--loss-tokens-column (labels with -100 on prompts), or give items no 'labels'"
+            "a loss-tokens column (`loss_tokens_column`: labels with -100 on prompts), or give items no 'labels'"
         )
 
 
@@ -256,17 +272,9 @@ def _read_sampler_state(folder: str, rank: int) -> dict:
 
 def _check_dataset(sampler: PlanSampler, dataset) -> None:
     """Row count always; the token lengths too when a ``datasets.Dataset`` gives them cheaply."""
-    lengths = _arrow_lengths(dataset)
+    lengths = loaded_dataset_lengths(dataset)  # from the list offsets of input_ids
     column = (sampler.plan.metadata.get("dataset") or {}).get("loss_tokens_column")
     if lengths is None or column is not None or sampler.plan.metadata.get("lengths_fingerprint") is None:
         sampler.check_dataset(dataset)
     else:
         sampler.check_dataset(dataset, lengths)
-
-
-def _arrow_lengths(dataset):
-    """Lengths of ``input_ids`` from a Hugging Face dataset's Arrow table (no rows decoded), or None."""
-    table = getattr(dataset, "data", None)
-    if getattr(dataset, "_indices", True) is not None or table is None or "input_ids" not in table.column_names:
-        return None
-    return list_lengths(table.column("input_ids"))  # from the list offsets

@@ -15,15 +15,14 @@ import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
-import pyarrow as pa
 from numpy.typing import NDArray
 
-from batchplan.formats.arrow import list_offsets, list_values, numpy_of
+from batchplan.formats.plan_rows import PlanRows
 from batchplan.operations.coverage import EpochCoverage, RankEntries
 from batchplan.planning.cost import micro_batch_costs
 from batchplan.reduce import segment_max, segment_sum
 
-__all__ = ["EpochChecker", "Rows", "Violation"]
+__all__ = ["EpochChecker", "Violation"]
 
 # The checks of ``counts``, in the order they are reported.
 _COUNTS = {
@@ -46,35 +45,6 @@ class Violation:
 
     def __str__(self) -> str:
         return f"[{self.guarantee}] {self.message}"
-
-
-class Rows:
-    """The columns of a record batch (or a table) as numpy, each read once."""
-
-    def __init__(self, batch: pa.RecordBatch | pa.Table) -> None:
-        self.batch = batch
-        self._read: dict[str, np.ndarray] = {}
-
-    def numbers(self, name: str) -> np.ndarray:
-        """A numeric column's values, in its dtype."""
-        if name not in self._read:
-            self._read[name] = numpy_of(self.batch.column(name))
-        return self._read[name]
-
-    def entries(self, name: str) -> np.ndarray:
-        """A list column's entries (``samples``, ``starts``, ``lengths``), row after row, in its
-        value dtype (`offsets` bound the rows)."""
-        key = f"{name}[]"
-        if key not in self._read:
-            self._read[key] = list_values(self.batch.column(name))
-        return self._read[key]
-
-    @property
-    def offsets(self) -> NDArray[np.int64]:
-        """Shape (rows + 1,): row ``i`` holds entries ``offsets[i]:offsets[i + 1]``."""
-        if "[offsets]" not in self._read:
-            self._read["[offsets]"] = list_offsets(self.batch.column("samples"))
-        return self._read["[offsets]"]
 
 
 @dataclasses.dataclass
@@ -124,7 +94,7 @@ class EpochChecker:
             return found
         tally, coverage, caps = _Tally(), self.coverage(), self.warmup_caps()
         for rank in range(self.plan.world_size):
-            rows = Rows(self.plan.read_rank(self.epoch, rank, checked=False))
+            rows = self.plan.rank_rows(self.epoch, rank, checked=False)
             samples = rows.entries("samples")
             if samples.size and (samples.min() < 0 or samples.max() >= self.plan.num_samples):
                 return self.fail("integrity", "a sample index is outside the dataset")
@@ -144,7 +114,7 @@ class EpochChecker:
         layout: list[Violation] = []  # the steps or micro indices
         first = None  # rank 0's steps
         for rank in range(self.plan.world_size):
-            rows = Rows(self.plan.read_rank(self.epoch, rank, checked=False))
+            rows = self.plan.rank_rows(self.epoch, rank, checked=False)
             self.total_tokens += int(rows.numbers("tokens").sum())
             if stored:
                 continue
@@ -156,7 +126,7 @@ class EpochChecker:
             self.steps = None
         return stored or layout
 
-    def check_stored(self, rank: int, rows: Rows, first: np.ndarray) -> list[Violation]:
+    def check_stored(self, rank: int, rows: PlanRows, first: np.ndarray) -> list[Violation]:
         if not (rows.numbers("rank") == rank).all():
             return self.fail("integrity", f"rows of rank {rank} are stored under another rank")
         if not (rows.numbers("epoch") == self.epoch).all():
@@ -181,7 +151,7 @@ class EpochChecker:
         self.steps = _Steps(step, micro, per_step[step], bounds, zeros, zeros.copy())
         return []
 
-    def check_micro(self, rank: int, rows: Rows) -> list[Violation]:
+    def check_micro(self, rank: int, rows: PlanRows) -> list[Violation]:
         """Micro indices 0..m-1 per step; adds the rank's tokens and loss tokens to the step sums."""
         if not np.array_equal(rows.numbers("micro"), self.steps.micro):
             return self.fail("equal_micro_batches", f"rank {rank}'s micro indices are not 0..m-1 per step")
@@ -193,20 +163,20 @@ class EpochChecker:
 
     # -- second pass: each rank's rows ---------------------------------------------------------
 
-    def check_rows(self, rows: Rows, tally: _Tally, caps: NDArray[np.int64] | None) -> None:
+    def check_rows(self, rows: PlanRows, tally: _Tally, caps: NDArray[np.int64] | None) -> None:
         """One rank's caps, counts, cost, step sums and warmup caps, into ``tally``."""
         lengths = self.entry_lengths(rows)
         totals = longest = None
         if lengths is not None:
-            totals = segment_sum(lengths, rows.offsets)
-            longest = segment_max(lengths, rows.offsets) if self.meta["mode"] == "pad" else None
+            totals = segment_sum(lengths, rows.offsets("samples"))
+            longest = segment_max(lengths, rows.offsets("samples")) if self.meta["mode"] == "pad" else None
             self.check_counts(rows, lengths, totals, longest, tally)
         self.check_caps(rows, totals, longest, tally)
         self.check_step_sums(rows, tally)
         if caps is not None:
             self.check_seqlen_warmup(rows, caps, tally)
 
-    def entry_lengths(self, rows: Rows) -> np.ndarray | None:
+    def entry_lengths(self, rows: PlanRows) -> np.ndarray | None:
         """Tokens of each entry: the plan's ``lengths``, else the dataset's; None without either."""
         if self.has_spans:
             return rows.entries("lengths")
@@ -214,9 +184,9 @@ class EpochChecker:
             return self.lengths[rows.entries("samples")]
         return None
 
-    def check_caps(self, rows: Rows, totals, longest, tally: _Tally) -> None:
+    def check_caps(self, rows: PlanRows, totals, longest, tally: _Tally) -> None:
         if self.meta["mode"] == "pad":
-            load = rows.numbers("padded_tokens") if totals is None else np.diff(rows.offsets) * longest
+            load = rows.numbers("padded_tokens") if totals is None else rows.counts() * longest
         else:
             load = rows.numbers("tokens") if totals is None else totals
         over = load > self.meta["max_tokens"]
@@ -224,25 +194,25 @@ class EpochChecker:
             tally.over_cap += int(np.count_nonzero(over))
             tally.heaviest = max(tally.heaviest, int(load[over].max()))
 
-    def check_counts(self, rows: Rows, lengths, totals, longest, tally: _Tally) -> None:
-        counts = np.diff(rows.offsets)
+    def check_counts(self, rows: PlanRows, lengths, totals, longest, tally: _Tally) -> None:
+        counts = rows.counts()
         if not np.array_equal(totals, rows.numbers("tokens")):
             tally.wrong.add("tokens")
         if longest is not None and not np.array_equal(counts * longest, rows.numbers("padded_tokens")):
             tally.wrong.add("padded_tokens")
         if self.loss_column is not None and not self.has_spans:
-            loss = segment_sum(self.loss_column[rows.entries("samples")], rows.offsets)
+            loss = segment_sum(self.loss_column[rows.entries("samples")], rows.offsets("samples"))
         else:
             loss = totals - counts  # an entry of L tokens has L - 1 loss tokens
         if not np.array_equal(loss, rows.numbers("loss_tokens")):
             tally.wrong.add("loss_tokens")
         if "cost" in self.plan.schema.names:
             coefficient = float(self.meta["attention_coefficient"])
-            expected = micro_batch_costs(lengths, rows.offsets, self.meta["mode"], coefficient)
+            expected = micro_batch_costs(lengths, rows.offsets("samples"), self.meta["mode"], coefficient)
             if not np.allclose(rows.numbers("cost"), expected, rtol=1e-9, atol=0.0):
                 tally.wrong.add("cost")
 
-    def check_step_sums(self, rows: Rows, tally: _Tally) -> None:
+    def check_step_sums(self, rows: PlanRows, tally: _Tally) -> None:
         step, steps = self.steps.step, self.steps
         for name, sums in (("step_tokens", steps.tokens), ("step_loss_tokens", steps.loss_tokens)):
             if not np.array_equal(sums[step], rows.numbers(name)):
@@ -267,9 +237,9 @@ class EpochChecker:
         cap[warm] = [low + (self.meta["max_tokens"] - low) * int(t) // span for t in step_end[warm]]
         return cap
 
-    def check_seqlen_warmup(self, rows: Rows, caps: NDArray[np.int64], tally: _Tally) -> None:
+    def check_seqlen_warmup(self, rows: PlanRows, caps: NDArray[np.int64], tally: _Tally) -> None:
         step = self.steps.step
-        longest = segment_max(rows.entries("lengths"), rows.offsets)
+        longest = segment_max(rows.entries("lengths"), rows.offsets("samples"))
         over = np.flatnonzero(longest > caps[step])
         if over.size:
             if not tally.first_over_warmup:
@@ -314,12 +284,12 @@ class EpochChecker:
         message = coverage.check(always, last, spans, self.rank_entries)
         return self.fail("coverage", message) if message else []
 
-    def spans(self, rows: Rows) -> tuple[np.ndarray | None, np.ndarray | None]:
+    def spans(self, rows: PlanRows) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Each entry's first token and tokens (None, None in a plan without spans)."""
         return (rows.entries("starts"), rows.entries("lengths")) if self.has_spans else (None, None)
 
     def rank_entries(self) -> Iterator[RankEntries]:
         """Every rank's entries, read again (coverage's second pass)."""
         for rank in range(self.plan.world_size):
-            rows = Rows(self.plan.read_rank(self.epoch, rank, checked=False))
+            rows = self.plan.rank_rows(self.epoch, rank, checked=False)
             yield (rows.entries("samples"), *self.spans(rows))

@@ -25,8 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
-from batchplan.formats.arrow import list_offsets, list_values, numpy_of
-from batchplan.formats.plan_file import OpenedPlan
+from batchplan.formats.opened_plan import OpenedPlan
 from batchplan.operations.epoch_checks import Violation
 
 __all__ = ["check_mixture"]
@@ -61,10 +60,10 @@ def check_mixture(plan: OpenedPlan) -> list[Violation]:
 
 def _read_rank(plan, epoch, rank, bounds, step_base, per_step, use_steps, use_samples) -> list[Violation]:
     """Adds the rank's tokens per (step, source) to ``per_step`` and its uses to the lists."""
-    batch = plan.read_rank(epoch, rank, checked=False)  # validate checks the whole plan's checksum
-    offsets, samples = list_offsets(batch.column("samples")), list_values(batch.column("samples")).astype(np.int64)
-    tokens, step = numpy_of(batch.column("tokens")), numpy_of(batch.column("step")) - step_base
-    recorded = numpy_of(batch.column("source")) if "source" in batch.schema.names else None
+    rows = plan.rank_rows(epoch, rank, checked=False)  # validate checks the whole plan's checksum
+    offsets, samples = rows.offsets("samples"), rows.entries("samples").astype(np.int64)
+    tokens, step = rows.numbers("tokens"), rows.numbers("step") - step_base
+    recorded = rows.numbers("source") if "source" in rows else None
     sample_source = np.searchsorted(bounds, samples, side="right") - 1
     counts = np.diff(offsets)
     row = np.repeat(np.arange(counts.shape[0]), counts)
@@ -77,7 +76,7 @@ def _read_rank(plan, epoch, rank, bounds, step_base, per_step, use_steps, use_sa
         return [Violation("mixture_sources", f"{where}: the source column disagrees with the micro-batches' samples")]
     held = counts > 0
     np.add.at(per_step, (step[held], first[held]), tokens[held])
-    starts = list_values(batch.column("starts")) if "starts" in batch.schema.names else None
+    starts = rows.entries("starts") if rows.has_spans else None
     use = np.ones(samples.shape[0], dtype=bool) if starts is None else starts == 0
     use_steps.append((step[row] + step_base)[use])
     use_samples.append(samples[use])

@@ -9,8 +9,8 @@ import dataclasses
 import numpy as np
 from numpy.typing import NDArray
 
-from batchplan.formats.arrow import list_offsets, list_values, numpy_of
-from batchplan.formats.plan_file import OpenedPlan, padded_tokens_column
+from batchplan.formats.opened_plan import OpenedPlan
+from batchplan.formats.plan_rows import PlanRows
 from batchplan.kernels.pack import pack_segments
 from batchplan.plan import Entries, index_dtype
 
@@ -56,17 +56,15 @@ class ParentRows:
 
 def read_epoch(plan: OpenedPlan, epoch: int) -> ParentRows:
     """Every non-empty micro-batch of one parent epoch, in the order the run trains them."""
-    table = plan.read_epoch(epoch)
-    column = {name: table.column(name) for name in table.column_names}
-    column["padded_tokens"] = padded_tokens_column(table)
-    numbers = {name: numpy_of(column[name]).astype(np.int64)
+    columns = plan.epoch_rows(epoch)
+    numbers = {name: columns.numbers(name).astype(np.int64)
                for name in ("step", "rank", "micro", "tokens", "loss_tokens", "padded_tokens")}  # fmt: skip
-    spans = "starts" in column
+    spans = columns.has_spans
     rows = ParentRows(
-        step=numbers["step"], offsets=list_offsets(column["samples"]), sample=_entries(column["samples"]),
-        start=_entries(column["starts"]) if spans else None, length=_entries(column["lengths"]) if spans else None,
+        step=numbers["step"], offsets=columns.offsets("samples"), sample=_entries(columns, "samples"),
+        start=_entries(columns, "starts") if spans else None, length=_entries(columns, "lengths") if spans else None,
         tokens=numbers["tokens"], loss_tokens=numbers["loss_tokens"], padded_tokens=numbers["padded_tokens"],
-        cost=numpy_of(column["cost"]) if "cost" in column else None,
+        cost=columns.numbers("cost") if "cost" in columns else None,
     )  # fmt: skip
     order = np.lexsort((numbers["micro"], numbers["rank"], numbers["step"]))
     return rows.take(order[np.diff(rows.offsets)[order] > 0])
@@ -117,8 +115,8 @@ def _pick(values: NDArray | None, positions: NDArray[np.int64]) -> NDArray | Non
     return None if values is None else values[positions]
 
 
-def _entries(array) -> NDArray[np.int64]:
-    return list_values(array).astype(np.int64)
+def _entries(rows: PlanRows, name: str) -> NDArray[np.int64]:
+    return rows.entries(name).astype(np.int64)
 
 
 def segment_positions(offsets: NDArray[np.int64], segments: NDArray[np.int64]) -> NDArray[np.int64]:

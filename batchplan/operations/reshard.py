@@ -55,9 +55,8 @@ from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
 from batchplan.errors import ConfigError
-from batchplan.formats.arrow import numpy_of
 from batchplan.formats.bitmap import decode_bitmap, encode_bitmap
-from batchplan.formats.plan_file import OpenedPlan
+from batchplan.formats.opened_plan import OpenedPlan
 from batchplan.formats.opening import open_plan
 from batchplan.formats.plan_writer import write_plan
 from batchplan.operations.parent_rows import (
@@ -158,7 +157,7 @@ def reshard_plan(
             ``drop_last``, a whole later epoch does not fill one step of ``world_size`` ranks.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"--world-size must be an integer >= 1, got {world_size!r}")
+        raise ConfigError(f"`world_size` must be an integer >= 1, got {world_size!r}")
     epoch, position, tokens_before = _locate_step(plan, from_step)
     sizing = {"micro_batches": micro_batches, "tokens_per_step": tokens_per_step}
     if micro_batches is None and tokens_per_step is None:
@@ -209,15 +208,14 @@ def _locate_step(plan: OpenedPlan, from_step: int) -> tuple[int, int, int]:
     end = first + plan.num_steps
     if isinstance(from_step, bool) or not isinstance(from_step, int) or not first <= from_step < end:
         raise ConfigError(
-            f"--from-step {from_step!r} is not a step of {plan.path}, which holds steps {first:,}..{end - 1:,}; "
+            f"`from_step` {from_step!r} is not a step of {plan.path}, which holds steps {first:,}..{end - 1:,}; "
             "pass the optimizer steps done at the checkpoint you resume from"
         )
     ends = first + np.cumsum(plan.metadata["steps_per_epoch"])
     epoch = int(np.searchsorted(ends, from_step, side="right"))
-    rows = plan.read_rank(epoch, 0)
-    step = numpy_of(rows.column("step"))
-    position = int(np.count_nonzero(step < from_step))
-    return epoch, position, int(numpy_of(rows.column("tokens_before_step"))[position])
+    rows = plan.rank_rows(epoch, 0)
+    position = int(np.count_nonzero(rows.numbers("step") < from_step))
+    return epoch, position, int(rows.numbers("tokens_before_step")[position])
 
 
 def _parent_record(plan: OpenedPlan, from_step: int, epoch: int, position: int) -> dict[str, Any]:

@@ -33,13 +33,12 @@ import os
 from collections.abc import Sequence
 
 import numpy as np
-import pyarrow as pa
 from numpy.typing import NDArray
 
 from batchplan.errors import PlanFormatError
 from batchplan.formats.bitmap import decode_bitmap
 from batchplan.formats.lengths import fingerprint_lengths, read_lengths
-from batchplan.formats.plan_file import OpenedPlan
+from batchplan.formats.opened_plan import OpenedPlan
 from batchplan.formats.opening import open_plan
 from batchplan.operations.epoch_checks import EpochChecker, Violation
 from batchplan.operations.mixture_checks import check_mixture
@@ -75,7 +74,7 @@ def check_plan(
             return found
         found += _check_dropped_reasons(plan, lengths)
     lineage, problems = _read_lineage(plan)
-    found += problems + check_mixture(plan)
+    found += problems + _check_mixture(plan)
     step_base, tokens_base = lineage.first_step, lineage.tokens_before
     for epoch in range(plan.num_epochs):
         try:
@@ -85,7 +84,7 @@ def check_plan(
             trained = lineage.trained_before(epoch)
             checker = EpochChecker(plan, epoch, lengths, loss_tokens, step_base, tokens_base, trained)
             found += checker.run()
-        except (PlanFormatError, pa.ArrowException, OSError, ValueError, IndexError, TypeError, KeyError) as error:
+        except (PlanFormatError, OSError, ValueError, IndexError, TypeError, KeyError) as error:
             # Structure too damaged to check (list offsets out of range, unreadable batch, a
             # metadata key renamed by a flipped byte).
             found.append(Violation("integrity", f"epoch {epoch}: rows or metadata are unreadable ({error!r})"))
@@ -122,7 +121,7 @@ def _validate_mixture_plan(plan: OpenedPlan, mixture: PathLike) -> list[Violatio
     from batchplan.formats.mixture_file import read_mixture, read_mixture_lengths
 
     if "mixture" not in plan.metadata:
-        return [Violation("dataset", "the plan was built from one dataset, not a mixture; pass --dataset")]
+        return [Violation("dataset", "the plan was built from one dataset, not a mixture; pass `dataset`")]
     source = plan.metadata.get("dataset") or {}
     lengths = read_mixture_lengths(read_mixture(mixture), length_column=source.get("length_column", "length"))
     recorded = plan.metadata.get("lengths_fingerprint")
@@ -175,6 +174,14 @@ def _read_lineage(plan: OpenedPlan) -> tuple[_Lineage, list[Violation]]:
     return lineage, []
 
 
+def _check_mixture(plan: OpenedPlan) -> list[Violation]:
+    """`check_mixture`'s violations; rows it cannot read are an ``integrity`` one, as in the epochs' checks."""
+    try:
+        return check_mixture(plan)
+    except PlanFormatError as error:
+        return [Violation("integrity", f"a mixture's rows are unreadable ({error})")]
+
+
 def _non_negative(value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{value!r} is not an integer >= 0")
@@ -182,7 +189,7 @@ def _non_negative(value) -> int:
 
 
 def _check_trained_on_parent(plan: OpenedPlan, epoch: int) -> list[Violation]:
-    rows = sum(plan.read_rank(epoch, rank).num_rows for rank in range(plan.world_size))
+    rows = sum(plan.rank_rows(epoch, rank).num_rows for rank in range(plan.world_size))
     if rows or plan.metadata["steps_per_epoch"][epoch] or plan.metadata["rows_per_rank"][epoch]:
         return [Violation("integrity", f"epoch {epoch}: trained on the parent plan before step "
                           f"{plan.metadata.get('first_step')}, but it holds rows or steps")]  # fmt: skip

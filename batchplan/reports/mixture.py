@@ -16,8 +16,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from batchplan.formats.arrow import numpy_of
-from batchplan.formats.plan_file import OpenedPlan
+from batchplan.formats.opened_plan import OpenedPlan
 
 __all__ = ["step_source_tokens", "summarize_sources"]
 
@@ -32,11 +31,11 @@ def step_source_tokens(plan: OpenedPlan) -> NDArray[np.int64] | None:
     per_step = np.zeros((plan.num_steps, len(mixture["sources"])), dtype=np.int64)
     for epoch in range(plan.num_epochs):
         for rank in range(plan.world_size):
-            batch = plan.read_rank(epoch, rank)
-            source = numpy_of(batch.column("source"))
+            rows = plan.rank_rows(epoch, rank)
+            source = rows.numbers("source")
             held = source >= 0
-            step = numpy_of(batch.column("step"))[held] - first_step
-            np.add.at(per_step, (step, source[held]), numpy_of(batch.column("tokens"))[held])
+            step = rows.numbers("step")[held] - first_step
+            np.add.at(per_step, (step, source[held]), rows.numbers("tokens")[held])
     return per_step
 
 

@@ -1,4 +1,4 @@
-"""The figure of a plan, for `batchplan inspect --plot` (a comparison's: `plot_compare`).
+"""The figure of a plan, for `batchplan inspect`'s plot (a comparison's: `plot_compare`).
 
 matplotlib is optional (``pip install -e '.[plot]'``) and imported only here,
 inside the functions. Figures are built without pyplot on the Agg canvas: no window,
@@ -26,8 +26,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.errors import BatchPlanError, PlanMismatchError
-from batchplan.formats.arrow import list_values
-from batchplan.formats.plan_file import OpenedPlan
+from batchplan.formats.opened_plan import OpenedPlan
 from batchplan.reports.mixture import step_source_tokens
 from batchplan.reports.statistics import format_share, last_steps_of, regular_steps
 from batchplan.reports.summary import PlanScan, scan_plan, summarize_plan
@@ -108,11 +107,11 @@ def plan_lengths(
                 f"{plan.path}: the dataset's lengths ({read.num_samples:,} samples) are not the ones the "
                 f"plan was built for ({plan.num_samples:,} samples); pass the plan's own dataset"
             )
-        return read.lengths.astype(np.int64), "sample lengths (from --dataset)"
+        return read.lengths.astype(np.int64), "sample lengths (from the dataset)"
     if "lengths" in plan.schema.names:
-        values = list_values(plan.read_epoch(0).column("lengths"))
+        values = plan.epoch_rows(0).entries("lengths")
         policy = plan.metadata.get("config", {}).get("oversize", "split")
-        return values.astype(np.int64), f"entry lengths (samples cut by --oversize {policy})"
+        return values.astype(np.int64), f"entry lengths (oversize samples: {policy})"
     return None, ""
 
 
@@ -167,10 +166,10 @@ def _lengths_panel(ax: Axes, data, lengths, label: str) -> None:
     if lengths is None:
         if data["mode"] == "pad":
             counts = data["histograms"]["longest"]
-            label = "longest sample per micro-batch (no lengths: --dataset)"
+            label = "longest sample per micro-batch (no dataset given)"
         else:
             counts = data["histograms"]["nonempty_tokens"]
-            label = "tokens per micro-batch (no lengths: --dataset)"
+            label = "tokens per micro-batch (no dataset given)"
         unit = "micro-batches"
         values, weights = _counted_values(counts)
         number, over = int(counts.sum()), int(counts[cap + 1])

@@ -25,10 +25,10 @@ A statistic with nothing to average (no regular step, no micro-batch) is None, n
 - ``mixture`` (a mixture's plans): per source, its weight, target, planned and trained tokens,
   passes, and its share of each step: mean and worst miss (`batchplan.reports.mixture`).
 
-- ``rampup`` (plans built with ``--rampup``): tokens of the first step and of the ramp's
+- ``rampup`` (plans built with a ramp-up, ``rampup_start``): tokens of the first step and of the ramp's
   last step, the first step past the ramp (``end_step``, None if the plan ends inside it),
   and the mean tokens per step after it.
-- ``seqlen_warmup`` (plans built with ``--seqlen-warmup``): the cap's range, the longest
+- ``seqlen_warmup`` (plans built with ``seqlen_warmup_min``): the cap's range, the longest
   sequence of the first step, and the first step past the warmup.
 
 A resharded plan (``batchplan reshard``) starts at step ``first_step`` and its epochs
@@ -48,17 +48,16 @@ import dataclasses
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 from numpy.typing import NDArray
 
 from batchplan.errors import PlanFormatError
-from batchplan.formats.arrow import list_lengths, list_values, numpy_of
-from batchplan.formats.plan_file import OpenedPlan, padded_tokens_column
+from batchplan.formats.opened_plan import OpenedPlan
+from batchplan.formats.plan_rows import PlanRows
 from batchplan.plan import PackingBound
 from batchplan.reports.mixture import summarize_sources
 from batchplan.reports.statistics import imbalance_over_steps, last_steps_of, regular_steps, step_imbalance
 
-__all__ = ["PlanScan", "samples_per_row", "scan_plan", "summarize_plan"]
+__all__ = ["PlanScan", "scan_plan", "summarize_plan"]
 
 _ZERO = np.int64(0)  # totals start as numpy int64, as the column sums added to them
 
@@ -75,7 +74,7 @@ class PlanScan:
     the micro-batches whose value is ``v``, the last entry those above max_tokens (only a
     corrupt plan has any; a value below 0 counts at 0). Its size is O(max_tokens) whatever the
     plan's size:
-    - ``tokens``, ``padded``: tokens, padded tokens (``padded_tokens_column``) of every micro-batch;
+    - ``tokens``, ``padded``: tokens, padded tokens (`PlanRows.numbers`) of every micro-batch;
     - ``nonempty_tokens``: tokens of the non-empty micro-batches;
     - ``longest`` (pad plans): the longest sample (padded // samples) of the non-empty ones.
     """
@@ -121,18 +120,18 @@ def scan_plan(plan: OpenedPlan, *, histograms: bool = False) -> PlanScan:
         # shape (world_size, steps of the epoch) each: sums per rank and step, rank-major as read
         sums = {name: np.zeros((world_size, steps.stop - steps.start)) for name in summed}
         for rank in range(world_size):
-            batch = plan.read_rank(epoch, rank)
-            step = numpy_of(batch.column("step")) - first_step
+            rows = plan.rank_rows(epoch, rank)
+            step = rows.numbers("step") - first_step
             if step.size and (step.min() < steps.start or step.max() >= steps.stop):
                 raise PlanFormatError(f"{plan.path}: epoch {epoch} rank {rank} holds steps outside the epoch's "
                                       f"{first_step + steps.start:,}..{first_step + steps.stop - 1:,}; "
                                       "run batchplan validate on it")  # fmt: skip
             for name, per_rank in sums.items():  # each (step, rank) lies in this record batch alone
-                per_rank[rank] = np.bincount(step - steps.start, weights=numpy_of(batch.column(name)),
+                per_rank[rank] = np.bincount(step - steps.start, weights=rows.numbers(name),
                                              minlength=steps.stop - steps.start)  # fmt: skip
-            scan.rank_nonempty[rank] += _add_batch(scan, batch, step, steps, regular, counters)
-            if "lengths" in batch.schema.names and steps.start == 0:
-                longest.append(_first_step_longest(batch, step))
+            scan.rank_nonempty[rank] += _add_rows(scan, rows, step, steps, regular, counters)
+            if "lengths" in rows and steps.start == 0:
+                longest.append(_first_step_longest(rows, step))
         _add_epoch(scan, sums, steps)
     if "lengths" in plan.schema.names and scan.micro_batches:
         scan.first_step_longest = max(longest, default=0)
@@ -150,18 +149,18 @@ def _add_epoch(scan: PlanScan, sums: dict[str, np.ndarray], steps: slice) -> Non
         scan.cost_imbalance[steps] = step_imbalance(np.ascontiguousarray(sums["cost"].T))
 
 
-def _add_batch(scan: PlanScan, batch: pa.RecordBatch, step, steps: slice, regular, counters) -> int:
+def _add_rows(scan: PlanScan, rows: PlanRows, step, steps: slice, regular, counters) -> int:
     """Add one (epoch, rank) record batch's counts and totals to ``scan``, and its values to
     ``counters`` (`_histogram_counters`, or None); its rows' ``step`` lie in ``steps``.
     Returns its non-empty micro-batches."""
-    tokens = numpy_of(batch.column("tokens"))
-    padded = numpy_of(padded_tokens_column(batch))
-    counts = samples_per_row(batch)
+    tokens = rows.numbers("tokens")
+    padded = rows.numbers("padded_tokens")
+    counts = rows.counts("samples")
     scan.step_micro_batches[steps] += np.bincount(step - steps.start, minlength=steps.stop - steps.start)
     scan.micro_batches += int(tokens.shape[0])
     scan.empty_micro_batches += int((counts == 0).sum())
     scan.tokens += tokens.sum()
-    scan.loss_tokens += numpy_of(batch.column("loss_tokens")).sum()
+    scan.loss_tokens += rows.numbers("loss_tokens").sum()
     scan.padded_tokens += padded.sum()
     in_regular = regular[step]
     scan.regular_tokens += tokens[in_regular].sum()
@@ -209,10 +208,9 @@ def _histogram_counters(plan: OpenedPlan) -> dict[str, _Counter]:
     return {name: _Counter(int(plan.metadata["max_tokens"])) for name in names}
 
 
-def _first_step_longest(batch: pa.RecordBatch, step) -> int:
-    """The longest entry (``lengths``) of the batch's rows of the plan's first step (0 if none)."""
-    column = batch.column("lengths")
-    values = list_values(column)[np.repeat(step == 0, list_lengths(column))]
+def _first_step_longest(rows: PlanRows, step) -> int:
+    """The longest entry (``lengths``) of the rows of the plan's first step (0 if none)."""
+    values = rows.entries("lengths")[np.repeat(step == 0, rows.counts("lengths"))]
     return int(values.max()) if values.size else 0
 
 
@@ -234,7 +232,8 @@ def summarize_plan(
     # shape (num_steps,): tokens of the run before each step this plan holds
     tokens_before = int(meta.get("tokens_before_first_step", 0)) + np.cumsum(step_tokens) - step_tokens
     micro_per_step = scan.step_micro_batches // world_size
-    dropped = meta.get("dropped", {})
+    # drop_last_spans: the pieces of the samples drop_last lists, not more samples
+    dropped = {reason: v for reason, v in meta.get("dropped", {}).items() if reason != "drop_last_spans"}
     return {
         "num_samples": plan.num_samples,
         "num_epochs": plan.num_epochs,
@@ -311,11 +310,6 @@ def _parent(parent: dict[str, Any] | None) -> dict[str, Any] | None:
     if not parent:
         return None
     return {key: parent.get(key) for key in ("content_hash", "world_size", "from_step", "epoch")}
-
-
-def samples_per_row(rows: pa.RecordBatch | pa.Table) -> np.ndarray:
-    """Entries in each row's ``samples`` list (int32), from the offsets, chunk by chunk."""
-    return list_lengths(rows.column("samples"))
 
 
 def _padding(scan: PlanScan) -> float | None:

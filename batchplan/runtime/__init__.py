@@ -26,6 +26,7 @@ from batchplan.runtime.mixture import MixtureDataset, source_names
 from batchplan.runtime.records import MicroBatch, PlannedItems, PlannedRows, SpanIndex, SpanItem
 from batchplan.runtime.sampler import PlanSampler
 from batchplan.runtime.schedule import read_step_tokens, token_lr_scheduler
+from batchplan.runtime.source_loss import SourceLoss, SourceLosses
 
 __all__ = [
     "IGNORE_INDEX",
@@ -38,6 +39,8 @@ __all__ = [
     "PlanSampler",
     "PlannedItems",
     "PlannedRows",
+    "SourceLoss",
+    "SourceLosses",
     "SpanIndex",
     "SpanItem",
     "count_loss_tokens",

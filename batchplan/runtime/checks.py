@@ -24,7 +24,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
-from batchplan.formats.plan_file import OpenedPlan
+from batchplan.formats.opened_plan import OpenedPlan
 from batchplan.runtime.records import MicroBatch
 from batchplan.runtime.rows import RUNTIME_COLUMNS, RankRows
 
@@ -61,6 +61,11 @@ def check_plan_dataset(plan: OpenedPlan, dataset, lengths, loss_tokens) -> None:
             f"has {num_rows:,}; rebuild the plan on this dataset or load the dataset it was built for"
         )
     if lengths is None:
+        return
+    if plan.metadata.get("mixture") is not None:  # each source's lengths have their own fingerprint
+        from batchplan.runtime.mixture import check_mixture_lengths
+
+        check_mixture_lengths(plan, lengths, loss_tokens)
         return
     from batchplan.formats.lengths import fingerprint_lengths  # Parquet reading: only when lengths are given
 
@@ -105,8 +110,7 @@ def check_rank_rows(rows: RankRows, plan: OpenedPlan, rank: int, sample_lengths:
     """Raise `PlanFormatError` unless this rank's rows of an epoch index only the plan's
     samples, with spans inside them and ``tokens`` that add up (module docstring)."""
     columns = rows.entries()
-    offsets, samples = columns["samples"]
-    relative = offsets - offsets[0]  # shape (num_rows + 1,)
+    relative, samples = columns["samples"]  # offsets from 0, shape (num_rows + 1,)
     bad = _first_at_or_above(samples, plan.num_samples)
     if bad is not None:
         n = plan.num_samples
@@ -131,8 +135,7 @@ def _check_spans(plan, rows: RankRows, rank: int, columns, relative, sample_leng
     """The span lengths, once every span is a part of its sample."""
     samples = columns["samples"][1]
     for name in ("starts", "lengths"):
-        offsets = columns[name][0]
-        if not np.array_equal(offsets - offsets[0], relative):
+        if not np.array_equal(columns[name][0], relative):
             raise _corrupt(plan, rows, rank, relative, 0, f"has {name} that do not pair with its samples")
     starts, lengths = columns["starts"][1], columns["lengths"][1]
     if starts.size and (starts.min() < 0 or lengths.min() < 1):
@@ -241,6 +244,6 @@ def _drift(record: MicroBatch, what: str) -> PlanMismatchError:
     rank = "" if record.rank is None else f" of rank {record.rank}"
     return PlanMismatchError(
         f"step {record.step:,}, micro {record.micro}{rank} (epoch {record.epoch}): {what}; the dataset "
-        "does not match the plan: rebuild the plan on this dataset, or run `batchplan validate PLAN "
-        "--dataset DATA` to compare the plan with the dataset's lengths"
+        "does not match the plan: rebuild the plan on this dataset, or compare the plan with the "
+        "dataset's lengths: `batchplan.validate_plan(PLAN, DATA)` (the command `batchplan validate`)"
     )

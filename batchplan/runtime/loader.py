@@ -20,7 +20,7 @@ from typing import Any
 from torch.utils.data import DataLoader
 
 from batchplan.errors import ConfigError, PlanFormatError
-from batchplan.formats.plan_file import OpenedPlan
+from batchplan.formats.opened_plan import OpenedPlan
 from batchplan.runtime.collate import PackCollator, PadCollator
 from batchplan.runtime.dataset import PlanDataset
 from batchplan.runtime.sampler import PlanSampler

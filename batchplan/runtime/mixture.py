@@ -8,7 +8,9 @@ the same). A micro-batch holds one source (its record's ``source``), so `__getit
 that source's dataset for all its rows at once.
 
 Opening checks that every source of the plan has a dataset, of the rows the plan was built
-for: a `PlanMismatchError` names the source otherwise.
+for: a `PlanMismatchError` names the source otherwise. `PlanSampler.check_dataset(dataset,
+lengths)` on a mixture's plan compares each source's part of the lengths (global sample
+order) with the fingerprint its build recorded (`check_mixture_lengths`).
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+from numpy.typing import ArrayLike
 from torch.utils.data import Dataset
 
-from batchplan.errors import PlanMismatchError
+from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
 from batchplan.formats.opening import open_plan
-from batchplan.formats.plan_file import OpenedPlan
+from batchplan.formats.opened_plan import OpenedPlan
 
-__all__ = ["MixtureDataset", "source_names"]
+__all__ = ["MixtureDataset", "check_mixture_lengths", "source_names"]
 
 
 def source_names(plan: OpenedPlan | str | os.PathLike) -> list[str]:
@@ -101,6 +105,58 @@ class MixtureDataset(Dataset):
             rows = [row for _, row in located]
             return list(many(rows)) if many is not None else [dataset[row] for row in rows]
         return [self.datasets[source][row] for source, row in located]
+
+
+def check_mixture_lengths(plan: OpenedPlan, lengths: ArrayLike, loss_tokens: ArrayLike | None = None) -> None:
+    """Raise unless ``lengths`` (and ``loss_tokens``), one per global sample, are the sources'
+    the plan was built for: each source's part against the fingerprint its build recorded (a
+    mixture's plan records no fingerprint of all the lengths as one array).
+
+    Args:
+        plan: the mixture's plan.
+        lengths: every sample's tokens, sources in the plan's order (their datasets' rows, concatenated).
+        loss_tokens: every sample's loss tokens, when a source was planned with a loss-tokens
+            column (a source without one is compared on its lengths only).
+
+    Raises:
+        PlanMismatchError: a source's lengths differ; the message names it.
+        ConfigError: ``loss_tokens`` is missing (or given, but no source has the column), or
+            ``lengths`` is not one per sample.
+        PlanFormatError: a source records no fingerprint.
+    """
+    from batchplan.formats.lengths import fingerprint_lengths  # only when lengths are given
+
+    sources = _sources(plan)
+    columns = {source["name"]: source.get("loss_tokens_column") for source in sources}
+    with_column = [name for name, column in columns.items() if column is not None]
+    if with_column and loss_tokens is None:
+        raise ConfigError(
+            f"{plan.path}: source {with_column[0]!r} was planned with loss-tokens column "
+            f"{columns[with_column[0]]!r}; pass loss_tokens= (every sample's, sources in order) with the lengths"
+        )
+    if loss_tokens is not None and not with_column:
+        raise ConfigError(f"{plan.path}: no source of the mixture has a loss-tokens column; drop loss_tokens=")
+    lengths = np.asarray(lengths)
+    loss = None if loss_tokens is None else np.asarray(loss_tokens)
+    for name, values in (("lengths", lengths), ("loss_tokens", loss)):
+        if values is not None and values.shape != (plan.num_samples,):
+            raise ConfigError(
+                f"{name} has shape {values.shape}, expected ({plan.num_samples:,},): one per sample of the "
+                "mixture, its sources' rows in the plan's order"
+            )
+    for source in sources:
+        recorded = source.get("lengths_fingerprint")
+        if recorded is None:
+            raise PlanFormatError(f"{plan.path}: source {source['name']!r} records no lengths fingerprint; rebuild it")
+        part = slice(source["offset"], source["offset"] + source["num_samples"])
+        own_loss = loss[part] if loss is not None and columns[source["name"]] is not None else None
+        found = fingerprint_lengths(lengths[part], own_loss)
+        if found != recorded:
+            raise PlanMismatchError(
+                f"{plan.path}: source {source['name']!r} (samples {part.start:,}..{part.stop - 1:,}) has lengths of "
+                f"fingerprint {found} but the plan was built for {recorded}; same row count, other data (or "
+                "another row order): pass that source's dataset as it was when the plan was built, or rebuild the plan"
+            )
 
 
 def _sources(plan: OpenedPlan) -> list[dict[str, Any]]:

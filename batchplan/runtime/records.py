@@ -74,6 +74,16 @@ class MicroBatch(NamedTuple):
         return list(zip(self.starts, self.lengths))
 
     @property
+    def loss_tokens_by_source(self) -> dict[int, int] | None:
+        """Loss tokens of this micro-batch per source of a mixture's plan: ``{source:
+        loss_tokens}`` (a micro-batch holds one source; ``{}`` for an empty one), keyed like
+        `source` (``source_names(plan)[source]`` is its name). None in other plans.
+        `batchplan.runtime.SourceLosses` sums them over a step's ranks for a loss per source."""
+        if self.source is None:
+            return None
+        return {self.source: self.loss_tokens} if self.source >= 0 and self.indices else {}
+
+    @property
     def is_empty(self) -> bool:
         """True for a planned empty micro-batch (run a zero-weight dummy forward)."""
         return not self.indices

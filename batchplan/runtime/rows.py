@@ -1,4 +1,5 @@
-"""One rank's rows of one epoch, as zero-copy numpy views of the memory-mapped plan.
+"""One rank's rows of one epoch, as zero-copy numpy views of the memory-mapped plan
+(`batchplan.formats.plan_rows.PlanRows`: a null in a plan column is a `PlanFormatError`).
 
 Iteration converts rows to Python objects in chunks of `CHUNK_ROWS` (one
 ``tolist`` per column per chunk), so a micro-batch costs about a microsecond and
@@ -12,12 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import numpy as np
-import pyarrow as pa
 from numpy.typing import NDArray
 
-from batchplan.errors import PlanFormatError
-from batchplan.formats.arrow import numpy_of
-from batchplan.formats.plan_file import padded_tokens_column
+from batchplan.formats.plan_rows import PlanRows
 from batchplan.runtime.records import MicroBatch, PlannedRows, SpanIndex
 
 __all__ = ["CHUNK_ROWS", "RUNTIME_COLUMNS", "RankRows"]
@@ -46,9 +44,8 @@ class RankRows:
 
     def __init__(
         self,
-        batch: pa.RecordBatch,
+        rows: PlanRows,
         epoch: int,
-        path: object,
         world_size: int | None = None,
         *,
         rank: int | None = None,
@@ -58,33 +55,28 @@ class RankRows:
         self.world_size = world_size
         self.rank = rank
         self.span_cap = span_cap
-        self.num_rows = batch.num_rows
-        self.has_spans = "starts" in batch.schema.names
-        try:
-            self._columns = {name: _scalar_column(batch, name) for name in _SCALARS}
-            self._source = _values(batch.column("source")) if "source" in batch.schema.names else None
-            self._offsets, self._samples = _list_column(batch, "samples")
-            if self.has_spans:
-                self._span_offsets, self._starts = _list_column(batch, "starts")
-                self._length_offsets, self._lengths = _list_column(batch, "lengths")
-        except (KeyError, pa.ArrowException) as error:
-            raise PlanFormatError(f"{path}: cannot read epoch {epoch} ({error}); rebuild the plan") from error
+        self.num_rows = rows.num_rows
+        self.has_spans = rows.has_spans
+        self._columns = {name: rows.numbers(name) for name in _SCALARS}
+        self._source = rows.numbers("source") if "source" in rows else None
+        self._offsets, self._samples = rows.offsets("samples"), rows.entries("samples")
+        if self.has_spans:
+            self._span_offsets, self._starts = rows.offsets("starts"), rows.entries("starts")
+            self._length_offsets, self._lengths = rows.offsets("lengths"), rows.entries("lengths")
 
     def column(self, name: str) -> NDArray[np.int64]:
         """A scalar column (``step``, ``tokens``, ...) as a read-only numpy view."""
         return self._columns[name]
 
-    def entries(self) -> dict[str, tuple[NDArray, NDArray]]:
+    def entries(self) -> dict[str, tuple[NDArray[np.int64], NDArray]]:
         """``{name: (offsets, values)}`` of the list columns (``samples``, and ``starts`` and
-        ``lengths`` with spans): row ``i`` holds ``values[offsets[i] - offsets[0]:offsets[i + 1]
-        - offsets[0]]``; read-only views."""
+        ``lengths`` with spans): row ``i`` holds ``values[offsets[i]:offsets[i + 1]]`` (offsets
+        from 0); the values are read-only views."""
         columns = {"samples": (self._offsets, self._samples)}
         if self.has_spans:
             columns["starts"] = (self._span_offsets, self._starts)
             columns["lengths"] = (self._length_offsets, self._lengths)
-        if self.num_rows == 0:
-            return {name: (np.zeros(1, np.int64), values[:0]) for name, (_, values) in columns.items()}
-        return {name: (offsets, values[offsets[0] : offsets[-1]]) for name, (offsets, values) in columns.items()}
+        return columns
 
     def records(self, start: int = 0) -> Iterator[MicroBatch]:
         """One `MicroBatch` per row from row ``start``."""
@@ -119,25 +111,6 @@ class RankRows:
         starts = _split(self._starts, self._span_offsets, first, stop)
         lengths = _split(self._lengths, self._span_offsets, first, stop)
         return samples, starts, lengths
-
-
-def _scalar_column(batch: pa.RecordBatch, name: str) -> NDArray[np.int64]:
-    column = padded_tokens_column(batch) if name == "padded_tokens" else batch.column(name)
-    return _values(column)
-
-
-def _list_column(batch: pa.RecordBatch, name: str) -> tuple[NDArray[np.int64], NDArray]:
-    """``(offsets, values)``: row ``i`` is ``values[offsets[i]:offsets[i + 1]]``."""
-    column = batch.column(name)
-    return _values(column.offsets), _values(column.values)
-
-
-def _values(array: pa.Array) -> NDArray:
-    """A read-only view of a plan column's values; a null (a damaged file: plans have none)
-    is an error, not a 0."""
-    if array.null_count:
-        raise pa.ArrowInvalid(f"{array.null_count} null value(s) in a plan column")
-    return numpy_of(array)
 
 
 def _split(values: NDArray, offsets: NDArray, first: int, stop: int) -> list[list[int]]:

@@ -30,7 +30,7 @@ from numpy.typing import ArrayLike
 from torch.utils.data import Sampler
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
-from batchplan.formats.plan_file import OpenedPlan
+from batchplan.formats.opened_plan import OpenedPlan
 from batchplan.formats.opening import open_plan
 from batchplan.runtime.checks import check_plan_dataset, check_rank_rows, check_runtime_columns, span_cap
 from batchplan.runtime.distributed import check_world_size, resolve_placement
@@ -125,7 +125,7 @@ class PlanSampler(Sampler[list[int]]):
 
     @property
     def has_spans(self) -> bool:
-        """True when entries are token spans of samples (``--oversize truncate|split``)."""
+        """True when entries are token spans of samples (``oversize="truncate"`` or ``"split"``)."""
         return "starts" in self._plan.schema.names
 
     @property
@@ -181,7 +181,7 @@ class PlanSampler(Sampler[list[int]]):
             dataset: the map-style dataset (anything with ``len``), or its row count.
             lengths: token count of every row, in dataset order (``read_lengths(...).lengths``).
             loss_tokens: loss-token count of every row, when the plan was built with
-                ``--loss-tokens-column``.
+                a loss-tokens column (``loss_tokens_column``).
 
         Raises:
             PlanMismatchError: another row count, or other lengths; the message names both.
@@ -212,7 +212,7 @@ class PlanSampler(Sampler[list[int]]):
         if not 0 <= epoch < self.num_epochs:
             raise PlanMismatchError(
                 f"{self.path}: epoch {epoch} is beyond the plan, which has epochs 0..{self.num_epochs - 1}; "
-                f"rebuild it with --epochs {epoch + 1} or more to train longer"
+                f"rebuild it with `epochs={epoch + 1}` or more to train longer"
             )
         if self._resume_pending:
             self._set_resumed_epoch(epoch)
@@ -268,7 +268,7 @@ class PlanSampler(Sampler[list[int]]):
         if strict:
             raise PlanMismatchError(
                 f"{self.path}: all {self.num_epochs} epoch(s) of the plan are done on rank {self.rank}; "
-                f"rebuild it with --epochs {self.num_epochs + 1} or more to train longer, or stop the loop "
+                f"rebuild it with `epochs={self.num_epochs + 1}` or more to train longer, or stop the loop "
                 "when sampler.finished is True"
             )
         return self._epoch, self._position
@@ -280,15 +280,15 @@ class PlanSampler(Sampler[list[int]]):
 
     def _read_rows(self, epoch: int) -> RankRows:
         """This rank's rows of ``epoch``, checked (`check_rank_rows`)."""
-        batch = self._plan.read_rank(epoch, self.rank)
+        read = self._plan.rank_rows(epoch, self.rank)
         expected = self._rows_per_epoch[epoch]
-        if batch.num_rows != expected:
+        if read.num_rows != expected:
             raise PlanFormatError(
-                f"{self.path}: epoch {epoch} rank {self.rank} has {batch.num_rows} rows but the "
+                f"{self.path}: epoch {epoch} rank {self.rank} has {read.num_rows} rows but the "
                 f"metadata says {expected}; the file is corrupt, rebuild it"
             )
         cap = span_cap(self._plan.metadata, epoch)
-        rows = RankRows(batch, epoch, self.path, self.world_size, rank=self.rank, span_cap=cap)
+        rows = RankRows(read, epoch, self.world_size, rank=self.rank, span_cap=cap)
         check_rank_rows(rows, self._plan, self.rank, self._sample_lengths)
         return rows
 

@@ -22,8 +22,7 @@ import torch
 from numpy.typing import NDArray
 
 from batchplan.errors import ConfigError, PlanFormatError
-from batchplan.formats.arrow import numpy_of
-from batchplan.formats.plan_file import OpenedPlan
+from batchplan.formats.opened_plan import OpenedPlan
 from batchplan.formats.opening import open_plan
 
 __all__ = ["DECAYS", "read_step_tokens", "token_lr_factor", "token_lr_lambda", "token_lr_scheduler"]
@@ -42,10 +41,10 @@ def read_step_tokens(plan: PlanLike | object) -> tuple[NDArray[np.int64], NDArra
     plan_file = _plan_file(plan)
     before, tokens = [], []
     for epoch in range(plan_file.num_epochs):
-        rows = plan_file.read_rank(epoch, 0)
-        first = numpy_of(rows.column("micro")) == 0  # one row per step on every rank
-        before.append(numpy_of(rows.column("tokens_before_step"))[first])
-        tokens.append(numpy_of(rows.column("step_tokens"))[first])
+        rows = plan_file.rank_rows(epoch, 0)
+        first = rows.numbers("micro") == 0  # one row per step on every rank
+        before.append(rows.numbers("tokens_before_step")[first])
+        tokens.append(rows.numbers("step_tokens")[first])
     before_all, tokens_all = np.concatenate(before), np.concatenate(tokens)
     if before_all.shape[0] != plan_file.num_steps:
         raise PlanFormatError(

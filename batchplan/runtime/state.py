@@ -23,7 +23,7 @@ import hashlib
 from typing import Any
 
 from batchplan.errors import PlanFormatError, PlanMismatchError
-from batchplan.formats.plan_file import dump_json
+from batchplan.formats.plan_format import dump_json
 
 __all__ = ["LAYOUT_KEYS", "STATE_KIND", "STATE_VERSION", "check_state", "make_identity", "make_state", "plan_identity"]
 
@@ -149,7 +149,7 @@ def _check_parent_state(state: dict[str, Any], parent: dict[str, Any]) -> tuple[
             f"sampler state is at micro-batch {position} of epoch {epoch} of the parent plan, "
             f"{abs(done - wanted):,} micro-batch(es) per rank {where} step {parent['from_step']:,}, where this "
             f"plan was resharded from (micro-batch {parent['position']} of epoch {parent['epoch']}); "
-            "reshard the parent again with --from-step set to the optimizer steps done when the state was "
+            "reshard the parent again with `from_step` set to the optimizer steps done when the state was "
             "saved (save states right after an optimizer step)"
         )
     return parent["epoch"], 0
