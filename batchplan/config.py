@@ -3,6 +3,9 @@
 The CLI builds it, library users build it, and the plan file stores it (``to_dict``),
 so a plan always says exactly how it was made. ``fingerprint`` is stable across
 processes and machines (canonical JSON, SHA-256).
+
+Errors name the fields, in backticks (`` `max_tokens` ``, `` `mode="pad"` ``): the words
+of a library caller; the CLI turns them into its options (``batchplan_cli.flags``).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any, Literal
 
 from batchplan.errors import ConfigError
 
-__all__ = ["MODES", "OVERSIZE_POLICIES", "PlanConfig", "num_threads", "parse_count", "parse_pair"]
+__all__ = ["MODES", "OVERSIZE_POLICIES", "PlanConfig", "num_threads", "parse_count"]
 
 MODES = ("pack", "pad")
 OVERSIZE_POLICIES = ("error", "drop", "truncate", "split")
@@ -93,13 +96,13 @@ class PlanConfig:
     seqlen_warmup_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, minimum=1, flag="--max-tokens")
-        _check_int("world_size", self.world_size, minimum=1, flag="--world-size")
-        _check_int("epochs", self.epochs, minimum=1, flag="--epochs")
-        _check_int("seed", self.seed, minimum=0, flag="--seed")
-        _check_int("shuffle_window", self.shuffle_window, minimum=1, flag="--shuffle-window")
-        _check_int("batch_multiple", self.batch_multiple, minimum=1, flag="--batch-multiple")
-        _check_int("balance_window", self.balance_window, minimum=1, flag="--balance-window")
+        _check_int("max_tokens", self.max_tokens, minimum=1)
+        _check_int("world_size", self.world_size, minimum=1)
+        _check_int("epochs", self.epochs, minimum=1)
+        _check_int("seed", self.seed, minimum=0)
+        _check_int("shuffle_window", self.shuffle_window, minimum=1)
+        _check_int("batch_multiple", self.batch_multiple, minimum=1)
+        _check_int("balance_window", self.balance_window, minimum=1)
         _check_choice("mode", self.mode, MODES)
         _check_choice("oversize", self.oversize, OVERSIZE_POLICIES)
         self._check_cost_model()
@@ -110,14 +113,14 @@ class PlanConfig:
 
     def _check_cost_model(self) -> None:
         if self.hidden_size is not None:
-            _check_int("hidden_size", self.hidden_size, minimum=1, flag="--hidden-size")
+            _check_int("hidden_size", self.hidden_size, minimum=1)
         if self.attention_coefficient is not None:
             value = self.attention_coefficient
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-                raise ConfigError(f"--attention-coefficient must be a finite number >= 0, got {value!r}")
+                raise ConfigError(f"`attention_coefficient` must be a finite number >= 0, got {value!r}")
             if self.hidden_size is not None:
                 raise ConfigError(
-                    "--hidden-size and --attention-coefficient were both given; the width only sets the "
+                    "`hidden_size` and `attention_coefficient` were both given; the width only sets the "
                     "coefficient (1 / (12 x width)), pass one of them"
                 )
         if self.balance is None:  # resolved here, so the stored config is explicit
@@ -125,84 +128,84 @@ class PlanConfig:
         _check_choice("balance", self.balance, BALANCE_MODES)
         if self.balance == "compute" and self.cost_coefficient is None:
             raise ConfigError(
-                "--balance compute needs the attention term of the cost model; pass --hidden-size "
-                "or --attention-coefficient"
+                '`balance="compute"` needs the attention term of the cost model; pass `hidden_size` '
+                "or `attention_coefficient`"
             )
 
     def _check_steps(self) -> None:
         if self.micro_batches is not None and self.tokens_per_step is not None:
             raise ConfigError(
-                "--micro-batches and --tokens-per-step were both given; steps are sized "
+                "`micro_batches` and `tokens_per_step` were both given; steps are sized "
                 "either by a fixed count of micro-batches per rank or by a global token "
                 "target, pass only one"
             )
         if self.micro_batches is not None:
-            _check_int("micro_batches", self.micro_batches, minimum=1, flag="--micro-batches")
+            _check_int("micro_batches", self.micro_batches, minimum=1)
         if self.tokens_per_step is not None:
-            _check_int("tokens_per_step", self.tokens_per_step, minimum=1, flag="--tokens-per-step")
+            _check_int("tokens_per_step", self.tokens_per_step, minimum=1)
             smallest = self.world_size * self.max_tokens
             if self.tokens_per_step < smallest:
                 raise ConfigError(
-                    f"--tokens-per-step {self.tokens_per_step:,} is smaller than one micro-batch "
+                    f"`tokens_per_step` {self.tokens_per_step:,} is smaller than one micro-batch "
                     f"per rank (world_size {self.world_size} x max_tokens {self.max_tokens:,} = "
-                    f"{smallest:,}); raise --tokens-per-step or use --micro-batches"
+                    f"{smallest:,}); raise `tokens_per_step` or use `micro_batches`"
                 )
 
     def _check_padding(self) -> None:
         if self.batch_multiple > 1 and self.mode != "pad":
             raise ConfigError(
-                f"--batch-multiple {self.batch_multiple} only applies to --mode pad "
-                f"(mode is {self.mode!r}); drop it or use --mode pad"
+                f'`batch_multiple` {self.batch_multiple} only applies to `mode="pad"` '
+                f'(mode is {self.mode!r}); drop it or use `mode="pad"`'
             )
         if self.batch_multiple > self.max_tokens:
             raise ConfigError(
-                f"--batch-multiple {self.batch_multiple:,} cannot fit: a micro-batch of "
+                f"`batch_multiple` {self.batch_multiple:,} cannot fit: a micro-batch of "
                 f"{self.batch_multiple:,} samples of length >= 1 exceeds max_tokens "
-                f"{self.max_tokens:,}; lower --batch-multiple"
+                f"{self.max_tokens:,}; lower `batch_multiple`"
             )
 
     def _check_rampup(self) -> None:
-        if not _check_pair("--rampup", "START:TOKENS", self.rampup_start, self.rampup_tokens):
+        if not _check_pair("rampup_start", "rampup_tokens", self.rampup_start, self.rampup_tokens):
             return
-        _check_int("rampup_start", self.rampup_start, minimum=1, flag="--rampup START")
-        _check_int("rampup_tokens", self.rampup_tokens, minimum=1, flag="--rampup TOKENS")
+        _check_int("rampup_start", self.rampup_start, minimum=1)
+        _check_int("rampup_tokens", self.rampup_tokens, minimum=1)
         smallest = self.world_size * self.max_tokens  # the smallest step: one micro-batch per rank
         if self.rampup_start < smallest:
             raise ConfigError(
-                f"--rampup START {self.rampup_start:,} is smaller than one micro-batch per rank "
+                f"`rampup_start` {self.rampup_start:,} is smaller than one micro-batch per rank "
                 f"(world_size {self.world_size} x max_tokens {self.max_tokens:,} = {smallest:,}), the "
-                f"smallest step; raise START to at least {smallest:,}"
+                f"smallest step; raise `rampup_start` to at least {smallest:,}"
             )
         if self.tokens_per_step is not None:
             if self.rampup_start >= self.tokens_per_step:
                 raise ConfigError(
-                    f"--rampup START {self.rampup_start:,} must be below --tokens-per-step "
-                    f"{self.tokens_per_step:,} (the ramp grows the step up to it); lower START"
+                    f"`rampup_start` {self.rampup_start:,} must be below `tokens_per_step` "
+                    f"{self.tokens_per_step:,} (the ramp grows the step up to it); lower `rampup_start`"
                 )
             return
         per_step = self.micro_batches_per_step
         if per_step == 1:
             raise ConfigError(
-                "--rampup needs a full step larger than one micro-batch per rank (the smallest "
-                "step): pass --tokens-per-step T (the ramp's target) or --micro-batches M > 1"
+                "a ramp-up needs a full step larger than one micro-batch per rank (the smallest "
+                "step): pass `tokens_per_step` (the ramp's target) or `micro_batches` above 1"
             )
         full = smallest * per_step
         if self.rampup_start >= full:
             raise ConfigError(
-                f"--rampup START {self.rampup_start:,} must be below a full step of --micro-batches "
-                f"{per_step} (at most {per_step} x {smallest:,} = {full:,} tokens); lower START or raise "
-                "--micro-batches"
+                f"`rampup_start` {self.rampup_start:,} must be below a full step of `micro_batches` "
+                f"{per_step} (at most {per_step} x {smallest:,} = {full:,} tokens); lower `rampup_start` "
+                "or raise `micro_batches`"
             )
 
     def _check_seqlen_warmup(self) -> None:
-        if not _check_pair("--seqlen-warmup", "MIN:TOKENS", self.seqlen_warmup_min, self.seqlen_warmup_tokens):
+        if not _check_pair("seqlen_warmup_min", "seqlen_warmup_tokens", self.seqlen_warmup_min, self.seqlen_warmup_tokens):
             return
-        _check_int("seqlen_warmup_min", self.seqlen_warmup_min, minimum=1, flag="--seqlen-warmup MIN")
-        _check_int("seqlen_warmup_tokens", self.seqlen_warmup_tokens, minimum=1, flag="--seqlen-warmup TOKENS")
+        _check_int("seqlen_warmup_min", self.seqlen_warmup_min, minimum=1)
+        _check_int("seqlen_warmup_tokens", self.seqlen_warmup_tokens, minimum=1)
         if self.seqlen_warmup_min >= self.max_tokens:
             raise ConfigError(
-                f"--seqlen-warmup MIN {self.seqlen_warmup_min:,} must be below max_tokens "
-                f"{self.max_tokens:,} (the cap grows from MIN to max_tokens); lower MIN"
+                f"`seqlen_warmup_min` {self.seqlen_warmup_min:,} must be below max_tokens "
+                f"{self.max_tokens:,} (the cap grows from it to max_tokens); lower `seqlen_warmup_min`"
             )
 
     @property
@@ -250,54 +253,20 @@ class PlanConfig:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _check_int(name: str, value: object, *, minimum: int, flag: str) -> None:
+def _check_int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an integer, got {value!r}")
+        raise ConfigError(f"`{name}` must be an integer, got {value!r}")
     if value < minimum:
-        raise ConfigError(f"{flag} must be >= {minimum}, got {value:,}")
+        raise ConfigError(f"`{name}` must be >= {minimum}, got {value:,}")
 
 
-def _check_pair(flag: str, form: str, first: object, second: object) -> bool:
-    """Both halves of a ``FIRST:SECOND`` option given (True) or neither (False)."""
+def _check_pair(first_name: str, second_name: str, first: object, second: object) -> bool:
+    """Both fields of a pair (a ramp-up's start and length) given (True) or neither (False)."""
     if (first is None) != (second is None):
-        raise ConfigError(f"{flag} takes {form}: both values or neither, got {first!r} and {second!r}")
-    return first is not None
-
-
-def parse_pair(flag: str, form: str, text: str | None) -> tuple[int, int] | tuple[None, None]:
-    """``"A:B"`` -> ``(A, B)`` for an option such as ``--rampup START:TOKENS``; None -> (None, None).
-
-    Integers may use ``_`` separators and a ``k``/``M``/``G``/``T`` suffix (`parse_count`).
-    """
-    if text is None:
-        return None, None
-    parts = text.split(":")
-    try:
-        if len(parts) != 2:
-            raise ValueError(text)
-        return parse_count(parts[0]), parse_count(parts[1])
-    except ValueError:
         raise ConfigError(
-            f"{flag} takes {form} (two integers, e.g. 262144:100M), got {text!r}"
-        ) from None
-
-
-def parse_epoch_range(text: str | None, epochs: int) -> range | None:
-    """``--only-epochs``: ``"START:STOP"`` (STOP excluded; either may be left out) or ``"E"``
-    -> a range of epochs; None -> None."""
-    if text is None:
-        return None
-    parts = text.split(":")
-    try:
-        if len(parts) == 1:
-            start = parse_count(parts[0])
-            return range(start, start + 1)
-        if len(parts) != 2:
-            raise ValueError(text)
-        start = parse_count(parts[0]) if parts[0].strip() else 0
-        return range(start, parse_count(parts[1]) if parts[1].strip() else epochs)
-    except ValueError:
-        raise ConfigError(f"--only-epochs takes START:STOP or EPOCH (0:4 = epochs 0 to 3), got {text!r}") from None
+            f"`{first_name}` and `{second_name}` go together: give both or neither, got {first!r} and {second!r}"
+        )
+    return first is not None
 
 
 def parse_count(text: str) -> int:
@@ -317,7 +286,7 @@ def parse_count(text: str) -> int:
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+        raise ConfigError(f"`{name}` must be one of {', '.join(choices)}; got {value!r}")
 
 
 def num_threads() -> int:

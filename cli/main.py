@@ -1,6 +1,7 @@
 """The `batchplan` command: thin typed commands over the library.
 
-Known errors (`BatchPlanError`) print one line and exit 1; set BATCHPLAN_DEBUG=1 for
+Known errors (`BatchPlanError`) print one line and exit 1, the library's parameters in it
+written as this command's options (`batchplan_cli.flags`); set BATCHPLAN_DEBUG=1 for
 the traceback. Heavy modules (numba, the planner) are imported inside the commands
 so that ``batchplan --help`` stays instant.
 """
@@ -16,6 +17,7 @@ from typing import Annotated, Optional
 
 import typer
 from batchplan_cli.choices import Balance, Layout, Mode, Oversize
+from batchplan_cli.flags import to_cli_words
 
 from batchplan.config import DEFAULT_BALANCE_WINDOW
 from batchplan.errors import BatchPlanError, ConfigError
@@ -56,7 +58,7 @@ def _fail_cleanly(command):
             from rich.console import Console
             from rich.text import Text
 
-            line = Text.assemble(("error: ", "bold red"), str(error))
+            line = Text.assemble(("error: ", "bold red"), to_cli_words(str(error)))
             Console(stderr=True).print(line, highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
 
@@ -125,7 +127,9 @@ def build(
 ) -> None:
     """Read sample lengths and write a plan for every epoch."""
     _unwind_on_sigterm()
-    from batchplan.config import DEFAULT_SHUFFLE_WINDOW, PlanConfig, parse_epoch_range, parse_pair
+    from batchplan_cli.parsing import parse_epoch_range, parse_pair
+
+    from batchplan.config import DEFAULT_SHUFFLE_WINDOW, PlanConfig
     from batchplan.operations.build import build_plan_file
 
     rampup_start, rampup_tokens = parse_pair("--rampup", "START:TOKENS", rampup)
@@ -287,7 +291,7 @@ def validate(
     checked += f", {opened.num_samples:,} samples" if dataset or mixture is not None else ""
     if violations:
         for violation in violations:
-            typer.echo(f"FAIL {violation}", err=True)
+            typer.echo(f"FAIL {to_cli_words(str(violation))}", err=True)
         typer.echo(f"{plan}: {len(violations)} guarantee(s) violated", err=True)
         raise typer.Exit(1)
     if mixture is not None:

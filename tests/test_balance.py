@@ -108,9 +108,9 @@ def test_balance_defaults_and_errors():
     assert PlanConfig(max_tokens=8, hidden_size=64, balance="tokens").balance == "tokens"
     with pytest.raises(ConfigError, match="needs the attention term"):
         PlanConfig(max_tokens=8, balance="compute")
-    with pytest.raises(ConfigError, match="--balance-window must be >= 1"):
+    with pytest.raises(ConfigError, match="`balance_window` must be >= 1"):
         PlanConfig(max_tokens=8, balance_window=0)
-    with pytest.raises(ConfigError, match="--hidden-size must be >= 1"):
+    with pytest.raises(ConfigError, match="`hidden_size` must be >= 1"):
         PlanConfig(max_tokens=8, hidden_size=0)
 
 

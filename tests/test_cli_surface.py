@@ -15,17 +15,17 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import typer
 from typer.testing import CliRunner
 
-from batchplan.formats import plan_file
-from batchplan.config import BALANCE_MODES, MODES, OVERSIZE_POLICIES, PlanConfig
+from batchplan.formats import plan_writer
+from batchplan.config import PlanConfig
 from batchplan.errors import PlanFormatError, PlanMismatchError
 from batchplan.formats.opening import open_plan
 from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.epochs import build_plan
-from batchplan_cli.choices import Balance, Mode, Oversize
 from batchplan_cli.main import app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,14 +61,24 @@ def small_plan(path: Path, world_size: int = 2) -> Path:
 # -- help ------------------------------------------------------------------------
 
 
-def test_the_enumerated_options_are_the_library_choices():
-    assert [m.value for m in Mode] == list(MODES)
-    assert [o.value for o in Oversize] == list(OVERSIZE_POLICIES)
-    assert [b.value for b in Balance] == list(BALANCE_MODES)
-    enumerated = {(name, opt) for name, command in commands().items() for param in command.params
-                  if choices(param) for opt in param.opts}  # fmt: skip
-    assert {("build", "--mode"), ("build", "--oversize"), ("build", "--balance"),
-            ("compare", "--oversize")} <= enumerated  # fmt: skip
+def test_every_choice_build_offers_builds_a_plan_that_records_it(tmp_path):
+    """Each value an enumerated option of ``build`` lists is one the library takes: the plan
+    built with it records it (``--layout``: a file or a directory)."""
+    dataset = tmp_path / "lengths.parquet"
+    pq.write_table(pa.table({"length": LENGTHS}), dataset)
+    offered = {param.opts[-1]: choices(param) for param in commands()["build"].params if choices(param)}
+    assert set(offered) == {"--mode", "--oversize", "--balance", "--layout"}
+    assert choices(next(p for p in commands()["compare"].params if "--oversize" in p.opts))
+    for option, values in offered.items():
+        for value in values:
+            plan = tmp_path / f"{option[2:]}-{value}"
+            args = ["build", str(dataset), "-o", str(plan), "--max-tokens", "128", "--hidden-size", "64", option, value]
+            result = runner.invoke(app, [*args, "-q"])
+            assert result.exit_code == 0, (option, value, result.output)
+            if option == "--layout":
+                assert plan.is_dir() == (value == "directory")
+            else:
+                assert open_plan(plan).metadata["config"][option[2:]] == value
 
 
 @pytest.mark.slow
@@ -213,8 +223,9 @@ def test_not_arrow_and_a_damaged_footer_are_not_called_truncated(tmp_path):
 # -- another world size ----------------------------------------------------------------
 
 
-def test_a_world_size_mismatch_names_reshard_and_its_command_works(tmp_path):
-    """The message's reshard command, with STEP and NEW filled in, makes a plan the run can use."""
+def test_a_world_size_mismatch_names_reshard_and_its_call_works(tmp_path):
+    """The message's reshard call, with STEP and NEW filled in, makes a plan the run can use."""
+    import batchplan
     from batchplan.runtime import PlanSampler
 
     path = small_plan(tmp_path / "plan.arrow", world_size=2)
@@ -222,13 +233,12 @@ def test_a_world_size_mismatch_names_reshard_and_its_command_works(tmp_path):
         PlanSampler(path, rank=0, world_size=3)
     message = str(raised.value)
     assert "the plan was built for world_size 2 but this run has world_size 3" in message
-    assert "launch 2 ranks" in message and "--world-size 3" in message
-    suggested = re.search(r"`(batchplan reshard [^`]*)`", message).group(1)
+    assert "launch 2 ranks" in message and "`world_size=3`" in message
+    suggested = re.search(r"`(batchplan\.reshard_plan_file\([^`]*\))`", message).group(1)
     new = tmp_path / "new.arrow"
-    args = shlex.split(suggested.replace("STEP", "1").replace("NEW.arrow", str(new)))
-    assert args[:3] == ["batchplan", "reshard", str(path)]
-    result = runner.invoke(app, [*args[1:], "-q"])
-    assert result.exit_code == 0, result.output
+    call = suggested.replace("STEP", "1").replace("NEW.arrow", str(new))
+    assert call.startswith(f"batchplan.reshard_plan_file({str(path)!r}, ")
+    eval(call, {"batchplan": batchplan})
     assert PlanSampler(new, rank=2, world_size=3).world_size == 3
 
 
@@ -250,7 +260,7 @@ class FullDisk(io.FileIO):
 def fill_disk(monkeypatch):
     """Call it to make every plan write from then on run out of space."""
     return lambda: monkeypatch.setattr(
-        plan_file.pa, "OSFile", lambda path, mode: pa.PythonFile(FullDisk(path, "wb"), mode="w")
+        plan_writer.pa, "OSFile", lambda path, mode: pa.PythonFile(FullDisk(path, "wb"), mode="w")
     )
 
 

@@ -191,7 +191,7 @@ def test_oversize_samples_are_truncated_by_default_and_counted():
 def test_bad_hidden_size_is_a_config_error():
     from batchplan.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="--hidden-size"):
+    with pytest.raises(ConfigError, match="`hidden_size`"):
         compare_strategies(np.array([5, 6]), max_tokens=16, world_size=1, hidden_size=0)
 
 

@@ -1,15 +1,18 @@
-"""docs/integrations.md runs as pasted: every script and command of the page, in order, on 2 processes.
+"""docs/integrations.md runs as pasted: every script and command of the page, on 2 processes.
 
-Each ```python block opens with ``# <file>: <command>``; the test writes the file and
-runs the command (``.venv/bin/...`` is this environment's interpreter), and runs each
-line of each ```sh block, in a fresh directory with the repository's ``.venv`` linked in.
-What the page leaves there does not overwrite the README demo's ``plan.arrow`` and is
+Each ```python block opens with ``# <file>: <command>``; the test writes the file and runs the
+command (``.venv/bin/...`` is this environment's interpreter), and runs each line of each ```sh
+block, in a directory with the repository's ``.venv`` linked in. The page's setup (the blocks
+before its first ``torchrun``: the tokenized data and the two plans) runs once per test process,
+in order; each launch is a test of its own, in a copy of that directory, so that xdist spreads
+them. What the page leaves there does not overwrite the README demo's ``plan.arrow`` and is
 ignored by the repository's .gitignore.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,32 +22,65 @@ from _spawn import documented_steps, run_documented
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "integrations.md"
+STEPS = documented_steps(PAGE)
+FIRST_LAUNCH = next(i for i, (command, _, _) in enumerate(STEPS) if "torchrun" in command)
+SETUP, LAUNCHES = STEPS[:FIRST_LAUNCH], STEPS[FIRST_LAUNCH:]
 
-for module in ("transformers", "trl", "accelerate", "lightning", "torchdata", "datasets"):
-    pytest.importorskip(module)
+# What a launch leaves besides its script, by the script's name: a checkpoint of each stack.
+LEFT = {
+    "train_trainer.py": ["out-trainer/checkpoint-10/batchplan_sampler_rank1.json"],
+    "train_sft.py": ["out-sft"],
+    "train_accelerate.py": ["out-accelerate"],
+    "train_torchdata.py": ["loader0.pt", "loader1.pt"],
+    "train_lightning.py": [],
+}
+
+
+def test_the_page_sets_up_then_launches_each_stack_once():
+    """Every step after the setup is a torchrun launch of one script, each stack's once."""
+    assert [file for _, file, _ in SETUP] == ["make_data.py", None, None]
+    assert all(command.startswith(".venv/bin/torchrun --nproc_per_node 2 ") for command, _, _ in LAUNCHES)
+    assert sorted(file for _, file, _ in LAUNCHES) == sorted(LEFT)
+
+
+@pytest.fixture(scope="module")
+def environment() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def set_up(tmp_path_factory, environment) -> Path:
+    """A directory after the page's setup, run as written: the data, then the two plans."""
+    for module in ("transformers", "trl", "accelerate", "lightning", "torchdata", "datasets"):
+        pytest.importorskip(module)
+    directory = tmp_path_factory.mktemp("integrations-page")
+    (directory / ".venv").symlink_to(Path(sys.prefix))
+    for command, file, content in SETUP:
+        if file is not None:
+            (directory / file).write_text(content)
+        run_documented(command, directory, environment)
+    assert (directory / "plan-micro.arrow").is_file() and (directory / "plan-tokens.arrow").is_file()
+    return directory
 
 
 @pytest.mark.slow
-def test_every_script_and_command_of_the_page_runs_as_written(tmp_path):
-    (tmp_path / ".venv").symlink_to(Path(sys.prefix))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    ran = []
-    for command, file, content in documented_steps(PAGE):
-        if file is not None:
-            (tmp_path / file).write_text(content)
-        run_documented(command, tmp_path, env)
-        ran.append(command)
-    assert sum("torchrun" in c for c in ran) == 5
-    assert (tmp_path / "out-trainer" / "checkpoint-10" / "batchplan_sampler_rank1.json").exists()
-    assert (tmp_path / "out-accelerate").is_dir() and (tmp_path / "loader1.pt").exists()
-    assert not (tmp_path / "plan.arrow").exists()  # the README demo's plan is left alone
-    left = sorted(path.name + ("/" if path.is_dir() else "") for path in tmp_path.iterdir() if path.name != ".venv")
+@pytest.mark.parametrize(("command", "file", "content"), LAUNCHES, ids=[file for _, file, _ in LAUNCHES])
+def test_each_launch_of_the_page_runs_as_written(set_up, environment, tmp_path, command, file, content):
+    directory = tmp_path / "page"
+    shutil.copytree(set_up, directory, symlinks=True)
+    (directory / file).write_text(content)
+    run_documented(command, directory, environment)
+    for path in LEFT[file]:
+        assert (directory / path).exists(), f"{command} did not write {path}"
+    assert not (directory / "plan.arrow").exists()  # the README demo's plan is left alone
+    left = sorted(path.name + ("/" if path.is_dir() else "") for path in directory.iterdir() if path.name != ".venv")
     assert not_ignored(left) == [], "the page leaves files that .gitignore does not ignore"
 
 
 def not_ignored(names: list[str]) -> list[str]:
     """The names (relative to the repository root; folders end in /) that .gitignore does not ignore."""
-    done = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input="\n".join(names),
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input="\n".join(names), capture_output=True, text=True
+    )
     ignored = set(done.stdout.splitlines())
     return [name for name in names if name not in ignored]

@@ -518,12 +518,34 @@ def test_nothing_left_to_plan_is_an_error():
         build_plan(np.array([0, 50, 0], dtype=np.int32), PlanConfig(max_tokens=10, drop_empty=True, oversize="drop"))
 
 
-def test_datasets_have_the_shape_the_matrix_assumes():
-    for dataset, cap in MAX_TOKENS.items():
-        lengths = dataset_lengths(dataset)
-        assert bool((lengths > cap).any()) == (dataset in HAS_OVERSIZE), dataset
-    assert (dataset_lengths("with_empty") == 0).any()
-    assert set(REAL_FILES) <= set(MAX_TOKENS)
+def written_rows(plan, path: Path) -> tuple[dict, pa.Table]:
+    """What ``plan`` drops, and its rows as written to ``path`` (without the metadata, which
+    records the config)."""
+    from batchplan.formats.plan_writer import write_plan
+
+    dropped = write_plan(plan, path)["dropped"]
+    with pa.memory_map(str(path), "r") as source:
+        return dropped, pa.ipc.open_file(source).read_all().replace_schema_metadata(None)
+
+
+@pytest.mark.parametrize("dataset", sorted(set(MAX_TOKENS) | set(REAL_FILES)))
+def test_oversize_policies_act_only_on_samples_above_max_tokens(dataset, tmp_path):
+    """The matrix rotates every policy through the datasets without oversize samples and only
+    drop, truncate and split through the others: there, ``error`` names the count of samples
+    above the cap; elsewhere, every policy plans exactly what ``error`` plans, dropping nothing."""
+    cap, lengths = MAX_TOKENS[dataset], dataset_lengths(dataset)
+    above = int((lengths > cap).sum())
+    config = PlanConfig(max_tokens=cap, world_size=2, drop_empty=True, oversize="error")
+    if dataset in HAS_OVERSIZE:
+        with pytest.raises(DatasetError, match=f"^{above:,} samples are longer than max_tokens {cap:,} "):
+            build_plan(lengths, config)
+        return
+    written = {}
+    for policy in POLICIES:
+        plan = build_plan(lengths, dataclasses.replace(config, oversize=policy))
+        written[policy] = written_rows(plan, tmp_path / f"{policy}.arrow")
+    assert all(set(dropped) <= {"empty"} for dropped, _ in written.values())
+    assert all(rows.equals(written["error"][1]) for _, rows in written.values())
 
 
 # --------------------------------------------------------------------------- split + drop_last

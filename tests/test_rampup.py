@@ -248,18 +248,18 @@ def test_warmup_plan_replays_pieces_through_the_sampler(built):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (dict(rampup_start=8 * CAP, tokens_per_step=8 * CAP * 4), "both values or neither"),
-        (dict(rampup_tokens=10, tokens_per_step=8 * CAP * 4), "both values or neither"),
+        (dict(rampup_start=8 * CAP, tokens_per_step=8 * CAP * 4), "give both or neither"),
+        (dict(rampup_tokens=10, tokens_per_step=8 * CAP * 4), "give both or neither"),
         (dict(rampup_start=CAP, rampup_tokens=10, tokens_per_step=8 * CAP * 4), "smaller than one micro-batch"),
-        (dict(rampup_start=8 * CAP * 4, rampup_tokens=10, tokens_per_step=8 * CAP * 4), "below --tokens-per-step"),
-        (dict(rampup_start=8 * CAP, rampup_tokens=10), "--micro-batches M > 1"),
-        (dict(rampup_start=8 * CAP, rampup_tokens=10, micro_batches=1), "--micro-batches M > 1"),
+        (dict(rampup_start=8 * CAP * 4, rampup_tokens=10, tokens_per_step=8 * CAP * 4), "below `tokens_per_step`"),
+        (dict(rampup_start=8 * CAP, rampup_tokens=10), "`micro_batches` above 1"),
+        (dict(rampup_start=8 * CAP, rampup_tokens=10, micro_batches=1), "`micro_batches` above 1"),
         (dict(rampup_start=8 * CAP * 2, rampup_tokens=10, micro_batches=2), "below a full step"),
-        (dict(rampup_start=8 * CAP, rampup_tokens=0, micro_batches=2), "--rampup TOKENS must be >= 1"),
+        (dict(rampup_start=8 * CAP, rampup_tokens=0, micro_batches=2), "`rampup_tokens` must be >= 1"),
         (dict(rampup_start=8.5 * CAP, rampup_tokens=10, micro_batches=2), "must be an integer"),
         (dict(seqlen_warmup_min=CAP, seqlen_warmup_tokens=10), "must be below max_tokens"),
-        (dict(seqlen_warmup_min=0, seqlen_warmup_tokens=10), "--seqlen-warmup MIN must be >= 1"),
-        (dict(seqlen_warmup_min=16), "both values or neither"),
+        (dict(seqlen_warmup_min=0, seqlen_warmup_tokens=10), "`seqlen_warmup_min` must be >= 1"),
+        (dict(seqlen_warmup_min=16), "give both or neither"),
     ],
 )
 def test_bad_options_are_clear_config_errors(options, message):
@@ -271,7 +271,7 @@ def test_warmup_longer_than_an_epoch_and_loss_column_are_refused():
     from batchplan.planning.epochs import build_plan
 
     config = PlanConfig(max_tokens=CAP, oversize="split", seqlen_warmup_min=16, seqlen_warmup_tokens=10**9)
-    with pytest.raises(DatasetError, match="lower TOKENS"):
+    with pytest.raises(DatasetError, match="lower `seqlen_warmup_tokens`"):
         build_plan(LENGTHS, config)
     config = dataclasses.replace(config, seqlen_warmup_tokens=1000)
     with pytest.raises(DatasetError, match="loss-tokens column"):
@@ -282,7 +282,7 @@ def test_resharding_a_ramp_up_plan_is_refused_clearly(built, tmp_path):
     from batchplan.operations.reshard import reshard_plan_file
 
     path, _, _ = built("pack-w8-tokens")
-    with pytest.raises(ConfigError, match="--rampup"):
+    with pytest.raises(ConfigError, match="a ramp-up"):
         reshard_plan_file(path, tmp_path / "new.arrow", world_size=4, from_step=3)
 
 
@@ -292,7 +292,7 @@ def test_resharding_a_ramp_up_plan_is_refused_clearly(built, tmp_path):
         (["--rampup", "16384"], "--rampup takes START:TOKENS"),
         (["--rampup", "a:b"], "--rampup takes START:TOKENS"),
         (["--seqlen-warmup", "64:1:2"], "--seqlen-warmup takes MIN:TOKENS"),
-        (["--rampup", "4096:1M"], "--micro-batches M > 1"),
+        (["--rampup", "4096:1M"], "--micro-batches above 1"),
     ],
 )
 def test_cli_bad_values_are_one_line(tmp_path, args, message):

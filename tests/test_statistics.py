@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -63,9 +64,12 @@ def test_rank_imbalance_equals_a_loop(steps_per_epoch, world_size, seed):
 # -- table = JSON = plot ------------------------------------------------------------------
 
 
+MATRIX_LENGTHS = np.minimum(np.random.default_rng(5).lognormal(5.0, 0.9, 700), 900).astype(np.int32) + 1
+IDLE_LENGTHS = np.array([10, 20, 30], np.int32)  # one step of 8 ranks: 5 idle
+
+
 def plan_matrix(directory) -> list:
-    rng = np.random.default_rng(5)
-    lengths = np.minimum(rng.lognormal(5.0, 0.9, 700), 900).astype(np.int32) + 1
+    lengths = MATRIX_LENGTHS
     paths = []
     options = itertools.product(
         ("pack", "pad"),
@@ -87,7 +91,7 @@ def plan_matrix(directory) -> list:
     reshard_plan_file(paths[1], resharded, world_size=3, from_step=int(open_plan(paths[1]).num_steps // 2))
     idle = directory / "idle.arrow"  # one step, every rank but 3 idle: nothing to average
     config = PlanConfig(max_tokens=64, world_size=8, hidden_size=64)
-    write_plan(build_plan(np.array([10, 20, 30], np.int32), config), idle)
+    write_plan(build_plan(IDLE_LENGTHS, config), idle)
     return [*paths, resharded, idle]
 
 
@@ -105,15 +109,57 @@ def shown(summary: dict) -> dict[str, str]:
     return {name: "n/a" if summary[name] is None else f"{summary[name]:.3%}" for name in names}
 
 
-def test_the_matrix_has_twenty_plans_and_every_kind(plans):
-    assert len(plans) >= 20
-    summaries = [json.loads(runner.invoke(app, ["inspect", str(p), "--json"]).stdout) for p in plans]
-    assert {s["mode"] for s in summaries} == {"pack", "pad"}
-    assert any(s["rampup"] for s in summaries) and any(s["seqlen_warmup"] for s in summaries)
-    assert any(s["resharded_from"] for s in summaries) and any(s["dropped_samples"] for s in summaries)
-    imbalanced = [s for s in summaries if s["token_imbalance"] is not None]
-    assert any(s["token_imbalance_last_step"] > s["token_imbalance"] for s in imbalanced)
-    assert any(s["fill"] is None and s["token_imbalance"] is None and s["idle_ranks"] for s in summaries)
+def counted_from_rows(path, lengths: np.ndarray) -> tuple[np.ndarray, int]:
+    """Each rank's tokens over the whole plan, and the samples an epoch does not train whole
+    (all or some of their pieces left out; one sample short in two epochs counts twice),
+    from the rows and the lengths alone."""
+    plan = open_plan(path)
+    tokens = np.zeros(plan.world_size, np.int64)
+    short = 0
+    for epoch in range(plan.num_epochs):
+        covered = np.zeros(lengths.size, np.int64)
+        for rank in range(plan.world_size):
+            rows = plan.read_rank(epoch, rank)
+            tokens[rank] += int(np.asarray(rows.column("tokens")).sum())
+            samples = np.asarray(rows.column("samples").flatten())
+            has_spans = "lengths" in rows.schema.names  # pieces of samples
+            np.add.at(covered, samples, np.asarray(rows.column("lengths").flatten()) if has_spans else lengths[samples])
+        short += int((covered < lengths).sum())
+    return tokens, short
+
+
+def test_inspect_json_says_how_each_plan_was_built(plans):
+    """The summary's mode, ramp-up, warmup, parent, drops and idle ranks agree with the build
+    options the plan records and with its rows, on every plan of the matrix (which holds
+    each kind: a summary field that is never set fails here)."""
+    kinds = Counter()
+    for path in plans:
+        summary = json.loads(runner.invoke(app, ["inspect", str(path), "--json"]).stdout)
+        metadata = open_plan(path).metadata
+        config = metadata["config"]
+        assert summary["mode"] == config["mode"]
+        rampup, warmup = summary["rampup"], summary["seqlen_warmup"]
+        assert (rampup is not None) == (config["rampup_start"] is not None)
+        if rampup is not None:
+            assert (rampup["start_tokens"], rampup["ramp_tokens"]) == (config["rampup_start"], config["rampup_tokens"])
+            assert rampup["first_step_tokens"] <= config["rampup_start"]
+        assert (warmup is not None) == (config["seqlen_warmup_min"] is not None)
+        parent = metadata.get("resharded_from")
+        assert (summary["resharded_from"] is None) == (parent is None)
+        if parent is not None:
+            shown_keys = ("content_hash", "world_size", "from_step", "epoch")
+            assert summary["resharded_from"] == {key: parent[key] for key in shown_keys}
+        tokens, short = counted_from_rows(path, IDLE_LENGTHS if path.name == "idle.arrow" else MATRIX_LENGTHS)
+        assert summary["idle_ranks"] == int((tokens == 0).sum())
+        if summary["resharded_from"] is None:  # a resharded plan holds what its parent had left
+            assert summary["dropped_samples"] == short
+        kinds["pad"] += config["mode"] == "pad"
+        kinds["rampup"] += rampup is not None
+        kinds["warmup"] += warmup is not None
+        kinds["resharded"] += summary["resharded_from"] is not None
+        kinds["drops"] += summary["dropped_samples"] > 0
+        kinds["idle"] += summary["idle_ranks"] > 0
+    assert len(plans) >= 20 and min(kinds.values()) > 0, kinds
 
 
 def test_table_json_and_plot_show_the_same_numbers(plans):

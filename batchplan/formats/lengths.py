@@ -345,16 +345,15 @@ def _pick_length_column(source: _ParquetFile | StreamFile, length_column: str, t
         if listed and length_column != tokens_column:
             raise DatasetError(
                 f"{source.path}: length column {length_column!r} holds lists ({kind}), not token counts; "
-                f"to count the items of each list pass it as the token column (tokens_column={length_column!r}, "
-                f"CLI --tokens-column {length_column} --length-column <a name not in the file>), or name an "
-                "integer column as the length column"
+                f"to count the items of each list pass it as the token column (`tokens_column={length_column!r}` "
+                "and a `length_column` the file does not have), or name an integer column as the length column"
             )
         return length_column
     if tokens_column in names:
         return tokens_column
     raise DatasetError(
         f"{source.path}: no length column {length_column!r} and no token column {tokens_column!r}; "
-        f"columns are {names}; pass --length-column or --tokens-column"
+        f"columns are {names}; pass `length_column` or `tokens_column`"
     )
 
 
@@ -395,7 +394,7 @@ def _integers_of(where: _Rows, array: pa.Array, column: str) -> np.ndarray:
         raise DatasetError(
             f"{where.path}: column {column!r} has type {array.type}; expected integer token counts "
             "or a list of token ids; cast the column to an integer type or pick another with "
-            "--length-column / --tokens-column"
+            "`length_column` / `tokens_column`"
         )
     values = numpy_of(array)
     if values.size and values.min() < 0:

@@ -139,15 +139,15 @@ def check_layout(layout: str | None, only_epochs: range | None, config: PlanConf
     if layout is None:
         layout = "file" if only_epochs is None else "directory"
     if layout not in ("file", "directory"):
-        raise ConfigError(f"layout must be 'file' or 'directory', got {layout!r}")
+        raise ConfigError(f"`layout` must be 'file' or 'directory', got {layout!r}")
     if only_epochs is None:
         return layout, range(config.epochs)
     if layout == "file":
-        raise ConfigError("--only-epochs writes part of a plan directory; use --layout directory (or leave it out)")
+        raise ConfigError('`only_epochs` writes part of a plan directory; use `layout="directory"` (or leave it out)')
     if only_epochs.step != 1 or not 0 <= only_epochs.start < only_epochs.stop <= config.epochs:
         raise ConfigError(
-            f"--only-epochs {only_epochs.start}:{only_epochs.stop} is not a range START:STOP of the plan's "
-            f"epochs 0..{config.epochs - 1} (STOP excluded, at most --epochs {config.epochs})"
+            f"`only_epochs` {only_epochs.start}:{only_epochs.stop} is not a range START:STOP of the plan's "
+            f"epochs 0..{config.epochs - 1} (STOP excluded, at most `epochs` {config.epochs})"
         )
     return layout, only_epochs
 
@@ -163,7 +163,7 @@ def check_output(output: Path, inputs: Sequence[str], layout: str) -> None:
     if layout == "file" and output.is_dir():
         raise ConfigError(
             f"output {output} is a directory; give a file path such as {output / 'plan.arrow'} "
-            "(or write a plan directory with --layout directory)"
+            '(or write a plan directory with `layout="directory"`)'
         )
     resolved = output.resolve()
     for path in inputs:

@@ -48,7 +48,7 @@ def make_entries(
         if not config.drop_empty:
             raise DatasetError(
                 f"{empty.size:,} samples are empty (length 0 or null; first: sample "
-                f"{int(empty[0]):,}); pass --drop-empty to leave them out"
+                f"{int(empty[0]):,}); pass `drop_empty=True` to leave them out"
             )
         dropped["empty"] = empty.astype(np.int64)
         keep = lengths != 0
@@ -95,9 +95,9 @@ def _narrow_loss(loss_tokens: NDArray[np.integer], sample: NDArray[np.integer] |
 def _check_inputs(lengths, shortest: int, config: PlanConfig, has_loss_column: bool) -> None:
     if has_loss_column and config.has_seqlen_warmup:
         raise DatasetError(
-            "--seqlen-warmup splits samples into pieces, and with a loss-tokens column where the "
-            "labelled tokens lie inside a sample is unknown (no exact loss-token count per piece); "
-            "leave out --seqlen-warmup or the loss-tokens column"
+            "a sequence-length warmup (`seqlen_warmup_min`) splits samples into pieces, and with a "
+            "loss-tokens column where the labelled tokens lie inside a sample is unknown (no exact loss-token "
+            "count per piece); leave out the warmup or the loss-tokens column"
         )
     if shortest < 0:
         negative = np.flatnonzero(lengths < 0)
@@ -115,15 +115,14 @@ def _check_oversize(lengths, oversize, config: PlanConfig, has_loss_column: bool
         raise DatasetError(
             f"{oversize.size:,} samples are longer than max_tokens {config.max_tokens:,} "
             f"(longest: {longest:,} tokens; first: sample {first:,} with "
-            f"{int(lengths[first]):,}); raise --max-tokens or pass --oversize "
-            "drop|truncate|split"
+            f"{int(lengths[first]):,}); raise `max_tokens` or set `oversize` to drop, truncate or split"
         )
     if has_loss_column and config.oversize in ("truncate", "split"):
         raise DatasetError(
-            f"--oversize {config.oversize} cannot keep an exact loss-token count with a "
+            f"`oversize={config.oversize!r}` cannot keep an exact loss-token count with a "
             f"loss-tokens column: {oversize.size:,} samples exceed max_tokens "
             f"{config.max_tokens:,} and where their labelled tokens lie is unknown; "
-            "use --oversize drop or raise --max-tokens"
+            'use `oversize="drop"` or raise `max_tokens`'
         )
 
 

@@ -131,7 +131,7 @@ def _last_step_incomplete(tokens, step_offsets, config: PlanConfig, sizing: Step
 def _check_keeps_some(keep: int, count: int, config: PlanConfig, epoch: int) -> None:
     if keep == 0:
         raise DatasetError(
-            f"--drop-last would drop all {count:,} micro-batches of epoch {epoch}: they do "
+            f"`drop_last=True` would drop all {count:,} micro-batches of epoch {epoch}: they do "
             f"not fill one step of {config.world_size} ranks; use fewer ranks or micro-batches per step, "
-            "or leave out --drop-last"
+            "or leave `drop_last` off"
         )

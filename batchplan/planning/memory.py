@@ -11,13 +11,11 @@ arrays. Peak resident memory is estimated as::
          [+ cost model: entries x at_once x cost_work]
 
 with the constants below, fitted by ``python -m bench.memory_fit`` to the peak resident set of
-54 builds, each that build's own (``os.wait4`` of the child), of::
-
-    BATCHPLAN_THREADS=T python -m batchplan_cli.main build lengths.parquet -o plan \
-        --max-tokens C --mode M --world-size W --epochs E --oversize truncate|split \
-        --layout file|directory [--hidden-size 4096] -q
-
-on lognormal lengths (``bench.scale.write_lognormal``: median 300 tokens, clipped at the cap,
+54 builds, each that build's own (``os.wait4`` of the child): the CLI's ``build`` of
+``lengths.parquet`` with ``BATCHPLAN_THREADS=T`` and ``max_tokens`` C, ``mode`` M,
+``world_size`` W, ``epochs`` E, ``oversize`` truncate or split, ``layout`` file or directory,
+and ``hidden_size`` 4096 or none (``bench/memory_fit.py`` has the command line), on
+lognormal lengths (``bench.scale.write_lognormal``: median 300 tokens, clipped at the cap,
 or at 4 x the cap to split), varied one or two terms at a time around pack, 8,192, truncate
 (no cuts), 1 epoch, 1 thread, 64 ranks, one file: 1e5 to 3e7 samples (1e8 for three builds),
 1, 2 and 4 epochs, 1 and 2 threads, pack and pad, max_tokens 512, 2,048 and 8,192, split, the
@@ -81,7 +79,7 @@ ENTRY_FIXED = 7  # lengths read, entries
 ENTRY_HELD = 4  # per epoch, until the plan is written
 ENTRY_WORK = 2  # per epoch planned at once
 ROW_HELD = 23  # per micro-batch, per epoch (the fit puts per-micro-batch planning arrays here too)
-SPAN_FIXED = 43  # per entry with --oversize truncate|split cutting samples
+SPAN_FIXED = 43  # per entry with oversize truncate or split cutting samples
 SPAN_HELD = 0  # per entry per epoch (starts/lengths columns; the fit puts them in SPAN_FIXED)
 COST_WORK = 1  # per entry per epoch planned at once, with a cost model
 # Micro-batches per max_tokens of kept tokens: pack fills ~100 % of them, pad ~83 %.
@@ -98,7 +96,7 @@ class MemoryEstimate:
         epochs: epochs in the plan, all held until it is written.
         at_once: epochs planned at the same time (threads).
         has_spans: samples are truncated or split (span columns).
-        has_cost: a cost model is used (``--hidden-size`` / ``--attention-coefficient``).
+        has_cost: a cost model is used (``hidden_size`` / ``attention_coefficient``).
         kernel_bytes: what the kernels of one epoch allocate per value of max_tokens.
         complete: False before the lengths are read: a lower bound.
     """
@@ -225,7 +223,7 @@ def check_build_memory(estimate: MemoryEstimate) -> None:
     fitting = next((e for e in range(estimate.epochs - 1, 0, -1)
                     if estimate.with_epochs(e, estimate.at_once).num_bytes <= free), 0)  # fmt: skip
     if fitting:
-        fixes.append(f"--epochs {fitting} (a plan of fewer epochs)")
+        fixes.append(f"`epochs={fitting}` (a plan of fewer epochs)")
     fixes.append("a machine with more memory")
     at_least = "" if estimate.complete else "at least "
     per_epoch = f", ~{estimate.rows_per_epoch:,} micro-batches per epoch" if estimate.complete else ""

@@ -67,8 +67,8 @@ def schedule_epoch(
     """
     if config.has_rampup and tokens_before is None:
         raise ConfigError(
-            f"epoch {epoch}: with --rampup the steps depend on the tokens trained before the epoch, "
-            "which were not given (resharding a plan built with --rampup is not supported yet)"
+            f"epoch {epoch}: with a ramp-up (`rampup_start`) the steps depend on the tokens trained before "
+            "the epoch, which were not given (resharding a plan built with a ramp-up is not supported yet)"
         )
     sizing = StepSizing.of(config, tokens_before or 0, batches)
     if order is not None:

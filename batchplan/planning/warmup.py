@@ -13,7 +13,7 @@ How (epoch 0 only; later epochs plan whole samples as usual):
    one full micro-batch per rank, between 1 and 64), so each stage packs well. An
    entry belongs to the stage in which it begins; stage ``j`` starts at
    ``T_j = j * T // S`` tokens and its entries are split into pieces of at most
-   ``cap(T_j)`` tokens that tile them, exactly like ``--oversize split`` pieces (each
+   ``cap(T_j)`` tokens that tile them, exactly like ``oversize="split"`` pieces (each
    piece its own sequence: ``length - 1`` loss tokens).
 3. The planner forms each stage's micro-batches on its own and schedules the stages
    first, in order (shuffled within a stage), then the rest of the epoch. Stage ``j``
@@ -91,8 +91,8 @@ def add_warmup_pieces(
     total = int(length.sum())
     if total < warmup_tokens:
         raise DatasetError(
-            f"--seqlen-warmup runs over {warmup_tokens:,} tokens but one epoch holds {total:,}; the "
-            f"warmup lies inside the first epoch: lower TOKENS to at most {total:,}"
+            f"`seqlen_warmup_tokens` {warmup_tokens:,}: the warmup runs over more tokens than one epoch holds "
+            f"({total:,}); it lies inside the first epoch: lower `seqlen_warmup_tokens` to at most {total:,}"
         )
     order = rng.permutation(entries.num_entries)
     before = np.cumsum(length[order]) - length[order]  # tokens of the walk before each entry

@@ -138,8 +138,8 @@ def compare_strategies(
         DatasetError: the lengths break the oversize or empty policy.
     """
     if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
-        raise ConfigError(f"--hidden-size must be a positive integer, got {hidden_size!r}")
-    # batchplan's rows balance ranks by compute for this model width (what --hidden-size does).
+        raise ConfigError(f"`hidden_size` must be a positive integer, got {hidden_size!r}")
+    # batchplan's rows balance ranks by compute for this model width (what `hidden_size` does).
     config = PlanConfig(max_tokens=max_tokens, world_size=world_size, micro_batches=micro_batches,
                         oversize=oversize, drop_empty=drop_empty, seed=seed, hidden_size=hidden_size)  # fmt: skip
     lengths = np.asarray(lengths)
@@ -237,12 +237,12 @@ def batch_length_grouped(lengths: NDArray[np.integer], batch_size: int, rng: np.
 
 
 def batch_sorted_greedy(lengths: NDArray[np.integer], max_tokens: int, rng: np.random.Generator) -> Batches:
-    """fairseq ``--max-tokens``: sort by length, cut greedily, shuffle the batches.
+    """fairseq's ``max_tokens``: sort by length, cut greedily, shuffle the batches.
 
     As ``fairseq.data.data_utils.batch_by_size`` after ``ordered_indices`` (a random
     permutation stably sorted by length, ascending): an item joins the open batch while
     (count + 1) x longest <= max_tokens, else the batch closes. Then the batch order is
-    shuffled (``EpochBatchIterator``). ``--required-batch-size-multiple`` is 1 here,
+    shuffled (``EpochBatchIterator``). fairseq's ``required_batch_size_multiple`` is 1 here,
     like batchplan's default ``batch_multiple``. Every length must be in 1..max_tokens.
 
     Runs per distinct length rather than per item: O(n log n) for the sort.

@@ -1,4 +1,4 @@
-"""The figure of `batchplan compare --plot`: each way of batching side by side
+"""The figure of `batchplan compare`'s plot: each way of batching side by side
 (matplotlib through `batchplan.reports.plot`)."""
 
 from __future__ import annotations

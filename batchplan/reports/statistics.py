@@ -1,7 +1,7 @@
 """One definition of each statistic a plan is judged by.
 
-`batchplan.reports.summary` (build summary, ``inspect`` table and ``--json``), the plot's
-legends (``--plot``) and ``compare`` all take their numbers from here:
+`batchplan.reports.summary` (build summary, ``inspect`` table and JSON), the plot's
+legends and ``compare`` all take their numbers from here:
 
 - **step imbalance**: in one step, the busiest rank's tokens (or cost) over the
   ranks' mean, minus 1. A step where every rank is idle has none.

@@ -2,12 +2,12 @@
 
 Both follow Hugging Face conventions, so models take their output as is:
 
-- `PackCollator` (plans built with ``--mode pack``): ``DataCollatorWithFlattening``.
+- `PackCollator` (plans built with ``mode="pack"``): ``DataCollatorWithFlattening``.
   One row of ``T`` tokens: ``input_ids`` and ``labels`` (1, T) int64,
   ``position_ids`` (1, T) restarting at 0 per sample, ``cu_seq_lens_q`` /
   ``cu_seq_lens_k`` (n + 1,) int32 and ``max_length_q`` / ``max_length_k`` (int),
   also under the short names ``cu_seq_lens`` / ``max_length``.
-- `PadCollator` (``--mode pad``): ``input_ids`` / ``labels`` / ``attention_mask``
+- `PadCollator` (``mode="pad"``): ``input_ids`` / ``labels`` / ``attention_mask``
   (n, longest), right-padded.
 
 Labels are the token ids (or the item's own ``labels``) with -100 at each sample's

@@ -1,7 +1,7 @@
 """`PlanDataset`: carries a plan's token spans from the sampler to the collator.
 
 A ``DataLoader`` hands the collator only ``dataset[i]`` for each index, never the
-index itself, so a span (``--oversize truncate|split``) must travel with the item.
+index itself, so a span (``oversize="truncate"`` or ``"split"``) must travel with the item.
 The sampler yields `SpanIndex` ints; this wrapper turns ``dataset[span_index]``
 into a `SpanItem` (the item plus its span), which `PackCollator` and `PadCollator`
 slice. Plain ``int`` indices pass through unchanged, so wrapping is harmless for

@@ -56,9 +56,10 @@ def check_world_size(placement: Placement, plan_world_size: int, path: object) -
         raise PlanMismatchError(
             f"{path}: the plan was built for world_size {plan_world_size} but this run has "
             f"world_size {world_size} (from {placement.source}); launch {plan_world_size} ranks, or "
-            f"rebuild the plan with --world-size {world_size}, or, to resume a checkpoint on {world_size} "
-            f"ranks, re-plan the steps left with `batchplan reshard {path} --world-size {world_size} "
-            "--from-step STEP -o NEW.arrow` (STEP: optimizer steps done at the checkpoint)"
+            f"rebuild the plan with `world_size={world_size}`, or, to resume a checkpoint on {world_size} "
+            f"ranks, re-plan the steps left with `batchplan.reshard_plan_file({str(path)!r}, 'NEW.arrow', "
+            f"world_size={world_size}, from_step=STEP)` (STEP: optimizer steps done at the checkpoint; "
+            "the command `batchplan reshard` does the same)"
         )
 
 

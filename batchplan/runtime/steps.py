@@ -3,7 +3,7 @@
 For training loops that take one *step* per batch (Hugging Face ``Trainer`` with
 ``gradient_accumulation_steps=1``, Lightning's manual optimisation): each item is
 a `PlanStep`, the list of this rank's micro-batches of one step, so steps whose
-micro-batch count varies (``--tokens-per-step``) stay whole. Every micro-batch's
+micro-batch count varies (``tokens_per_step``) stay whole. Every micro-batch's
 record is checked against the one before it (same epoch, next position, step
 boundaries where the plan has them), so a loader that skips, repeats or reorders
 micro-batches raises `PlanMismatchError` instead of training on the wrong data.
