@@ -14,11 +14,13 @@ import dataclasses
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 from numpy.typing import NDArray
 
+from batchplan.config import num_threads
 from batchplan.errors import ConfigError, DatasetError
 from batchplan.formats.lengths import (
     SampleLengths,
@@ -142,19 +144,23 @@ def read_mixture_lengths(
     loss_tokens_column: str | None = None,
 ) -> MixtureLengths:
     """Read every source's lengths (a source's own columns override these) and join them.
+    Sources are read side by side on the cores (`batchplan.config.num_threads`); an error
+    names the first source, in the mixture's order, that has one.
 
     Raises:
         DatasetError: naming the source: a missing path, a column missing, an unreadable
             file, a source with no samples whose weight (or epochs) is positive.
     """
-    parts: list[SampleLengths | None] = []
-    for source in mixture.sources:
+    def read(source: MixtureSource) -> SampleLengths | None:
         columns = {
             "length_column": source.length_column or length_column,
             "tokens_column": source.tokens_column or tokens_column,
             "loss_tokens_column": source.loss_tokens_column or loss_tokens_column,
         }
-        parts.append(_read_source(source, columns))
+        return _read_source(source, columns)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(num_threads(), len(mixture.sources)))) as pool:
+        parts: list[SampleLengths | None] = list(pool.map(read, mixture.sources))  # results (and errors) in order
     offset = 0
     described = []
     for source, part in zip(mixture.sources, parts):
