@@ -30,7 +30,10 @@ from batchplan.planning.cutting_stock import pack_histogram
 from batchplan.planning.randomness import KeyStream, unshuffle_by_group
 from batchplan.planning.threads import run_in_parts
 
-__all__ = ["MEMBERS_AT_ONCE", "PARK_FROM_ENTRIES", "PackedBins", "PendingMembers", "Placed", "count_by_group", "left_to_right_sum"]
+__all__ = [
+    "MEMBERS_AT_ONCE", "PARK_FROM_ENTRIES", "PackedBins", "PendingMembers", "Placed", "bin_destinations_of",
+    "count_by_group", "left_to_right_sum",
+]  # fmt: skip
 
 
 class PackedBins:
@@ -199,20 +202,9 @@ class PackedBins:
         return scatter_to_places(self.lengths, self._unshuffle(places, threads), places, None, out, 0, base)
 
     def destinations(self, extra: NDArray[np.int64], order, sizes, threads: int) -> Destinations:
-        """Where micro-batches ``order`` (of ``sizes`` entries) go when laid out one after another.
-        Offsets and destinations are int32 when the member space fits (with `place_slots`'s
-        negative marks, down to ``-2 - entries``)."""
-        index = index_dtype(int(self.offsets[-1]) + 3)
-        offsets = np.empty(order.shape[0] + 1, dtype=index)
-        destination = new_buffer(self.num_bins, index)
-        destination.fill(-1)
-        run_in_parts(bin_destinations, threads, order, sizes, offsets, destination)
-        pieces = np.flatnonzero(order >= self.num_bins)
-        pieces = pieces[sizes[pieces] > 0]
-        piece_starts, piece_ends = extra[order[pieces] - self.num_bins].T
-        by_start = np.argsort(piece_starts, kind="stable")
-        ranges = (piece_starts[by_start], piece_ends[by_start], offsets[pieces][by_start])
-        return Destinations(offsets, destination, ranges)
+        """Where micro-batches ``order`` (of ``sizes`` entries) go when laid out one after another
+        (`bin_destinations_of`)."""
+        return bin_destinations_of(int(self.offsets[-1]), self.num_bins, extra, order, sizes, threads)
 
     def lay_out(self, where: Destinations, threads: int) -> PendingMembers:
         """The members at ``where``, to be laid out a window at a time (`PendingMembers`),
@@ -329,6 +321,24 @@ def scatter_to_places(lengths, cursors, places, values, out, first: int, base: i
     Entry ``i`` is written as ``base + i``."""
     cursors = cursors.copy()
     return sum(run_in_parts(scatter_entries, cursors.shape[0], lengths, cursors, places, values, out, first, base))
+
+
+def bin_destinations_of(members: int, num_bins: int, extra: NDArray[np.int64], order, sizes, threads: int):
+    """Where micro-batches ``order`` (of ``sizes`` entries) go when laid out one after another:
+    micro-batch ``k < num_bins`` is bin ``k`` whole, later ones are ``extra``'s ranges of the
+    member space (``members`` long). Offsets and destinations are int32 when the member space
+    fits (with `place_slots`'s negative marks, down to ``-2 - entries``)."""
+    index = index_dtype(members + 3)
+    offsets = np.empty(order.shape[0] + 1, dtype=index)
+    destination = new_buffer(num_bins, index)
+    destination.fill(-1)
+    run_in_parts(bin_destinations, threads, order, sizes, offsets, destination)
+    pieces = np.flatnonzero(order >= num_bins)
+    pieces = pieces[sizes[pieces] > 0]
+    piece_starts, piece_ends = extra[order[pieces] - num_bins].T
+    by_start = np.argsort(piece_starts, kind="stable")
+    ranges = (piece_starts[by_start], piece_ends[by_start], offsets[pieces][by_start])
+    return Destinations(offsets, destination, ranges)
 
 
 def count_by_group(groups: NDArray[np.integer], num_groups: int, threads: int) -> NDArray[np.int64]:

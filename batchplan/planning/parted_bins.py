@@ -18,12 +18,10 @@ from collections.abc import Callable
 import numpy as np
 from numpy.typing import NDArray
 
-from batchplan.kernels.pack import bin_destinations
 from batchplan.plan import index_dtype
-from batchplan.planning.bins import PackedBins, PendingMembers, left_to_right_sum
+from batchplan.planning.bins import PackedBins, PendingMembers, bin_destinations_of, left_to_right_sum
 from batchplan.planning.buffers import new_buffer
 from batchplan.planning.destinations import Destinations, check_written
-from batchplan.planning.threads import run_in_parts
 
 __all__ = ["PartedBins"]
 
@@ -140,17 +138,7 @@ class PartedBins:
     def destinations(self, extra: NDArray[np.int64], order, sizes, threads: int) -> Destinations:
         """Where micro-batches ``order`` (of ``sizes`` entries) go when laid out one after another
         (as `PackedBins.destinations`, over every part's bins)."""
-        index = index_dtype(int(self.member_base[-1]) + 3)
-        offsets = np.empty(order.shape[0] + 1, dtype=index)
-        destination = new_buffer(self.num_formed, index)
-        destination.fill(-1)
-        run_in_parts(bin_destinations, threads, order, sizes, offsets, destination)
-        pieces = np.flatnonzero(order >= self.num_formed)
-        pieces = pieces[sizes[pieces] > 0]
-        piece_starts, piece_ends = extra[order[pieces] - self.num_formed].T
-        by_start = np.argsort(piece_starts, kind="stable")
-        ranges = (piece_starts[by_start], piece_ends[by_start], offsets[pieces][by_start])
-        return Destinations(offsets, destination, ranges)
+        return bin_destinations_of(int(self.member_base[-1]), self.num_formed, extra, order, sizes, threads)
 
     def _part_destinations(self, where: Destinations) -> list[Destinations]:
         """``where`` cut per part: each part's bins' destinations (views) and its pieces in its
