@@ -40,6 +40,7 @@ from batchplan.planning.parted_bins import PartedBins
 from batchplan.planning.mixture_sizing import SourceSelection, select_sources
 from batchplan.planning.randomness import STREAM_ENTRY_ORDER, STREAM_MICRO_BATCH_ORDER, epoch_rng
 from batchplan.planning.schedule import schedule_epoch
+from batchplan.planning.threads import threads_for
 
 __all__ = ["MixtureEntries", "plan_mixture_epoch", "prepare_mixture_entries", "sizing_lengths"]
 
@@ -187,7 +188,7 @@ def plan_mixture_epoch(
     for chunk in range(int(mixture.epoch_chunks[epoch]), int(mixture.epoch_chunks[epoch + 1])):
         first, last = int(mixture.chunk_bounds[chunk]), int(mixture.chunk_bounds[chunk + 1])
         if last > first:
-            formed = form_micro_batches(entries.length[first:last], config, rng, _part_threads(last - first, threads))
+            formed = form_micro_batches(entries.length[first:last], config, rng, threads_for(last - first, threads))
             parts.append(_Part(int(mixture.chunk_source[chunk]), formed, first, last - first,
                                order_rng.permutation(formed.count)))  # fmt: skip
     if not parts:
@@ -211,10 +212,6 @@ class _Part(NamedTuple):
     entries: int
     order: NDArray[np.int64]
 
-
-def _part_threads(entries: int, threads: int) -> int:
-    """Threads for a part's kernels: one below 2^18 entries (threads would cost more than they save)."""
-    return threads if entries >= 1 << 18 else 1
 
 
 def _composed(parts, num_entries: int, config: PlanConfig, tokens_before: int, weights: NDArray[np.float64]):

@@ -22,11 +22,10 @@ from batchplan.plan import index_dtype
 from batchplan.planning.bins import PackedBins, PendingMembers, bin_destinations_of, left_to_right_sum
 from batchplan.planning.buffers import new_buffer
 from batchplan.planning.destinations import Destinations, check_written
+from batchplan.planning.threads import threads_for
 
 __all__ = ["PartedBins"]
 
-# Parts with fewer entries than this run their kernels on one thread (threads cost more than they save).
-_THREADS_FROM = 1 << 18
 
 
 class PartedBins:
@@ -160,7 +159,7 @@ class PartedBins:
         where = self.destinations(extra, order, sizes, threads)
         members = new_buffer(where.count, self._dtype)
         written = sum(
-            part.write_members(part_where, members, _threads(part, threads), base)
+            part.write_members(part_where, members, threads_for(part.lengths.shape[0], threads), base)
             for part, part_where, base in zip(self.parts, self._part_destinations(where), self.entry_base)
         )
         check_written(written, members)
@@ -171,7 +170,7 @@ class PartedBins:
         using the parts' bins up (`PackedBins.placed`)."""
         streams = []
         for part, part_where, base in zip(self.parts, self._part_destinations(where), self.entry_base):
-            streams.append(part.placed(part_where, _threads(part, threads), base))
+            streams.append(part.placed(part_where, threads_for(part.lengths.shape[0], threads), base))
         self.parts = []
         return PendingMembers(streams, where.count, self._dtype)
 
@@ -181,6 +180,3 @@ def _bases(counts: list[int]) -> NDArray[np.int64]:
     np.cumsum(counts, out=bases[1:])
     return bases
 
-
-def _threads(part: PackedBins, threads: int) -> int:
-    return threads if part.lengths.shape[0] >= _THREADS_FROM else 1

@@ -14,7 +14,7 @@ from numpy.typing import NDArray
 
 from batchplan.kernels.bin_layout import unshuffle_groups
 from batchplan.kernels.shuffle import count_groups, scatter_groups, shuffle_group_range, shuffle_groups
-from batchplan.planning.threads import run_in_parts
+from batchplan.planning.threads import THREADED_FROM, run_in_parts
 
 __all__ = [
     "STREAM_ENTRY_ORDER", "STREAM_MICRO_BATCH_ORDER", "STREAM_ROUND_ORDER", "STREAM_SEQLEN_WARMUP", "KeyStream",
@@ -65,11 +65,6 @@ STREAM_BATCH_ORDER = 5
 def batch_rng(seed: int) -> np.random.Generator:
     """The stream of one `plan_batch` call: ``SeedSequence([seed, 0, STREAM_BATCH_ORDER])``."""
     return epoch_rng(seed, 0, STREAM_BATCH_ORDER)
-
-
-# Permutations of fewer items run on one thread (~2^18: a few milliseconds of work, where
-# starting a thread pool twice costs about as much; a mixture's many small passes).
-THREADED_FROM = 1 << 18
 
 
 def permute(

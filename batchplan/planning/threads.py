@@ -7,7 +7,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["epoch_threads", "run_in_parts"]
+__all__ = ["THREADED_FROM", "epoch_threads", "run_in_parts", "threads_for"]
+
+
+# Work on fewer items than this runs on one thread (~2^18: a few milliseconds, where starting
+# threads costs about as much; a mixture's many small passes and parts).
+THREADED_FROM = 1 << 18
+
+
+def threads_for(items: int, threads: int) -> int:
+    """``threads`` for work on ``items`` items, or 1 below `THREADED_FROM`."""
+    return threads if items >= THREADED_FROM else 1
 
 
 def run_in_parts(kernel: Callable[..., Any], threads: int, *args: Any) -> list[Any]:
