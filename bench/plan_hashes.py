@@ -9,7 +9,8 @@ fingerprint included); ``--compare`` prints the cases whose hash differs and exi
 ``--rows`` hashes the rows alone (every column of every record batch, not the metadata): the
 plans' content, to compare across a change of what the file carries besides it.
 A few more cases cover what the matrix does not: a sequence-length warmup, a ramp-up with
-drop_last, compute balance, a loss-tokens column with split samples, and a plan directory.
+drop_last, compute balance, a loss-tokens column with split samples, a plan directory, and
+the demo mixture (data/mixture.yaml) in a few configurations.
 """
 
 from __future__ import annotations
@@ -63,6 +64,36 @@ def plan_hashes(rows: bool = False) -> dict[str, str]:
                 continue
             hashes[case.id] = _rows_hash([path]) if rows else hashlib.sha256(path.read_bytes()).hexdigest()
         hashes["directory"] = _directory_hash(Path(tmp), PlanConfig)
+        hashes.update(_mixture_hashes(Path(tmp), PlanConfig))
+    return hashes
+
+
+MIXTURE = Path(__file__).resolve().parent.parent / "data" / "mixture.yaml"
+_MIXTURE_CASES = {
+    "mixture-pack": dict(max_tokens=8192, world_size=4, micro_batches=2, oversize="split"),
+    "mixture-pad": dict(max_tokens=8192, mode="pad", world_size=4, micro_batches=2, oversize="truncate"),
+    "mixture-token-steps": dict(max_tokens=8192, world_size=8, tokens_per_step=300_000, epochs=2, oversize="split"),
+    "mixture-rampup": dict(max_tokens=8192, world_size=4, micro_batches=4, rampup_start=4 * 8192,
+                           rampup_tokens=20_000_000, oversize="split"),
+    "mixture-compute": dict(max_tokens=8192, world_size=3, micro_batches=1, hidden_size=4096, balance="compute",
+                            oversize="drop", epochs=3),
+}  # fmt: skip
+
+
+def _mixture_hashes(tmp: Path, config_type) -> dict[str, str]:
+    """The rows of the demo mixture's plan in a few configurations (an error's message hashed
+    in place of a case the planner refuses)."""
+    from batchplan.operations.build_mixture import build_mixture_plan_file
+
+    hashes = {}
+    for case, options in _MIXTURE_CASES.items():
+        path = tmp / f"{case}.arrow"
+        try:
+            build_mixture_plan_file(MIXTURE, path, config_type(**options))
+        except Exception as error:
+            hashes[case] = "error:" + hashlib.sha256(str(error).encode()).hexdigest()[:16]
+            continue
+        hashes[case] = _rows_hash([path])
     return hashes
 
 
