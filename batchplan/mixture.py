@@ -8,7 +8,12 @@ Two ways to size the sources, one per mixture:
 - no ``tokens``, an ``epochs`` per source (2.5 = two passes and half of a third): the shares
   follow from the sizes.
 
-`Mixture` and `MixtureSource` are frozen, keyword-only dataclasses that check themselves
+Weights may change during the run (``tokens`` only): each of ``phases`` gives every source
+a weight from the first step whose tokens before it reach the phase's ``from_tokens`` on;
+the sources' own weights hold before the first phase. A source's target is then its weight
+of each phase over the phase's tokens, summed.
+
+`Mixture`, `MixtureSource` and `MixturePhase` are frozen, keyword-only dataclasses that check themselves
 (every error a one-line `ConfigError` naming the source and the key) and fingerprint
 themselves (canonical JSON, SHA-256), like `batchplan.config.PlanConfig`. A mixture file is
 read by `batchplan.formats.mixture_file.read_mixture`.
@@ -26,9 +31,10 @@ from typing import Any
 from batchplan.config import parse_count
 from batchplan.errors import ConfigError
 
-__all__ = ["MIXTURE_KEYS", "SOURCE_KEYS", "Mixture", "MixtureSource"]
+__all__ = ["MIXTURE_KEYS", "PHASE_KEYS", "SOURCE_KEYS", "Mixture", "MixturePhase", "MixtureSource"]
 
-MIXTURE_KEYS = ("sources", "tokens")
+MIXTURE_KEYS = ("sources", "tokens", "phases")
+PHASE_KEYS = ("from_tokens", "weights")
 SOURCE_KEYS = ("name", "paths", "weight", "epochs", "length_column", "tokens_column", "loss_tokens_column")
 _COLUMN_KEYS = ("length_column", "tokens_column", "loss_tokens_column")
 # Names appear in plan metadata, reports and log keys: plain words only.
@@ -115,6 +121,52 @@ class MixtureSource:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MixturePhase:
+    """Weights of every source from a point of the run on.
+
+    Attributes:
+        from_tokens: the phase begins with the first step whose tokens before it reach this
+            many (>= 1; numbers or strings with a k/M/G/T suffix, as ``tokens``).
+        weights: ``{source name: weight >= 0}``; a mixture checks that it names each of its
+            sources once.
+    """
+
+    from_tokens: int
+    weights: dict[str, float]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "from_tokens", parse_tokens(self.from_tokens, key="from_tokens"))
+        if not isinstance(self.weights, dict) or not self.weights:
+            raise ConfigError(
+                f"phase from {self.from_tokens:,} tokens: weights must map each source's name to its weight, got "
+                f"{self.weights!r}"
+            )
+        weights = {}
+        for name, weight in self.weights.items():
+            weights[str(name)] = _non_negative(str(name), f"weight in the phase from {self.from_tokens:,} tokens", weight)
+        object.__setattr__(self, "weights", weights)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"from_tokens": self.from_tokens, "weights": dict(self.weights)}
+
+    @classmethod
+    def from_dict(cls, values: object, *, position: int = 0) -> MixturePhase:
+        """A phase from a mapping (a mixture file's entry); unknown keys are an error."""
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"phases[{position}] is {type(values).__name__} {values!r}; expected a mapping with from_tokens "
+                "and weights"
+            )
+        unknown = sorted(str(key) for key in values if key not in PHASE_KEYS)
+        if unknown:
+            raise ConfigError(f"phases[{position}]: unknown keys {unknown}; the known keys are {list(PHASE_KEYS)}")
+        for key in PHASE_KEYS:
+            if key not in values:
+                raise ConfigError(f"phases[{position}]: key {key!r} is missing; every phase needs from_tokens and weights")
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Mixture:
     """Sources in order (global sample indices follow it), sized by ``tokens`` or by each source's ``epochs``.
 
@@ -123,10 +175,13 @@ class Mixture:
         tokens: the run's total tokens (with a ``weight`` per source), or None (each source
             has ``epochs``). Numbers (``2.0e9``) and strings with a k/M/G/T suffix (``"2G"``)
             are read as whole token counts.
+        phases: weights that change during the run (`MixturePhase`, in increasing
+            ``from_tokens``, each below ``tokens``); only with ``tokens``.
     """
 
     sources: tuple[MixtureSource, ...]
     tokens: int | None = None
+    phases: tuple[MixturePhase, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.sources, (list, tuple)) or not self.sources:
@@ -147,6 +202,38 @@ class Mixture:
             self._check_sized_by("epochs", "weight", "without tokens")
         else:
             self._check_sized_by("weight", "epochs", f"with tokens ({self.tokens:,})")
+        self._check_phases()
+
+    def _check_phases(self) -> None:
+        """Phases only with tokens, in increasing ``from_tokens`` below it, each naming every source once."""
+        if not isinstance(self.phases, (list, tuple)) or any(not isinstance(p, MixturePhase) for p in self.phases):
+            raise ConfigError(f"phases holds {self.phases!r}; expected a list of MixturePhase values")
+        object.__setattr__(self, "phases", tuple(self.phases))
+        if self.phases and self.tokens is None:
+            raise ConfigError(
+                "phases change weights at token counts of the run, so they need the mixture's tokens; give the "
+                "mixture tokens and each source a weight, or leave phases out"
+            )
+        before = 0
+        for phase in self.phases:
+            where = f"phase from {phase.from_tokens:,} tokens"
+            if phase.from_tokens <= before or phase.from_tokens >= self.tokens:
+                raise ConfigError(
+                    f"{where}: from_tokens must lie between the previous phase's ({before:,}) and the run's "
+                    f"tokens ({self.tokens:,}), exclusive; list phases in increasing from_tokens within the run"
+                )
+            before = phase.from_tokens
+            unknown = sorted(set(phase.weights) - set(self.names))
+            if unknown:
+                raise ConfigError(f"{where}: weights name unknown sources {unknown}; the sources are {list(self.names)}")
+            missing = [name for name in self.names if name not in phase.weights]
+            if missing:
+                raise ConfigError(
+                    f"{where}: weights leave out sources {missing}; give every source a weight (0 leaves it out "
+                    "of the phase)"
+                )
+            if not any(phase.weights.values()):
+                raise ConfigError(f"{where}: every weight is 0, so the phase plans nothing; give a source a weight above 0")
 
     def _check_sized_by(self, key: str, other: str, mode: str) -> None:
         """Every source has ``key`` and none has ``other``; not every ``key`` is 0."""
@@ -172,11 +259,24 @@ class Mixture:
         """Whether sources are sized by their own epochs (no ``tokens``)."""
         return self.tokens is None
 
+    def phase_weights(self) -> tuple[list[int], list[list[float]]]:
+        """``(from_tokens, weights)``: where each phase begins (0 for the sources' own weights,
+        then ``phases``) and its weights normalised to sum to 1, in the sources' order; for a
+        mixture with ``tokens`` (one sized by epochs has no weights)."""
+        if self.by_epochs:
+            raise ValueError("a mixture sized by epochs has no weights; its shares follow from the planned tokens")
+        first = [source.weight or 0.0 for source in self.sources]
+        rows = [first] + [[phase.weights[name] for name in self.names] for phase in self.phases]
+        starts = [0] + [phase.from_tokens for phase in self.phases]
+        return starts, [[weight / sum(row) for weight in row] for row in rows]
+
     def to_dict(self) -> dict[str, Any]:
         """The mixture as plain JSON-able values (what a plan stores)."""
         values: dict[str, Any] = {"sources": [source.to_dict() for source in self.sources]}
         if self.tokens is not None:
             values["tokens"] = self.tokens
+        if self.phases:
+            values["phases"] = [phase.to_dict() for phase in self.phases]
         return values
 
     @classmethod
@@ -193,9 +293,15 @@ class Mixture:
                 f"a mixture needs a non-empty list under sources, got {sources!r}; list each source's name, "
                 "paths and weight or epochs"
             )
+        phases = values.get("phases", [])
+        if not isinstance(phases, list):
+            raise ConfigError(
+                f"phases must be a list of phases (each from_tokens and weights), got {type(phases).__name__}"
+            )
         return cls(
             sources=tuple(MixtureSource.from_dict(entry, position=index) for index, entry in enumerate(sources)),
             tokens=values.get("tokens"),
+            phases=tuple(MixturePhase.from_dict(entry, position=index) for index, entry in enumerate(phases)),
         )
 
     def fingerprint(self) -> str:
@@ -204,7 +310,7 @@ class Mixture:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def parse_tokens(value: object) -> int:
+def parse_tokens(value: object, *, key: str = "tokens") -> int:
     """A token count: an integer, a whole float (``2.0e9``), or a string of either or with a
     k/M/G/T suffix (``"2G"``, ``"2_000M"``); at least 1."""
     count: int | None = None
@@ -223,8 +329,8 @@ def parse_tokens(value: object) -> int:
             count = int(number) if math.isfinite(number) and number == int(number) else None
     if count is None or count < 1:
         raise ConfigError(
-            f"tokens must be a whole number of tokens >= 1 (e.g. 2000000000, 2.0e9, \"2G\" or \"2_000M\"), "
-            f"got {value!r}; fix the mixture's tokens"
+            f"{key} must be a whole number of tokens >= 1 (e.g. 2000000000, 2.0e9, \"2G\" or \"2_000M\"), "
+            f"got {value!r}; fix the mixture's {key}"
         )
     return count
 

@@ -47,6 +47,8 @@ def print_summary(summary: dict[str, Any], *, title: str) -> None:
     console.print(table)
     if summary.get("mixture"):
         console.print(_sources_table(summary["mixture"]))
+    if summary.get("mixture_phases"):
+        console.print(_phases_table(summary["mixture_phases"]))
     print_warnings(summary)
 
 
@@ -63,6 +65,19 @@ def _sources_table(sources: list[dict[str, Any]]) -> Table:
             f"{source['planned_tokens']:,}", f"{source['passes']:.3f}", format_share(source["mean_share"], 2),
             "n/a" if worst is None else f"{100 * worst:.2f} pp", "n/a" if bound is None else f"{100 * bound:.2f} pp",
         )
+    return table
+
+
+def _phases_table(phases: list[dict[str, Any]]) -> Table:
+    """A mixture's phases: where each begins (tokens, first step), its tokens, its weights."""
+    table = Table(title="phases (weights from their first step on)")
+    names = list(phases[0]["weights"])
+    for name in ("from tokens", "first step", "tokens", *names):
+        table.add_column(name, justify="right")
+    for phase in phases:
+        first = "n/a" if phase["first_step"] is None else f"{phase['first_step']:,}"
+        weights = [format_share(phase["weights"][name], 2) for name in names]
+        table.add_row(f"{phase['from_tokens']:,}", first, f"{phase['tokens']:,}", *weights)
     return table
 
 

@@ -38,9 +38,8 @@ def compose(sizes, tokens, shares, world_size, max_tokens, rounds):
     steps = np.empty(out.shape[0] + 1, dtype=np.int64)
     sizing = np.array([rounds, 0, 0, 0, 0, 0], dtype=np.float64)
     shares = np.asarray(shares, dtype=np.float64) / np.sum(shares)
-    count = compose_steps(
-        offsets, np.asarray(tokens, dtype=np.int64), shares, shares, world_size, max_tokens, sizing, out, steps
-    )
+    count = compose_steps(offsets, np.asarray(tokens, dtype=np.int64), np.zeros(1), shares[None, :], shares,
+                          world_size, max_tokens, sizing, out, steps)  # fmt: skip
     return offsets, out, steps[: count + 1], shares
 
 

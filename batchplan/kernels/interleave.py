@@ -11,6 +11,12 @@ they can: worst-case fair weighted fair queueing (WF2Q, Bennett and Zhang 1996),
 no source drifts from its share of the epoch by more than a step. The step's
 tokens, on which the windows depend, are found by iterating from an estimate (at most four
 times); a last repair moves micro-batches while a source misses its window.
+
+Weights may change at phases: a phase holds from the first step whose tokens before it reach
+the phase's start (a step in which later phases begin is due each phase's weight of its
+tokens in that phase), and the clocks restart there (each source's tokens counted from the
+switch): due on the phase's weights while another switch lies ahead in the epoch, and on
+what is left of each source in the epoch's last phase, so that all run out together.
 O(n x sources) per pass.
 """
 
@@ -27,7 +33,8 @@ _PASSES = 4
 
 
 @njit(cache=True, nogil=True)
-def compose_steps(source_offsets, tokens, weights, shares, world_size, max_tokens, sizing, out, step_offsets):
+def compose_steps(source_offsets, tokens, phase_starts, phase_weights, shares, world_size, max_tokens, sizing, out,
+                  step_offsets):
     """Fill ``out`` with micro-batch ids step by step and ``step_offsets`` with the steps'
     bounds over it; return the number of steps.
 
@@ -35,10 +42,14 @@ def compose_steps(source_offsets, tokens, weights, shares, world_size, max_token
         source_offsets: int64, ``sources + 1`` bounds: source ``s`` holds micro-batches
             ``source_offsets[s]:source_offsets[s + 1]``, in the order they are to be taken.
         tokens: int64 tokens of every micro-batch.
-        weights: float64 share each source is held to in every step (summing to 1): its
-            window is ``max_tokens`` around ``weight x`` the step's tokens.
-        shares: float64 share each source has of all the tokens (summing to 1; near
-            ``weights``): the clock each source is due on, so that all run out together.
+        phase_starts: float64, increasing, ``phase_starts[0] <= sizing[1]``: the run's tokens
+            before each phase.
+        phase_weights: float64, (phases, sources): the share each source is held to in every
+            step of a phase (each row summing to 1): its window is ``max_tokens`` around
+            ``weight x`` the step's tokens.
+        shares: float64 share each source has of all the tokens (summing to 1; near the
+            weights): the clock each source is due on when no phase begins within the epoch,
+            so that all run out together.
         world_size: micro-batches per round.
         max_tokens: the half-width of a source's window, in tokens.
         sizing: float64 ``(rounds, tokens_before, start, target, ramp_tokens, max_rounds)``:
@@ -59,16 +70,33 @@ def compose_steps(source_offsets, tokens, weights, shares, world_size, max_token
         remaining += tokens[i]
     position, steps = 0, 0
     step_offsets[0] = 0
+    phase, num_phases = -1, phase_starts.shape[0]
+    clock = shares.copy()
     while position < total:
+        begins = phase
+        while begins + 1 < num_phases and done >= phase_starts[begins + 1]:
+            begins += 1
+        if begins != phase:  # a phase begins with this step: clocks from here
+            taken[:] = 0.0
+            if begins + 1 < num_phases and phase_starts[begins + 1] < done + remaining:
+                clock[:] = phase_weights[begins]
+            elif phase >= 0:  # the epoch's last phase: due on what is left of each source
+                for source in range(num_sources):
+                    clock[source] = 0.0
+                    for i in range(cursor[source], source_offsets[source + 1]):
+                        clock[source] += tokens[i]
+                    clock[source] /= max(remaining, 1.0)
+            phase = begins
         left = total - position
         mean = remaining / left
-        seats = world_size * _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, weights, shares,
+        due = (phase_starts, phase_weights, phase, done)
+        seats = world_size * _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, due, clock,
                                           taken, world_size, max_tokens, left, remaining, count)
         if seats >= left:  # the epoch's last step takes what is left
             for source in range(num_sources):
                 count[source] = source_offsets[source + 1] - cursor[source]
         else:
-            _compose(seats, mean, tokens, cursor, source_offsets, weights, shares, taken, max_tokens, count)
+            _compose(seats, mean, tokens, cursor, source_offsets, due, clock, taken, max_tokens, count)
         step_tokens = 0.0
         for source in range(num_sources):
             for i in range(count[source]):
@@ -85,7 +113,7 @@ def compose_steps(source_offsets, tokens, weights, shares, world_size, max_token
 
 
 @njit(cache=True, nogil=True)
-def _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, weights, shares, taken, world_size,
+def _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, due, shares, taken, world_size,
                  max_tokens, left, remaining, count):
     """Rounds of the next step: fixed, or those whose composed tokens come nearest the goal."""
     if rounds > 0:
@@ -105,7 +133,7 @@ def _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, weights, 
             off = abs(remaining - goal)
         else:
             mean = remaining / left
-            composed = _compose(seats, mean, tokens, cursor, source_offsets, weights, shares, taken, max_tokens, count)
+            composed = _compose(seats, mean, tokens, cursor, source_offsets, due, shares, taken, max_tokens, count)
             off = abs(composed - goal)
         if off < best_off:
             best, best_off = candidate, off
@@ -115,9 +143,10 @@ def _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, weights, 
 
 
 @njit(cache=True, nogil=True)
-def _compose(seats, mean, tokens, cursor, source_offsets, weights, shares, taken, max_tokens, count):
+def _compose(seats, mean, tokens, cursor, source_offsets, due, shares, taken, max_tokens, count):
     """Counts per source (``count``) for a step of ``seats`` micro-batches (``mean``: the
-    tokens of a micro-batch left, on average); returns the step's tokens."""
+    tokens of a micro-batch left, on average; ``due``: `_due`'s phases, the step's phase and
+    the run's tokens before it); returns the step's tokens."""
     num_sources = shares.shape[0]
     prefix = np.zeros((num_sources, seats + 1), dtype=np.float64)
     avail = np.zeros(num_sources, dtype=np.int64)
@@ -134,7 +163,7 @@ def _compose(seats, mean, tokens, cursor, source_offsets, weights, shares, taken
     step_tokens = 0.0
     for _ in range(_PASSES):
         for source in range(num_sources):
-            low[source], high[source] = _window(prefix[source], avail[source], weights[source] * estimate, max_tokens)
+            low[source], high[source] = _window(prefix[source], avail[source], _due(due, source, estimate), max_tokens)
             count[source] = low[source]
         _fit(seats, prefix, shares, taken, so_far, avail, low, high, count)
         step_tokens = 0.0
@@ -143,7 +172,26 @@ def _compose(seats, mean, tokens, cursor, source_offsets, weights, shares, taken
         if step_tokens == estimate:
             break
         estimate = step_tokens
-    return _repair(prefix, avail, weights, max_tokens, count, step_tokens)
+    return _repair(prefix, avail, due, max_tokens, count, step_tokens)
+
+
+@njit(cache=True, nogil=True)
+def _due(due, source, step_tokens):
+    """The tokens ``source`` is due in a step of ``step_tokens`` tokens: its weight of the
+    step's phase times them, and where later phases begin within the step, each phase's
+    weight times the step's tokens in it. ``due``: ``(phase_starts, phase_weights, phase,
+    done)``, the run's tokens before the step ``done``."""
+    starts, weights, phase, done = due
+    end = done + step_tokens
+    if phase + 1 >= starts.shape[0] or end <= starts[phase + 1]:
+        return weights[phase, source] * step_tokens
+    owed = weights[phase, source] * (starts[phase + 1] - done)
+    for later in range(phase + 1, starts.shape[0]):
+        stop = end if later + 1 == starts.shape[0] else min(end, starts[later + 1])
+        if stop <= starts[later]:
+            break
+        owed += weights[later, source] * (stop - starts[later])
+    return owed
 
 
 @njit(cache=True, nogil=True)
@@ -207,16 +255,16 @@ def _fit(seats, prefix, shares, taken, so_far, avail, low, high, count):
 
 
 @njit(cache=True, nogil=True)
-def _repair(prefix, avail, weights, max_tokens, count, step_tokens):
-    """While a source lies more than ``max_tokens`` off its weight of the step's actual tokens,
-    move a micro-batch from the source furthest ahead to the one furthest behind, as long as
-    that lowers the largest miss; returns the step's tokens."""
-    num_sources = weights.shape[0]
-    worst = _worst_miss(prefix, weights, count, step_tokens)
+def _repair(prefix, avail, due, max_tokens, count, step_tokens):
+    """While a source lies more than ``max_tokens`` off what it is due of the step's actual
+    tokens, move a micro-batch from the source furthest ahead to the one furthest behind, as
+    long as that lowers the largest miss; returns the step's tokens."""
+    num_sources = prefix.shape[0]
+    worst = _worst_miss(prefix, due, count, step_tokens)
     while worst > max_tokens:
         ahead, behind, most_ahead, most_behind = -1, -1, -np.inf, -np.inf
         for source in range(num_sources):
-            miss = prefix[source, count[source]] - weights[source] * step_tokens
+            miss = prefix[source, count[source]] - _due(due, source, step_tokens)
             if count[source] > 0 and miss > most_ahead:
                 ahead, most_ahead = source, miss
             if count[source] < avail[source] and -miss > most_behind:
@@ -227,7 +275,7 @@ def _repair(prefix, avail, weights, max_tokens, count, step_tokens):
         count[behind] += 1
         moved = step_tokens - (prefix[ahead, count[ahead] + 1] - prefix[ahead, count[ahead]])
         moved += prefix[behind, count[behind]] - prefix[behind, count[behind] - 1]
-        after = _worst_miss(prefix, weights, count, moved)
+        after = _worst_miss(prefix, due, count, moved)
         if after >= worst:  # no better: undo, and keep the step as it is
             count[ahead] += 1
             count[behind] -= 1
@@ -237,8 +285,8 @@ def _repair(prefix, avail, weights, max_tokens, count, step_tokens):
 
 
 @njit(cache=True, nogil=True)
-def _worst_miss(prefix, weights, count, step_tokens):
+def _worst_miss(prefix, due, count, step_tokens):
     worst = 0.0
-    for source in range(weights.shape[0]):
-        worst = max(worst, abs(prefix[source, count[source]] - weights[source] * step_tokens))
+    for source in range(prefix.shape[0]):
+        worst = max(worst, abs(prefix[source, count[source]] - _due(due, source, step_tokens)))
     return worst

@@ -90,7 +90,8 @@ def build_mixture_plan_file(
 def mixture_metadata(mixture: Mixture, read_sources, selections, columns: dict[str, Any]) -> dict[str, Any]:
     """The plan's ``mixture`` metadata: the file as given, and per source (in order) where its
     samples lie (``read_sources``: `batchplan.formats.mixture_file.SourceLengths`), what was
-    asked of it and what the plan uses."""
+    asked of it and what the plan uses; with phases, ``phases``: each phase's ``from_tokens``
+    (0 first: the sources' own weights) and ``weights``, normalised, in the sources' order."""
     sources = []
     for source, read, selection in zip(mixture.sources, read_sources, selections):
         if (read.name, selection.name) != (source.name, source.name):
@@ -109,4 +110,8 @@ def mixture_metadata(mixture: Mixture, read_sources, selections, columns: dict[s
             "planned_tokens": selection.planned_tokens,
             "passes": selection.passes,
         })
-    return {"fingerprint": mixture.fingerprint(), "spec": mixture.to_dict(), "sources": sources}
+    described = {"fingerprint": mixture.fingerprint(), "spec": mixture.to_dict(), "sources": sources}
+    if mixture.phases:
+        starts, weights = mixture.phase_weights()
+        described["phases"] = [{"from_tokens": start, "weights": row} for start, row in zip(starts, weights)]
+    return described

@@ -6,12 +6,16 @@ plan's ``mixture`` metadata lists; the source of a micro-batch is found from its
 - ``mixture_sources``: every micro-batch holds samples of one source, and its ``source``
   column says which (-1 for an empty one).
 - ``mixture_shares``: in every step but an epoch's last, each source's tokens are within
-  max(0.5 % of the step's tokens, ``max_tokens``) of ``weight x`` the step's tokens.
-- ``mixture_drift``: after every step, each source's tokens since its epoch began are within
-  one step's tokens (the epoch's mean step, or ``max_tokens`` when steps are smaller: a lag
-  comes in whole micro-batches) of ``weight x`` the epoch's tokens so far, plus what the
-  epoch's own tokens of the source miss ``weight x`` the epoch's tokens by (in whole
-  documents, from sizing and the epoch's cut: where the source ends whatever the order).
+  max(0.5 % of the step's tokens, ``max_tokens``) of what it is due: ``weight x`` the step's
+  tokens, the weight of the step's phase, the last phase whose ``from_tokens`` the step's
+  ``tokens_before_step`` reaches (a plan without phases has one, its sources' weights); a
+  step in which later phases begin is due each phase's weight of its tokens in that phase.
+- ``mixture_drift``: after every step, each source's tokens since its stretch began (an
+  epoch, and a phase within it) are within one step's tokens (the epoch's mean step, or
+  ``max_tokens`` when steps are smaller: a lag comes in whole micro-batches) of what the
+  stretch's steps so far are due, plus what the stretch's own tokens of the source miss
+  what it is due by (in whole documents, from sizing and the epoch's cut: where the
+  source ends whatever the order).
 - ``mixture_repetition``: within a source no sample is used a (k+1)-th time in a step before
   the step in which the last of its kept samples is used a k-th time (uses of a split sample
   are counted once, by the piece that starts at token 0); each source's planned tokens
@@ -40,15 +44,20 @@ def check_mixture(plan: OpenedPlan) -> list[Violation]:
         return []
     sources = mixture["sources"]
     bounds = np.array([s["offset"] for s in sources] + [sources[-1]["offset"] + sources[-1]["num_samples"]])
-    weights = np.array([s["weight"] for s in sources], dtype=np.float64)
+    phases = mixture.get("phases") or [{"from_tokens": 0, "weights": [s["weight"] for s in sources]}]
+    starts = np.array([phase["from_tokens"] for phase in phases], dtype=np.int64)
+    phase_weights = np.array([phase["weights"] for phase in phases], dtype=np.float64)
     found, use_steps, use_samples = [], [], []
-    step_base = 0
+    step_base = int(plan.metadata.get("first_step", 0))
     for epoch in range(plan.num_epochs):
         steps = plan.metadata["steps_per_epoch"][epoch]
         per_step = np.zeros((steps, len(sources)), dtype=np.int64)
+        before = np.zeros(steps, dtype=np.int64)
         for rank in range(plan.world_size):
-            found += _read_rank(plan, epoch, rank, bounds, step_base, per_step, use_steps, use_samples)
-        found += _check_shares(per_step, weights, plan.metadata["max_tokens"], epoch, step_base)
+            found += _read_rank(plan, epoch, rank, bounds, step_base, per_step, before, use_steps, use_samples)
+        step_phase = np.searchsorted(starts, before, side="right") - 1
+        due = _due(before, per_step.sum(axis=1), starts, phase_weights)
+        found += _check_shares(per_step, due, step_phase, plan.metadata["max_tokens"], epoch, step_base)
         step_base += steps
     if found:
         return found
@@ -58,8 +67,9 @@ def check_mixture(plan: OpenedPlan) -> list[Violation]:
     return found
 
 
-def _read_rank(plan, epoch, rank, bounds, step_base, per_step, use_steps, use_samples) -> list[Violation]:
-    """Adds the rank's tokens per (step, source) to ``per_step`` and its uses to the lists."""
+def _read_rank(plan, epoch, rank, bounds, step_base, per_step, before, use_steps, use_samples) -> list[Violation]:
+    """Adds the rank's tokens per (step, source) to ``per_step`` and its uses to the lists;
+    sets ``before`` to each step's ``tokens_before_step``."""
     rows = plan.rank_rows(epoch, rank, checked=False)  # validate checks the whole plan's checksum
     offsets, samples = rows.offsets("samples"), rows.entries("samples").astype(np.int64)
     tokens, step = rows.numbers("tokens"), rows.numbers("step") - step_base
@@ -76,6 +86,7 @@ def _read_rank(plan, epoch, rank, bounds, step_base, per_step, use_steps, use_sa
         return [Violation("mixture_sources", f"{where}: the source column disagrees with the micro-batches' samples")]
     held = counts > 0
     np.add.at(per_step, (step[held], first[held]), tokens[held])
+    before[step] = rows.numbers("tokens_before_step")
     starts = rows.entries("starts") if rows.has_spans else None
     use = np.ones(samples.shape[0], dtype=bool) if starts is None else starts == 0
     use_steps.append((step[row] + step_base)[use])
@@ -83,10 +94,23 @@ def _read_rank(plan, epoch, rank, bounds, step_base, per_step, use_steps, use_sa
     return []
 
 
-def _check_shares(per_step: NDArray[np.int64], weights, max_tokens: int, epoch: int, step_base: int) -> list[Violation]:
+def _due(before: NDArray[np.int64], totals: NDArray[np.int64], starts: NDArray[np.int64], phase_weights):
+    """Shape (steps, sources): the tokens each source is due in each step: each phase's
+    weights times the step's tokens that lie in the phase (the run's tokens
+    ``before..before + totals``)."""
+    due = np.zeros((before.shape[0], phase_weights.shape[1]), dtype=np.float64)
+    ends = np.append(starts[1:], np.iinfo(np.int64).max)
+    for start, end, weights in zip(starts, ends, phase_weights):
+        inside = np.minimum(before + totals, end) - np.maximum(before, start)
+        due += np.maximum(inside, 0)[:, None].astype(np.float64) * weights[None, :]
+    return due
+
+
+def _check_shares(per_step: NDArray[np.int64], due, step_phase, max_tokens: int, epoch: int,
+                  step_base: int) -> list[Violation]:  # fmt: skip
     found = []
     totals = per_step.sum(axis=1)
-    target = weights[None, :] * totals[:, None]
+    target = due
     allowed = np.maximum(_SHARE_FLOOR * totals, max_tokens)
     off = np.abs(per_step - target)[:-1] > allowed[:-1, None]  # an epoch's last step may be short
     if off.any():
@@ -94,21 +118,28 @@ def _check_shares(per_step: NDArray[np.int64], weights, max_tokens: int, epoch: 
         share = per_step[step, source] / max(totals[step], 1)
         found.append(Violation("mixture_shares", (
             f"{int(off.sum()):,} (step, source) pairs off their share; first: step {step_base + step:,}, source "
-            f"{source}: {share:.2%} of {totals[step]:,} tokens against a weight of {weights[source]:.2%}"
+            f"{source}: {share:.2%} of {totals[step]:,} tokens against a weight of "
+            f"{due[step, source] / max(totals[step], 1):.2%}"
         )))
-    drift = np.abs(np.cumsum(per_step, axis=0) - weights[None, :] * np.cumsum(totals)[:, None])
     step_tokens = max(totals.mean() if totals.shape[0] else 0, max_tokens)
-    # What the epoch's own tokens of each source miss its weight by (whole documents: sizing and
-    # the epoch's cut) is where the source ends whatever the order; the steps add one step at most.
-    own_miss = np.abs(per_step.sum(axis=0) - weights * totals.sum())
-    allowed_drift = step_tokens + own_miss[None, :] + 1e-6
-    if (drift > allowed_drift).any():
-        step, source = np.argwhere(drift > allowed_drift)[0]
-        found.append(Violation("mixture_drift", (
-            f"after step {step_base + step:,}, source {source} is {drift[step, source]:,.0f} tokens off its weight "
-            f"in epoch {epoch} (allowed: one step, {step_tokens:,.0f}, and the {own_miss[source]:,.0f} the "
-            "epoch's own tokens of it miss its weight by)"
-        )))
+    # A stretch: the epoch's steps of one phase. What its own tokens of each source miss its
+    # weight by (whole documents: sizing and the epoch's cut) is where the source ends whatever
+    # the order; the steps add one step at most.
+    edges = np.flatnonzero(np.diff(step_phase)) + 1
+    for first, last in zip(np.concatenate([[0], edges]), np.concatenate([edges, [totals.shape[0]]])):
+        part, owed = per_step[first:last], due[first:last]
+        drift = np.abs(np.cumsum(part, axis=0) - np.cumsum(owed, axis=0))
+        own_miss = np.abs(part.sum(axis=0) - owed.sum(axis=0))
+        allowed_drift = step_tokens + own_miss[None, :] + 1e-6
+        if (drift > allowed_drift).any():
+            step, source = np.argwhere(drift > allowed_drift)[0]
+            found.append(Violation("mixture_drift", (
+                f"after step {step_base + first + step:,}, source {source} is {drift[step, source]:,.0f} tokens off "
+                f"its weight in epoch {epoch} since step {step_base + first:,} (allowed: one step, "
+                f"{step_tokens:,.0f}, and the {own_miss[source]:,.0f} the stretch's own tokens of it miss its "
+                "weight by)"
+            )))
+            break
     return found
 
 

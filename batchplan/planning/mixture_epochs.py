@@ -5,8 +5,9 @@ token share.
 Sizing gives each source an order of sample uses (pass after pass). The run is cut into
 ``config.epochs`` epochs of about equal tokens: epoch ``e`` takes the ``e``-th of as many
 consecutive parts of every source's order (a part ends at the sample whose tokens reach
-``e + 1`` over ``epochs`` of the source's planned tokens), so repetition order holds across
-epochs and each epoch holds every source's share within one document.
+``e + 1`` over ``epochs`` of the source's planned tokens; with phases, the part of its target
+that the phases put in the run's first ``e + 1`` over ``epochs`` of its tokens), so repetition
+order holds across epochs and each epoch holds every source's share within one document.
 
 An epoch's entries are its uses, source after source (a sample used twice is two entries).
 Micro-batches hold one source each: every source's entries are formed on their own (pack or
@@ -37,7 +38,7 @@ from batchplan.planning.forming import concatenate_parts, form_micro_batches
 from batchplan.planning.bins import PackedBins
 from batchplan.planning.micro_batches import MicroBatches
 from batchplan.planning.parted_bins import PartedBins
-from batchplan.planning.mixture_sizing import SourceSelection, select_sources
+from batchplan.planning.mixture_sizing import SourceSelection, run_fractions, select_sources
 from batchplan.planning.randomness import STREAM_ENTRY_ORDER, STREAM_MICRO_BATCH_ORDER, epoch_rng
 from batchplan.planning.schedule import schedule_epoch
 from batchplan.planning.threads import threads_for
@@ -58,6 +59,9 @@ class MixtureEntries:
             (its sources in order, each source's passes in order).
         selections: what the run uses of each source (`mixture_sizing.SourceSelection`,
             without their orders: the entries hold them).
+        phase_starts: shape (phases,): the tokens of the run before each phase begins (0 first).
+        phase_weights: shape (phases, sources): each phase's weights, summing to 1 (without
+            phases one row: each source's share of the run).
     """
 
     entries: Entries
@@ -65,6 +69,8 @@ class MixtureEntries:
     chunk_source: NDArray[np.int64]
     epoch_chunks: NDArray[np.int64]
     selections: tuple[SourceSelection, ...]
+    phase_starts: NDArray[np.float64]
+    phase_weights: NDArray[np.float64]
 
     def epoch_tokens(self, epoch: int) -> int:
         first = int(self.chunk_bounds[self.epoch_chunks[epoch]])
@@ -112,7 +118,9 @@ def prepare_mixture_entries(
     lengths = np.asarray(lengths)
     selections = select_sources(mixture, sizing_lengths(lengths, config), offsets, seed=config.seed, threads=threads)
     chunks, chunk_source, epoch_chunks = [], [], [0]
-    cuts = [_epoch_cuts(selection.order, lengths, config.epochs) for selection in selections]
+    fractions = run_fractions(mixture, config.epochs)
+    cuts = [_epoch_cuts(selection.order, lengths, config.epochs, None if fractions is None else fractions[source])
+            for source, selection in enumerate(selections)]  # fmt: skip
     # The sources' orders are copied into the entries below, then let go (4 bytes per use).
     for epoch in range(config.epochs):
         for source, selection in enumerate(selections):
@@ -132,20 +140,32 @@ def prepare_mixture_entries(
     entries, chunk_bounds = _to_samples(make_entries(lengths[uses], config, use_loss), uses, use_bounds)
     if entries.num_entries == 0:
         raise DatasetError("no samples left to plan in the mixture after dropping empty and oversize ones")
+    if mixture.by_epochs:
+        starts, weights = [0], [[selection.weight for selection in selections]]
+    else:
+        starts, weights = mixture.phase_weights()
     return MixtureEntries(
         entries, chunk_bounds, np.asarray(chunk_source, dtype=np.int64), np.asarray(epoch_chunks, dtype=np.int64),
-        selections,
+        selections, np.asarray(starts, dtype=np.float64), np.asarray(weights, dtype=np.float64),
     )
 
 
-def _epoch_cuts(order: NDArray[np.integer], lengths: NDArray[np.integer], epochs: int) -> NDArray[np.int64]:
+def _epoch_cuts(
+    order: NDArray[np.integer], lengths: NDArray[np.integer], epochs: int, fractions: NDArray[np.float64] | None
+) -> NDArray[np.int64]:
     """Shape (epochs + 1,): positions of ``order`` where each epoch's part begins, the run cut
-    into ``epochs`` consecutive parts of about equal tokens."""
+    into ``epochs`` consecutive parts: the ``e``-th ends at the sample whose tokens reach
+    ``fractions[e + 1]`` of the order's tokens (None: ``(e + 1) / epochs``, parts of about
+    equal tokens)."""
     if epochs == 1 or order.shape[0] == 0:
         return np.array([0] + [order.shape[0]] * epochs, dtype=np.int64)
     sums = np.cumsum(lengths[order], dtype=np.int64)
-    targets = sums[-1] * np.arange(1, epochs, dtype=np.float64) / epochs
+    if fractions is None:
+        targets = sums[-1] * np.arange(1, epochs, dtype=np.float64) / epochs
+    else:
+        targets = sums[-1] * fractions[1:-1]
     inner = np.minimum(np.searchsorted(sums, targets, side="left") + 1, order.shape[0])
+    inner[targets <= 0] = 0  # a source the phases give nothing yet
     return np.concatenate([[0], inner, [order.shape[0]]]).astype(np.int64)
 
 
@@ -180,7 +200,8 @@ def plan_mixture_epoch(
 ) -> EpochPlan:
     """Plan one epoch of a mixture (the module docstring): micro-batches of one pass of one
     source each, a source's passes in order, interleaved by share and scheduled in that
-    order; the plan's rows carry their source."""
+    order; the plan's rows carry their source. A phase begins with the first step whose
+    tokens before it (``tokens_before`` and the epoch's steps before it) reach its start."""
     entries = mixture.entries
     rng = epoch_rng(config.seed, epoch, STREAM_ENTRY_ORDER)
     order_rng = epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER)
@@ -193,8 +214,8 @@ def plan_mixture_epoch(
                                order_rng.permutation(formed.count)))  # fmt: skip
     if not parts:
         raise DatasetError(f"epoch {epoch} of the mixture holds no samples; use fewer epochs")
-    weights = np.array([selection.weight for selection in mixture.selections], dtype=np.float64)
-    batches, steps, order = _composed(parts, entries.num_entries, config, tokens_before, weights)
+    phases = (mixture.phase_starts, mixture.phase_weights)
+    batches, steps, order = _composed(parts, entries.num_entries, config, tokens_before, phases)
     bounds = np.zeros(len(parts) + 1, dtype=np.int64)
     np.cumsum([part.entries for part in parts], out=bounds[1:])
     sources = (bounds, np.array([part.source for part in parts], dtype=np.int16))
@@ -214,16 +235,17 @@ class _Part(NamedTuple):
 
 
 
-def _composed(parts, num_entries: int, config: PlanConfig, tokens_before: int, weights: NDArray[np.float64]):
+def _composed(parts, num_entries: int, config: PlanConfig, tokens_before: int, phases):
     """Every part's micro-batches in one `MicroBatches` (packed: `PartedBins`, the parts' bins
     as they are; padded: laid out one part after another), the order `compose_steps` gives
     them (a source's queue: its parts' micro-batches one part after another, each part's in a
     seeded order) and the steps' bounds over that order.
 
-    Every step holds each source within ``max_tokens`` of the mixture's weight (validate's
-    check; a billionth inside it, against rounding), and deficits are counted against the
-    epoch's own shares (its sources' tokens over its tokens, within a document of the
-    weights), so that every source runs out with the epoch's last step."""
+    Every step holds each source within ``max_tokens`` of its phase's weight (validate's
+    check; a billionth inside it, against rounding; ``phases``: the run's tokens before each
+    phase and the phases' weights), and deficits are counted against the epoch's own shares
+    (its sources' tokens over its tokens, within a document of the weights) from the epoch's
+    last phase on, so that every source runs out with the epoch's last step."""
     if all(isinstance(part.batches.layout, PackedBins) for part in parts):
         layout = PartedBins([part.batches.layout for part in parts], [part.first for part in parts], num_entries)
         batches = MicroBatches.of_bins(layout)
@@ -244,12 +266,13 @@ def _composed(parts, num_entries: int, config: PlanConfig, tokens_before: int, w
     tokens = batches.tokens().astype(np.int64)[queue]
     source_tokens = np.add.reduceat(tokens, source_offsets[:-1]).astype(np.float64)
     shares = source_tokens / max(float(source_tokens.sum()), 1.0)
-    asked = weights[sources] / max(float(weights[sources].sum()), 1e-300)
+    starts, weights = phases
+    asked = weights[:, sources] / np.maximum(weights[:, sources].sum(axis=1, keepdims=True), 1e-300)
     sizing = _sizing(config, tokens_before, float(tokens.mean()) if tokens.shape[0] else 0.0)
     order = np.empty(queue.shape[0], dtype=np.int64)
     steps = np.empty(queue.shape[0] + 1, dtype=np.int64)
-    num_steps = compose_steps(source_offsets, tokens, asked, shares, config.world_size, config.max_tokens * (1 - 1e-9),
-                              sizing, order, steps)  # fmt: skip
+    num_steps = compose_steps(source_offsets, tokens, starts, asked, shares, config.world_size,
+                              config.max_tokens * (1 - 1e-9), sizing, order, steps)  # fmt: skip
     return batches, steps[: num_steps + 1].copy(), queue[order]
 
 

@@ -1,7 +1,8 @@
 """Mixture sizing: which samples of each source a run uses, and in what order.
 
-A source's tokens target is ``weight_s / sum(weights) x tokens`` (a mixture with ``tokens``)
-or ``epochs_s x`` the source's tokens (a mixture sized by epochs). It is met in whole passes
+A source's tokens target is ``weight_s / sum(weights) x tokens`` (a mixture with ``tokens``;
+with phases, the sum over the phases of the phase's normalised weight times its tokens) or
+``epochs_s x`` the source's tokens (a mixture sized by epochs). It is met in whole passes
 while a whole pass fits, then a partial pass: the prefix of one more pass whose tokens are
 nearest the rest of the target, so the planned tokens are within one document of the
 target. Pass ``p`` of a source is a fresh permutation of its samples drawn from
@@ -29,7 +30,7 @@ from batchplan.mixture import Mixture
 from batchplan.plan import index_dtype
 from batchplan.planning.randomness import permute, source_pass_rng
 
-__all__ = ["SourceSelection", "select_sources"]
+__all__ = ["SourceSelection", "run_fractions", "select_sources"]
 
 _CHUNK = 1 << 20  # prefix sums of a partial pass computed at a time (8 MiB)
 
@@ -139,12 +140,43 @@ def _targets(mixture: Mixture, source_tokens: list[int]) -> list[int]:
             whole = math.floor(epochs)
             targets.append(whole * tokens + round((epochs - whole) * tokens))
         return targets
-    weights = [Fraction(source.weight) for source in mixture.sources]
-    total = sum(weights)
-    return [round(weight / total * mixture.tokens) for weight in weights]
+    return [round(target) for target in _phase_targets(mixture, mixture.tokens)]
+
+
+def _phase_targets(mixture: Mixture, point: int) -> list[Fraction]:
+    """Each source's tokens in the run's first ``point`` tokens: every phase's normalised
+    weights times the phase's tokens before ``point``, summed (exact fractions)."""
+    starts = [0] + [phase.from_tokens for phase in mixture.phases]
+    ends = starts[1:] + [mixture.tokens]
+    rows = [[Fraction(source.weight) for source in mixture.sources]]
+    rows += [[Fraction(phase.weights[name]) for name in mixture.names] for phase in mixture.phases]
+    targets = [Fraction(0)] * len(mixture.sources)
+    for start, end, row in zip(starts, ends, rows):
+        span, total = max(0, min(end, point) - start), sum(row)
+        targets = [target + weight / total * span for target, weight in zip(targets, row)]
+    return targets
+
+
+def run_fractions(mixture: Mixture, epochs: int) -> NDArray[np.float64] | None:
+    """Shape (sources, epochs + 1): the part of each source's target that falls in the run's
+    first ``e / epochs`` of its tokens, for ``e`` in ``0..epochs``; None where that is ``e /
+    epochs`` for every source (no phases: sources' shares are the same all run long)."""
+    if not mixture.phases:
+        return None
+    points = [mixture.tokens * epoch // epochs for epoch in range(epochs + 1)]
+    whole = _phase_targets(mixture, mixture.tokens)
+    fractions = np.zeros((len(mixture.sources), epochs + 1), dtype=np.float64)
+    for column, point in enumerate(points):
+        for row, (part, total) in enumerate(zip(_phase_targets(mixture, point), whole)):
+            fractions[row, column] = float(part / total) if total else 0.0
+    return fractions
 
 
 def _shares(mixture: Mixture, planned: list[int]) -> list[float]:
+    """Each source's share of the run's tokens: its normalised weight (with phases, its
+    target over the run's tokens), or its planned tokens over all (sized by epochs)."""
+    if mixture.phases:
+        return [float(target / mixture.tokens) for target in _phase_targets(mixture, mixture.tokens)]
     if not mixture.by_epochs:
         total = sum(source.weight for source in mixture.sources)
         return [source.weight / total for source in mixture.sources]

@@ -3,7 +3,9 @@
 metadata), and its share of every step's tokens (from the rows' ``source`` column): the mean
 share over the regular steps (all but each epoch's last), and the worst miss, the largest
 ``|share - weight|`` over them, in percentage points, with the bound a step is held to
-there, ``max(0.5 pp, max_tokens / the step's tokens)``.
+there, ``max(0.5 pp, max_tokens / the step's tokens)``. With phases, a step's weight is its
+phase's (a step in which later phases begin: each phase's weight of its tokens in that
+phase, `step_weights`), and `summarize_phases` gives each phase's first step and tokens.
 
 Read one (epoch, rank) record batch at a time; memory holds the tokens of every (step,
 source), 8 bytes each (`step_source_tokens`, which the figure draws too).
@@ -18,7 +20,7 @@ from numpy.typing import NDArray
 
 from batchplan.formats.opened_plan import OpenedPlan
 
-__all__ = ["step_source_tokens", "summarize_sources"]
+__all__ = ["step_source_tokens", "step_weights", "summarize_phases", "summarize_sources"]
 
 
 def step_source_tokens(plan: OpenedPlan) -> NDArray[np.int64] | None:
@@ -39,6 +41,66 @@ def step_source_tokens(plan: OpenedPlan) -> NDArray[np.int64] | None:
     return per_step
 
 
+def _phases(plan: OpenedPlan) -> tuple[NDArray[np.int64], NDArray[np.float64]]:
+    """``(from_tokens, weights)`` of a mixture's phases (one phase, its sources' weights, without)."""
+    mixture = plan.metadata["mixture"]
+    phases = mixture.get("phases") or [{"from_tokens": 0, "weights": [s["weight"] for s in mixture["sources"]]}]
+    starts = np.array([phase["from_tokens"] for phase in phases], dtype=np.int64)
+    return starts, np.array([phase["weights"] for phase in phases], dtype=np.float64).reshape(len(phases), -1)
+
+
+def _tokens_before(plan: OpenedPlan, per_step: NDArray[np.int64]) -> NDArray[np.int64]:
+    totals = per_step.sum(axis=1)
+    return int(plan.metadata.get("tokens_before_first_step", 0)) + np.cumsum(totals) - totals
+
+
+def step_weights(plan: OpenedPlan, per_step: NDArray[np.int64]) -> NDArray[np.float64]:
+    """Shape (steps, sources): the share of each step's tokens each source is held to: its
+    phase's weight, and in a step where later phases begin, each phase's weight over the
+    step's tokens in that phase (a step of no tokens: its phase's weights)."""
+    starts, weights = _phases(plan)
+    totals = per_step.sum(axis=1)
+    before = _tokens_before(plan, per_step)
+    phase = np.searchsorted(starts, before, side="right") - 1
+    held = weights[phase]
+    ends = np.append(starts[1:], np.iinfo(np.int64).max)
+    straddle = np.flatnonzero(before + totals > ends[phase])
+    if straddle.shape[0]:
+        blend = np.zeros((straddle.shape[0], weights.shape[1]), dtype=np.float64)
+        first, last = before[straddle], before[straddle] + totals[straddle]
+        for start, end, row in zip(starts, ends, weights):
+            inside = np.maximum(np.minimum(last, end) - np.maximum(first, start), 0)
+            blend += inside[:, None] * row[None, :]
+        held[straddle] = blend / totals[straddle, None]
+    return held
+
+
+def summarize_phases(plan: OpenedPlan, per_step: NDArray[np.int64] | None = None) -> list[dict[str, Any]] | None:
+    """One dict per phase of a mixture's plan (``from_tokens``, ``first_step``: the first step
+    whose tokens before it reach it, None past the plan's last; ``weights`` by source name;
+    ``tokens``: the plan's tokens in the phase's steps); None without phases."""
+    mixture = plan.metadata.get("mixture")
+    if mixture is None or not mixture.get("phases"):
+        return None
+    per_step = step_source_tokens(plan) if per_step is None else per_step
+    starts, weights = _phases(plan)
+    before = _tokens_before(plan, per_step)
+    totals = per_step.sum(axis=1)
+    first = np.searchsorted(before, starts, side="left")  # the first step whose tokens before reach it
+    bounds = np.append(first, before.shape[0])
+    offset = int(plan.metadata.get("first_step", 0))
+    names = [source["name"] for source in mixture["sources"]]
+    return [
+        {
+            "from_tokens": int(start),
+            "first_step": offset + int(first[index]) if first[index] < before.shape[0] else None,
+            "weights": dict(zip(names, weights[index].tolist())),
+            "tokens": int(totals[bounds[index] : bounds[index + 1]].sum()),
+        }
+        for index, start in enumerate(starts)
+    ]
+
+
 def summarize_sources(plan: OpenedPlan, per_step: NDArray[np.int64] | None = None) -> list[dict[str, Any]] | None:
     """One dict per source of a mixture's plan, in the mixture's order; None for one dataset.
     ``per_step``: `step_source_tokens`, when already read."""
@@ -47,13 +109,13 @@ def summarize_sources(plan: OpenedPlan, per_step: NDArray[np.int64] | None = Non
         return None
     sources = mixture["sources"]
     per_step = step_source_tokens(plan) if per_step is None else per_step
-    weights = np.array([source["weight"] for source in sources], dtype=np.float64)
+    weights = step_weights(plan, per_step)
     regular = np.ones(per_step.shape[0], dtype=bool)  # each epoch's last step is not held to its shares
     regular[np.cumsum(plan.metadata["steps_per_epoch"]) - 1] = False
     totals = per_step.sum(axis=1)
     regular &= totals > 0
     shares = per_step[regular] / totals[regular, None]
-    misses = np.abs(shares - weights)
+    misses = np.abs(shares - weights[regular])
     rows = []
     for index, source in enumerate(sources):
         row = {
@@ -67,7 +129,7 @@ def summarize_sources(plan: OpenedPlan, per_step: NDArray[np.int64] | None = Non
         }  # fmt: skip
         if shares.shape[0]:
             at = int(misses[:, index].argmax())
-            row["mean_share"] = float(shares[:, index].mean())
+            row["mean_share"] = float(shares[:, index].mean())  # against the run's share when phases change it
             row["worst_miss"] = float(misses[at, index])
             row["worst_miss_bound"] = float(max(0.005, plan.metadata["max_tokens"] / totals[regular][at]))
         rows.append(row)

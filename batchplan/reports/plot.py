@@ -27,7 +27,7 @@ from numpy.typing import NDArray
 
 from batchplan.errors import BatchPlanError, PlanMismatchError
 from batchplan.formats.opened_plan import OpenedPlan
-from batchplan.reports.mixture import step_source_tokens
+from batchplan.reports.mixture import step_source_tokens, step_weights
 from batchplan.reports.statistics import format_share, last_steps_of, regular_steps
 from batchplan.reports.summary import PlanScan, scan_plan, summarize_plan
 
@@ -158,6 +158,8 @@ def _plan_arrays(plan: OpenedPlan, scan: PlanScan) -> dict[str, Any]:
     if scan.cost_imbalance is not None:
         data["cost_imbalance"] = scan.cost_imbalance
     data["source_tokens"] = step_source_tokens(plan)
+    if data["source_tokens"] is not None:
+        data["source_weights"] = step_weights(plan, data["source_tokens"])
     return data
 
 
@@ -306,7 +308,8 @@ def _micro_per_step_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
 
 def _shares_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     """Each source's share of every step's tokens (each epoch's last step left out), and its
-    weight as a dashed line of the same colour."""
+    weight as a dashed line of the same colour (with phases, the weight each step is held
+    to, and a dotted line where each phase begins)."""
     per_step = data["source_tokens"].astype(np.float64)
     totals = per_step.sum(axis=1)
     shares = np.full(per_step.shape, np.nan)
@@ -314,9 +317,16 @@ def _shares_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     shares[held] = per_step[held] / totals[held, None]
     shares[data["last_steps"]] = np.nan
     colors = [f"C{index % 10}" for index in range(per_step.shape[1])]
+    phases = summary.get("mixture_phases")
     for index, source in enumerate(summary["mixture"]):
         _series(ax, 100 * shares[:, index], colors[index], source["name"])
-        ax.axhline(100 * source["weight"], color=colors[index], linestyle="--", linewidth=0.8)
+        if phases:
+            ax.plot(100 * data["source_weights"][:, index], color=colors[index], linestyle="--", linewidth=0.8)
+        else:
+            ax.axhline(100 * source["weight"], color=colors[index], linestyle="--", linewidth=0.8)
+    for phase in (phases or [])[1:]:
+        if phase["first_step"] is not None:
+            ax.axvline(phase["first_step"] - summary.get("first_step", 0), color="black", linestyle=":", linewidth=1.0)
     _epoch_lines(ax, data["epoch_starts"])
     ax.set_xlabel("step")
     ax.set_ylabel("% of the step's tokens")

@@ -54,7 +54,7 @@ from batchplan.errors import PlanFormatError
 from batchplan.formats.opened_plan import OpenedPlan
 from batchplan.formats.plan_rows import PlanRows
 from batchplan.plan import PackingBound
-from batchplan.reports.mixture import summarize_sources
+from batchplan.reports.mixture import summarize_phases, summarize_sources
 from batchplan.reports.statistics import imbalance_over_steps, last_steps_of, regular_steps, step_imbalance
 
 __all__ = ["PlanScan", "scan_plan", "summarize_plan"]
@@ -264,6 +264,7 @@ def summarize_plan(
         "dropped_samples": _count_dropped(dropped),
         "dropped": {reason: _count_dropped({reason: v}) for reason, v in dropped.items()},
         "mixture": summarize_sources(plan, source_tokens),
+        "mixture_phases": summarize_phases(plan, source_tokens),
     }
 
 
