@@ -29,6 +29,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import NDArray
 
+from batchplan.formats.bitmap import decode_bitmap
 from batchplan.formats.opened_plan import OpenedPlan
 from batchplan.operations.epoch_checks import Violation
 
@@ -63,8 +64,23 @@ def check_mixture(plan: OpenedPlan) -> list[Violation]:
         return found
     dropped = plan.metadata.get("dropped", {})
     never = np.concatenate([np.asarray(dropped.get(reason, []), dtype=np.int64) for reason in ("empty", "oversize")])
-    found += _check_repetition(np.concatenate(use_steps), np.concatenate(use_samples), bounds, sources, never)
+    prior = _uses_before(plan, sources)
+    if prior is not None:
+        prior[never] = 0  # a dropped sample is never used
+    found += _check_repetition(np.concatenate(use_steps), np.concatenate(use_samples), bounds, sources, never, prior)
     return found
+
+
+def _uses_before(plan: OpenedPlan, sources) -> NDArray[np.int64] | None:
+    """Each kept sample's uses before the plan's first step: a resharded plan's ``consumed``
+    ``mixture`` record (``uses_base`` per source, one more for ``uses_more``); None without one."""
+    record = (plan.metadata.get("consumed") or {}).get("mixture")
+    if record is None:
+        return None
+    uses = decode_bitmap(record["uses_more"], plan.num_samples).astype(np.int64)
+    for source, base in zip(sources, record["uses_base"]):
+        uses[source["offset"] : source["offset"] + source["num_samples"]] += int(base)
+    return uses
 
 
 def _read_rank(plan, epoch, rank, bounds, step_base, per_step, before, use_steps, use_samples) -> list[Violation]:
@@ -143,10 +159,11 @@ def _check_shares(per_step: NDArray[np.int64], due, step_phase, max_tokens: int,
     return found
 
 
-def _check_repetition(steps, samples, bounds, sources, never: NDArray[np.int64]) -> list[Violation]:
+def _check_repetition(steps, samples, bounds, sources, never: NDArray[np.int64], prior) -> list[Violation]:
     """Per source: the last step of every kept sample's k-th use comes before the first of any
     (k+1)-th use (the same step is allowed: its micro-batches run side by side); ``never``:
-    the samples the plan drops (empty, oversize)."""
+    the samples the plan drops (empty, oversize); ``prior``: each sample's uses before the
+    plan's first step (None: none)."""
     order = np.lexsort((samples, steps))  # by step, then sample: uses in plan order
     steps, samples = steps[order], samples[order]
     found = []
@@ -159,8 +176,11 @@ def _check_repetition(steps, samples, bounds, sources, never: NDArray[np.int64])
         by_sample = np.argsort(used, kind="stable")
         first_of = np.searchsorted(used[by_sample], used[by_sample], side="left")
         nth = np.empty(used.shape[0], dtype=np.int64)
+        # uses before the plan's first step
+        before = np.zeros(source["num_samples"], np.int64) if prior is None else prior[bounds[index] : bounds[index + 1]]
         nth[by_sample] = np.arange(used.shape[0]) - first_of
-        uses = np.bincount(used, minlength=source["num_samples"])
+        nth += before[used]
+        uses = np.bincount(used, minlength=source["num_samples"]) + before
         kept = np.ones(source["num_samples"], dtype=bool)
         kept[never[(never >= bounds[index]) & (never < bounds[index + 1])] - bounds[index]] = False
         if uses[kept].max() - uses[kept].min() > 1:
@@ -171,7 +191,9 @@ def _check_repetition(steps, samples, bounds, sources, never: NDArray[np.int64])
         if uses[~kept].any():
             found.append(Violation("mixture_repetition", f"source {source['name']!r}: a dropped sample is used"))
             continue
-        for k in range(int(nth.max())):
+        for k in range(int(nth.min()), int(nth.max())):
+            if not (nth == k).any() or not (nth == k + 1).any():  # k-th uses before the plan's first step
+                continue
             last_kth = used_steps[nth == k].max()
             first_next = used_steps[nth == k + 1].min()
             if first_next < last_kth:

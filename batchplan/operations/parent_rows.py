@@ -25,7 +25,8 @@ class ParentRows:
     """A parent epoch's micro-batches, all ranks, in (step, rank, micro) order.
 
     Row ``i`` holds entries ``offsets[i]:offsets[i + 1]`` of ``sample`` (and of
-    ``start``/``length`` when the plan has spans).
+    ``start``/``length`` when the plan has spans); ``source`` is each row's source in a
+    mixture's plan, else None.
     """
 
     step: NDArray[np.int64]
@@ -37,6 +38,7 @@ class ParentRows:
     loss_tokens: NDArray[np.int64]
     padded_tokens: NDArray[np.int64]
     cost: NDArray[np.float64] | None
+    source: NDArray[np.int16] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -50,7 +52,7 @@ class ParentRows:
             step=self.step[rows], offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
             sample=self.sample[flat], start=_pick(self.start, flat), length=_pick(self.length, flat),
             tokens=self.tokens[rows], loss_tokens=self.loss_tokens[rows], padded_tokens=self.padded_tokens[rows],
-            cost=None if self.cost is None else self.cost[rows],
+            cost=_pick(self.cost, rows), source=_pick(self.source, rows),
         )  # fmt: skip
 
 
@@ -65,6 +67,7 @@ def read_epoch(plan: OpenedPlan, epoch: int) -> ParentRows:
         start=_entries(columns, "starts") if spans else None, length=_entries(columns, "lengths") if spans else None,
         tokens=numbers["tokens"], loss_tokens=numbers["loss_tokens"], padded_tokens=numbers["padded_tokens"],
         cost=columns.numbers("cost") if "cost" in columns else None,
+        source=columns.numbers("source") if "source" in columns else None,
     )  # fmt: skip
     order = np.lexsort((numbers["micro"], numbers["rank"], numbers["step"]))
     return rows.take(order[np.diff(rows.offsets)[order] > 0])
@@ -108,6 +111,7 @@ def concat_rows(first: ParentRows, second: ParentRows) -> ParentRows:
         length=both(first.length, second.length), tokens=both(first.tokens, second.tokens),
         loss_tokens=both(first.loss_tokens, second.loss_tokens),
         padded_tokens=both(first.padded_tokens, second.padded_tokens), cost=both(first.cost, second.cost),
+        source=both(first.source, second.source),
     )  # fmt: skip
 
 

@@ -39,6 +39,22 @@ byte-identical file. With ``drop_last`` what the parent dropped stays dropped, a
 new plan drops at most one more incomplete step per epoch (all of the resumed
 epoch's rest when it does not fill one step of ``W2`` ranks).
 
+A mixture's plan (metadata key ``mixture``) keeps its steps: each parent step from ``S``
+on becomes one step of the new plan with the same micro-batches (the epoch's last step's
+pieces are not packed again), placed on the ``W2`` ranks largest cost first and completed
+with empty micro-batches to a whole number per rank (``ceil(n / W2)`` each for a step of
+``n``; `batchplan.operations.reshard_mixture`). So every step keeps its tokens, each source's tokens and the samples' uses, and
+with them the mixture's guarantees (`batchplan.operations.mixture_checks`: shares, drift,
+repetition); the rows keep their ``source`` and the file the ``mixture`` metadata. Step
+sizes cannot be chosen (``micro_batches``/``tokens_per_step``); the config records
+``ceil(W * M / W2)`` micro-batches per rank, or the parent's token target. ``consumed``
+says what the parent trained before ``S`` of the resumed epoch (every sample used,
+``spans`` empty: a mixture's epoch is a part of the run, not one pass) and, under
+``mixture``, what a check of the rest needs: the epoch's ``steps`` and each source's
+``source_tokens`` before ``S``, and each kept sample's uses in the whole run before ``S``,
+which the repetition guarantee keeps at ``uses_base[source]`` or one more (``uses_more``, a
+bitmap over samples; a dropped sample has none).
+
 Cost: one pass over the parent's rows, then O(micro-batches) per epoch: 0.4 s for the
 1 M-sample Wikipedia plan (8 ranks, 2 epochs, 250 k micro-batches) resharded to 6.
 """
@@ -54,7 +70,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
-from batchplan.errors import ConfigError
+from batchplan.errors import ConfigError, PlanFormatError
 from batchplan.formats.bitmap import decode_bitmap, encode_bitmap
 from batchplan.formats.opened_plan import OpenedPlan
 from batchplan.formats.opening import open_plan
@@ -67,6 +83,7 @@ from batchplan.operations.parent_rows import (
     read_epoch,
     segment_positions,
 )
+from batchplan.operations.reshard_mixture import deal_steps, mixture_consumed
 from batchplan.plan import Entries, EpochPlan, Members, Plan, index_dtype
 from batchplan.planning.micro_batches import MicroBatches
 from batchplan.planning.schedule import schedule_epoch
@@ -90,12 +107,15 @@ class ReshardedPlan:
             ``first_step``, ``tokens_before_first_step``, ``resharded_from``,
             ``consumed``, ``num_entries``. See docs/plan-format.md.
         dataset, lengths_fingerprint: the parent's, stored again.
+        mixture: a mixture's plan: the parent's ``mixture`` metadata, stored again (the
+            rows then say their source); else None.
     """
 
     plan: Plan
     lineage: dict[str, Any]
     dataset: dict[str, Any] | None
     lengths_fingerprint: str | None
+    mixture: dict[str, Any] | None = None
 
     @property
     def first_step(self) -> int:
@@ -104,8 +124,9 @@ class ReshardedPlan:
     def write(self, path: str | os.PathLike) -> dict[str, Any]:
         """Write the plan atomically; return its metadata."""
         return write_plan(
-            self.plan, path, dataset=self.dataset, lengths_fingerprint=self.lengths_fingerprint, lineage=self.lineage
-        )
+            self.plan, path, dataset=self.dataset, lengths_fingerprint=self.lengths_fingerprint, lineage=self.lineage,
+            mixture=self.mixture,
+        )  # fmt: skip
 
 
 def reshard_plan_file(
@@ -150,29 +171,45 @@ def reshard_plan(
         from_step: the first global step the new plan holds: the optimizer steps done
             when the checkpoint to resume from was saved.
         micro_batches: micro-batches per rank per step; default: see the module docstring.
-        tokens_per_step: global token target per step instead.
+            Not for a mixture's plan, which keeps its steps.
+        tokens_per_step: global token target per step instead (not for a mixture's plan).
 
     Raises:
-        ConfigError: ``from_step`` is not a step of the plan; an invalid size; with
-            ``drop_last``, a whole later epoch does not fill one step of ``world_size`` ranks.
+        ConfigError: ``from_step`` is not a step of the plan; an invalid size, or a size
+            given for a mixture's plan; with ``drop_last``, a whole later epoch does not
+            fill one step of ``world_size`` ranks.
+        PlanFormatError: a mixture's plan without its ``source`` column, or whose uses
+            before ``from_step`` break its repetition guarantee.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"`world_size` must be an integer >= 1, got {world_size!r}")
     epoch, position, tokens_before = _locate_step(plan, from_step)
+    mixture = plan.metadata.get("mixture")
     sizing = {"micro_batches": micro_batches, "tokens_per_step": tokens_per_step}
-    if micro_batches is None and tokens_per_step is None:
+    if mixture is not None:
+        sizing = _mixture_step_sizing(plan, world_size, sizing)
+    elif micro_batches is None and tokens_per_step is None:
         sizing = default_step_sizing(plan, world_size)
     config = PlanConfig.from_dict({**plan.metadata["config"], "world_size": world_size, **sizing})
     rows = [read_epoch(plan, k) for k in range(epoch, plan.num_epochs)]
-    consumed = _consumed(plan, rows[0], from_step, epoch)
+    if mixture is None:
+        consumed = _consumed(plan, rows[0], from_step, epoch)
+    else:
+        before = rows[0].take(np.flatnonzero(rows[0].step < from_step))
+        consumed = mixture_consumed(plan, before, epoch, from_step, [read_epoch(plan, k) for k in range(epoch)])
     rows[0] = rows[0].take(np.flatnonzero(rows[0].step >= from_step))
-    if config.mode == "pack":
+    if config.mode == "pack" and mixture is None:  # a mixture's steps keep their micro-batches
         rows = [merge_epoch_end(part, config.max_tokens) for part in rows]
     drops = [parent_drops(plan, k) for k in range(epoch, plan.num_epochs)]
     entries, entry_ids, drop_ids = index_entries(plan, rows, drops)
-    epochs = [_empty_epoch(k, config, np.zeros(0, np.int64)) for k in range(epoch)]
+    epochs = [_empty_epoch(k, config, np.zeros(0, np.int64), mixture is not None) for k in range(epoch)]
+    tokens_before_epoch = tokens_before
     for k, (part, ids, dropped) in enumerate(zip(rows, entry_ids, drop_ids), start=epoch):
-        epochs.append(_schedule(part, ids, dropped, config, k, resumed=k == epoch))
+        if mixture is None:
+            epochs.append(_schedule(part, ids, dropped, config, k, resumed=k == epoch))
+        else:  # every epoch holds a step from `from_step` on; a mixture drops nothing by drop_last
+            epochs.append(_expand(deal_steps(part, config, k, tokens_before_epoch), part, ids, dropped))
+        tokens_before_epoch += int(part.tokens.sum())
     lineage = {
         "first_step": from_step,
         "tokens_before_first_step": tokens_before,
@@ -182,7 +219,7 @@ def reshard_plan(
     }
     new_plan = Plan(config=config, num_samples=plan.num_samples, entries=entries, epochs=tuple(epochs))
     meta = plan.metadata
-    return ReshardedPlan(new_plan, lineage, meta.get("dataset"), meta.get("lengths_fingerprint"))
+    return ReshardedPlan(new_plan, lineage, meta.get("dataset"), meta.get("lengths_fingerprint"), mixture)
 
 
 def default_step_sizing(plan: OpenedPlan, world_size: int) -> dict[str, int | None]:
@@ -199,6 +236,24 @@ def default_step_sizing(plan: OpenedPlan, world_size: int) -> dict[str, int | No
 
 def _fixed(per_rank: int) -> dict[str, int | None]:
     return {"micro_batches": per_rank, "tokens_per_step": None}
+
+
+def _mixture_step_sizing(plan: OpenedPlan, world_size: int, asked: dict[str, int | None]) -> dict[str, int | None]:
+    """The config's step size for a mixture's plan, whose steps stay the parent's: its token
+    target (as `default_step_sizing`), or ``ceil(W * M / world_size)`` micro-batches per rank.
+    Refuses a size ``asked`` for, and a mixture's plan without its ``source`` column."""
+    if asked["micro_batches"] is not None or asked["tokens_per_step"] is not None:
+        raise ConfigError(
+            f"{plan.path} is a mixture's plan, which keeps its steps (each holds the sources' shares) when resharded; "
+            "leave `micro_batches` and `tokens_per_step` out"
+        )
+    if "source" not in plan.schema.names:
+        raise PlanFormatError(f"{plan.path}: a mixture's plan without its `source` column; rebuild it")
+    config = plan.metadata["config"]
+    if config.get("tokens_per_step") is not None:
+        return default_step_sizing(plan, world_size)
+    count = plan.world_size * int(config.get("micro_batches") or 1)
+    return _fixed(-(-count // world_size))
 
 
 def _locate_step(plan: OpenedPlan, from_step: int) -> tuple[int, int, int]:
@@ -273,6 +328,10 @@ def _expand(scheduled: EpochPlan, part: ParentRows, entry_ids, dropped_ids) -> E
         return out
 
     tokens, loss_tokens = per_row(part.tokens), per_row(part.loss_tokens)
+    source = None
+    if part.source is not None:  # a mixture's: an empty micro-batch has none (-1)
+        source = np.full(scheduled.num_rows, -1, dtype=np.int16)
+        source[has_parent] = part.source[parent]
     gone = scheduled.dropped_entries.astype(np.int64)  # parent micro-batches dropped by drop_last
     return dataclasses.replace(
         scheduled,
@@ -285,17 +344,19 @@ def _expand(scheduled: EpochPlan, part: ParentRows, entry_ids, dropped_ids) -> E
         step_tokens=sum_by_group(scheduled.step, tokens, scheduled.num_steps),
         step_loss_tokens=sum_by_group(scheduled.step, loss_tokens, scheduled.num_steps),
         dropped_entries=np.concatenate([entry_ids[segment_positions(part.offsets, gone)], dropped_ids]),
+        source=source,
     )
 
 
-def _empty_epoch(epoch: int, config: PlanConfig, dropped: NDArray[np.int64]) -> EpochPlan:
-    """An epoch with no rows: before the resumed one, or a resumed rest that drop_last dropped."""
+def _empty_epoch(epoch: int, config: PlanConfig, dropped: NDArray[np.int64], mixture: bool = False) -> EpochPlan:
+    """An epoch with no rows: before the resumed one, or a resumed rest that drop_last dropped
+    (``mixture``: of a mixture's plan, whose rows say their source)."""
     none64, none32 = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
     return EpochPlan(
         epoch=epoch, world_size=config.world_size, offsets=np.zeros(1, dtype=np.int64), member_store=Members(none64),
         rank_step=none64, rank_micro=none32, rank_num_micro=none32, tokens=none64, loss_tokens=none64,
         padded_tokens=none64, cost=None if config.cost_coefficient is None else np.zeros(0), step_tokens=none64,
-        step_loss_tokens=none64, dropped_entries=dropped,
+        step_loss_tokens=none64, dropped_entries=dropped, source=np.zeros(0, dtype=np.int16) if mixture else None,
     )  # fmt: skip
 
 
