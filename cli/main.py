@@ -303,27 +303,44 @@ def validate(
     typer.echo(f"{plan}: OK, every guarantee holds ({checked}, {against})")
 
 
-@app.command(short_help="Re-plan the remaining steps for another world size.")
+@app.command(short_help="Re-plan the remaining steps for another world size or another mixture.")
 @_fail_cleanly
 def reshard(
     plan: Annotated[Path, typer.Argument(help="The plan the run trained on (the parent).")],
-    world_size: Annotated[int, typer.Option(help="Data-parallel ranks of the continued run.")],
     from_step: Annotated[int, typer.Option(help="First step of the new plan: optimizer steps done at the checkpoint.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="New plan file to write (.arrow).")],
+    world_size: Annotated[
+        Optional[int], typer.Option(help="Data-parallel ranks of the continued run (default: the plan's).")
+    ] = None,
+    mixture: Annotated[
+        Optional[Path],
+        typer.Option(help="Re-plan a mixture's run from --from-step with this mixture file (the whole run's tokens)."),
+    ] = None,
     micro_batches: Annotated[
         Optional[int], typer.Option(help="Micro-batches per rank per step (default: the old step re-divided).")
     ] = None,
     tokens_per_step: Annotated[Optional[int], typer.Option(help="Global token target per step instead.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary.")] = False,
 ) -> None:
-    """Re-plan the steps from --from-step on for another world size (resume with fewer or more machines)."""
+    """Re-plan the steps from --from-step on for another world size (resume with fewer or more
+    machines), or, with --mixture, with another mixture (weights changed, sources added or left out)."""
     _unwind_on_sigterm()
-    from batchplan.operations.reshard import reshard_plan_file
+    if mixture is not None:
+        from batchplan.operations.replan_mixture import replan_mixture_file
 
-    metadata = reshard_plan_file(
-        plan, output, world_size=world_size, from_step=from_step, micro_batches=micro_batches,
-        tokens_per_step=tokens_per_step,
-    )  # fmt: skip
+        metadata = replan_mixture_file(
+            plan, output, mixture, from_step=from_step, world_size=world_size, micro_batches=micro_batches,
+            tokens_per_step=tokens_per_step,
+        )  # fmt: skip
+    else:
+        from batchplan.operations.reshard import reshard_plan_file
+
+        if world_size is None:
+            raise ConfigError("give --world-size (ranks of the continued run), --mixture (another mixture), or both")
+        metadata = reshard_plan_file(
+            plan, output, world_size=world_size, from_step=from_step, micro_batches=micro_batches,
+            tokens_per_step=tokens_per_step,
+        )  # fmt: skip
     if quiet:
         return
     from batchplan_cli.render import print_summary
@@ -334,6 +351,7 @@ def reshard(
     parent, new = summarize_plan(open_plan(plan)), summarize_plan(open_plan(output))
     print_summary(new, title=f"wrote {output}")
     config = metadata["config"]
+    world_size = config["world_size"]
     step = (f"{config['micro_batches']} micro-batch(es) per rank" if config["tokens_per_step"] is None
             else f"a target of {config['tokens_per_step']:,} tokens")  # fmt: skip
     mean_tokens = new["tokens_per_step"]["mean"], parent["tokens_per_step"]["mean"]

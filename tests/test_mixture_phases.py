@@ -189,22 +189,24 @@ def per_step_tokens(path: Path, num_sources: int):
     sources = plan.metadata["mixture"]["sources"]
     bounds = np.array([s["offset"] for s in sources] + [plan.num_samples])
     per_step = np.zeros((plan.num_steps, num_sources), dtype=np.int64)
+    first_step = plan.metadata.get("first_step", 0)
     for epoch in range(plan.num_epochs):
         for rank in range(plan.world_size):
             for row in plan.read_rank(epoch, rank).to_pylist():
                 if row["samples"]:
                     source = int(np.searchsorted(bounds, row["samples"][0], side="right") - 1)
-                    per_step[row["step"], source] += row["tokens"]
+                    per_step[row["step"] - first_step, source] += row["tokens"]
     return per_step, np.repeat(np.arange(plan.num_epochs), plan.metadata["steps_per_epoch"])
 
 
-def assert_phases_hold(per_step, epoch_of_step, mixture: Mixture, max_tokens: int) -> None:
+def assert_phases_hold(per_step, epoch_of_step, mixture: Mixture, max_tokens: int, tokens_before: int = 0) -> None:
     """Every step but each epoch's last is within max(0.5 %, max_tokens) of what it is due;
     from each switch (and each epoch's first step) on, no source drifts by more than a step
-    plus what the stretch's own tokens of it miss."""
+    plus what the stretch's own tokens of it miss. ``tokens_before``: the run's tokens before
+    the first step."""
     starts, weights = mixture.phase_weights()
     totals = per_step.sum(axis=1)
-    before = np.concatenate([[0], np.cumsum(totals)[:-1]])
+    before = tokens_before + np.concatenate([[0], np.cumsum(totals)[:-1]])
     due = due_per_step(before.tolist(), totals.tolist(), starts, weights)
     last = np.append(epoch_of_step[1:] != epoch_of_step[:-1], True)
     allowed = np.maximum(0.005 * totals, max_tokens)

@@ -183,7 +183,7 @@ def reshard_plan(
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"`world_size` must be an integer >= 1, got {world_size!r}")
-    epoch, position, tokens_before = _locate_step(plan, from_step)
+    epoch, position, tokens_before = locate_step(plan, from_step)
     mixture = plan.metadata.get("mixture")
     sizing = {"micro_batches": micro_batches, "tokens_per_step": tokens_per_step}
     if mixture is not None:
@@ -202,7 +202,7 @@ def reshard_plan(
         rows = [merge_epoch_end(part, config.max_tokens) for part in rows]
     drops = [parent_drops(plan, k) for k in range(epoch, plan.num_epochs)]
     entries, entry_ids, drop_ids = index_entries(plan, rows, drops)
-    epochs = [_empty_epoch(k, config, np.zeros(0, np.int64), mixture is not None) for k in range(epoch)]
+    epochs = [empty_epoch(k, config, np.zeros(0, np.int64), mixture is not None) for k in range(epoch)]
     tokens_before_epoch = tokens_before
     for k, (part, ids, dropped) in enumerate(zip(rows, entry_ids, drop_ids), start=epoch):
         if mixture is None:
@@ -214,7 +214,7 @@ def reshard_plan(
         "first_step": from_step,
         "tokens_before_first_step": tokens_before,
         "num_entries": plan.metadata.get("num_entries", entries.num_entries),
-        "resharded_from": _parent_record(plan, from_step, epoch, position),
+        "resharded_from": parent_record(plan, from_step, epoch, position),
         "consumed": consumed,
     }
     new_plan = Plan(config=config, num_samples=plan.num_samples, entries=entries, epochs=tuple(epochs))
@@ -256,7 +256,7 @@ def _mixture_step_sizing(plan: OpenedPlan, world_size: int, asked: dict[str, int
     return _fixed(-(-count // world_size))
 
 
-def _locate_step(plan: OpenedPlan, from_step: int) -> tuple[int, int, int]:
+def locate_step(plan: OpenedPlan, from_step: int) -> tuple[int, int, int]:
     """``(epoch, position, tokens_before_step)`` of global step ``from_step`` in the parent:
     its epoch, the micro-batches each rank ran in that epoch before it, the tokens before it."""
     first = int(plan.metadata.get("first_step", 0))
@@ -273,7 +273,7 @@ def _locate_step(plan: OpenedPlan, from_step: int) -> tuple[int, int, int]:
     return epoch, position, int(rows.numbers("tokens_before_step")[position])
 
 
-def _parent_record(plan: OpenedPlan, from_step: int, epoch: int, position: int) -> dict[str, Any]:
+def parent_record(plan: OpenedPlan, from_step: int, epoch: int, position: int) -> dict[str, Any]:
     """``resharded_from``: what identifies the parent, where the new plan takes over, and
     what a sampler needs to accept the parent's states (``rows_per_rank``, ``position``)."""
     meta = plan.metadata
@@ -305,7 +305,7 @@ def _schedule(part: ParentRows, entry_ids, dropped_ids, config: PlanConfig, epoc
                 "reshard to fewer ranks or fewer micro-batches per step"
             )
         # The rest of the resumed epoch is an incomplete final step: drop_last drops it.
-        return _empty_epoch(epoch, config, np.concatenate([entry_ids, dropped_ids]).astype(np.int64))
+        return empty_epoch(epoch, config, np.concatenate([entry_ids, dropped_ids]).astype(np.int64))
     # One entry per parent micro-batch: its length is the micro-batch's tokens.
     starts = np.arange(count, dtype=np.int64)
     length = part.tokens.astype(np.int32)
@@ -348,7 +348,7 @@ def _expand(scheduled: EpochPlan, part: ParentRows, entry_ids, dropped_ids) -> E
     )
 
 
-def _empty_epoch(epoch: int, config: PlanConfig, dropped: NDArray[np.int64], mixture: bool = False) -> EpochPlan:
+def empty_epoch(epoch: int, config: PlanConfig, dropped: NDArray[np.int64], mixture: bool = False) -> EpochPlan:
     """An epoch with no rows: before the resumed one, or a resumed rest that drop_last dropped
     (``mixture``: of a mixture's plan, whose rows say their source)."""
     none64, none32 = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)

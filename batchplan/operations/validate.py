@@ -35,7 +35,7 @@ from collections.abc import Sequence
 import numpy as np
 from numpy.typing import NDArray
 
-from batchplan.errors import PlanFormatError
+from batchplan.errors import DatasetError, PlanFormatError
 from batchplan.formats.bitmap import decode_bitmap
 from batchplan.formats.lengths import fingerprint_lengths, read_lengths
 from batchplan.formats.opened_plan import OpenedPlan
@@ -118,17 +118,31 @@ def validate_plan(
 
 
 def _validate_mixture_plan(plan: OpenedPlan, mixture: PathLike) -> list[Violation]:
-    from batchplan.formats.mixture_file import read_mixture, read_mixture_lengths
+    """Check a mixture's plan against its mixture file's sources, laid out by name at the
+    plan's offsets (a re-planned plan's sources: the parent's, then those it added)."""
+    from batchplan.formats.mixture_file import read_mixture
+    from batchplan.operations.replan_mixture import sources_in_plan
 
     if "mixture" not in plan.metadata:
         return [Violation("dataset", "the plan was built from one dataset, not a mixture; pass `dataset`")]
-    source = plan.metadata.get("dataset") or {}
-    lengths = read_mixture_lengths(read_mixture(mixture), length_column=source.get("length_column", "length"))
-    recorded = plan.metadata.get("lengths_fingerprint")
-    if recorded is not None and recorded != lengths.fingerprint():
-        return [Violation("dataset", f"the mixture's lengths fingerprint {lengths.fingerprint()} differs from the "
-                          f"plan's {recorded}; the plan was built for other sources or data")]  # fmt: skip
-    return check_plan(plan, lengths.lengths, lengths.loss_tokens)
+    recorded = plan.metadata["mixture"]["sources"]
+    given = read_mixture(mixture)
+    unknown = sorted(set(given.names) - {source["name"] for source in recorded})
+    missing = [s["name"] for s in recorded if s["planned_tokens"] > 0 and s["name"] not in given.names]
+    if unknown or missing:
+        why = ([f"the plan has no source {unknown}"] if unknown else []) + (
+            [f"the mixture leaves out {missing}, which the plan uses"] if missing else [])  # fmt: skip
+        return [Violation("dataset", f"the mixture's sources are not the plan's: {'; '.join(why)}")]
+    try:
+        sources = sources_in_plan(recorded, given, where=" than the plan's")
+    except DatasetError as error:
+        return [Violation("dataset", str(error))]
+    if plan.metadata.get("lengths_fingerprint") not in (None, sources.fingerprint()):
+        return [Violation("dataset", f"the mixture's lengths fingerprint {sources.fingerprint()} differs from the "
+                          f"plan's {plan.metadata['lengths_fingerprint']}; the plan was built for other sources or "
+                          "data")]  # fmt: skip
+    lengths, loss_tokens = sources.lengths()
+    return check_plan(plan, lengths, loss_tokens)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,7 +38,7 @@ from batchplan.planning.forming import concatenate_parts, form_micro_batches
 from batchplan.planning.bins import PackedBins
 from batchplan.planning.micro_batches import MicroBatches
 from batchplan.planning.parted_bins import PartedBins
-from batchplan.planning.mixture_sizing import SourceSelection, run_fractions, select_sources
+from batchplan.planning.mixture_sizing import SourceResume, SourceSelection, run_fractions, select_sources
 from batchplan.planning.randomness import STREAM_ENTRY_ORDER, STREAM_MICRO_BATCH_ORDER, epoch_rng
 from batchplan.planning.schedule import schedule_epoch
 from batchplan.planning.threads import threads_for
@@ -101,8 +101,10 @@ def prepare_mixture_entries(
     *,
     loss_tokens: NDArray[np.integer] | None = None,
     threads: int = 1,
+    resume: dict[str, SourceResume] | None = None,
 ) -> MixtureEntries:
-    """Size every source and lay out the run's entries, epoch by epoch and source by source.
+    """Size every source and lay out the run's entries, epoch by epoch and source by source
+    (``resume``: where sources' orders go on from, `mixture_sizing.select_sources`).
 
     Raises:
         DatasetError: a source breaks a policy of ``config`` (empty or oversize samples), or
@@ -116,7 +118,9 @@ def prepare_mixture_entries(
             "drop_last is not available with a mixture (an epoch's last step is completed instead); leave it out"
         )
     lengths = np.asarray(lengths)
-    selections = select_sources(mixture, sizing_lengths(lengths, config), offsets, seed=config.seed, threads=threads)
+    selections = select_sources(
+        mixture, sizing_lengths(lengths, config), offsets, seed=config.seed, threads=threads, resume=resume
+    )
     chunks, chunk_source, epoch_chunks = [], [], [0]
     fractions = run_fractions(mixture, config.epochs)
     cuts = [_epoch_cuts(selection.order, lengths, config.epochs, None if fractions is None else fractions[source])
@@ -125,7 +129,7 @@ def prepare_mixture_entries(
     for epoch in range(config.epochs):
         for source, selection in enumerate(selections):
             part = slice(int(cuts[source][epoch]), int(cuts[source][epoch + 1]))
-            for chunk in _passes(part, selection.num_samples):
+            for chunk in _passes(part, selection.num_samples, selection.head):
                 chunks.append(selection.order[chunk])
                 chunk_source.append(source)
         epoch_chunks.append(len(chunks))
@@ -169,12 +173,14 @@ def _epoch_cuts(
     return np.concatenate([[0], inner, [order.shape[0]]]).astype(np.int64)
 
 
-def _passes(part: slice, num_samples: int) -> list[slice]:
-    """``part`` of a source's order cut where a pass ends (every ``num_samples`` positions)."""
+def _passes(part: slice, num_samples: int, head: int = 0) -> list[slice]:
+    """``part`` of a source's order cut where a pass ends: after the ``head`` positions of a
+    pass under way, then every ``num_samples`` positions."""
     if part.stop <= part.start:
         return []
-    first_pass, last_pass = part.start // num_samples, (part.stop - 1) // num_samples
-    edges = [part.start] + [p * num_samples for p in range(first_pass + 1, last_pass + 1)] + [part.stop]
+    ends = [head] if 0 < head else []
+    ends += range(head + num_samples, part.stop, num_samples)
+    edges = [part.start] + [end for end in ends if part.start < end < part.stop] + [part.stop]
     return [slice(start, stop) for start, stop in zip(edges[:-1], edges[1:])]
 
 

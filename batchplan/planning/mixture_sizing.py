@@ -30,9 +30,19 @@ from batchplan.mixture import Mixture
 from batchplan.plan import index_dtype
 from batchplan.planning.randomness import permute, source_pass_rng
 
-__all__ = ["SourceSelection", "run_fractions", "select_sources"]
+__all__ = ["SourceResume", "SourceSelection", "run_fractions", "select_sources"]
 
 _CHUNK = 1 << 20  # prefix sums of a partial pass computed at a time (8 MiB)
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceResume:
+    """Where a source's order goes on from (a run re-planned part-way): pass ``pass_index`` is
+    under way and ``left`` (one bool per sample of the source) marks the samples it has not
+    used yet; the order takes them first, in that pass's order, then whole passes on."""
+
+    pass_index: int
+    left: NDArray[np.bool_]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +61,8 @@ class SourceSelection:
         order: global sample indices in the order they are used, pass after pass
             (int32 when the mixture has fewer than 2^31 samples, else int64); None once
             they are laid out as a plan's entries (`without_order`).
+        head: positions of ``order`` before its first whole pass: the rest of a pass under
+            way (`SourceResume`), 0 for an order that starts with a pass.
     """
 
     name: str
@@ -61,6 +73,7 @@ class SourceSelection:
     planned_tokens: int
     passes: float
     order: NDArray[np.int32] | NDArray[np.int64] | None
+    head: int = 0
 
     def without_order(self) -> SourceSelection:
         """The same selection without its order (4 bytes per use, let go once copied)."""
@@ -74,6 +87,7 @@ def select_sources(
     *,
     seed: int,
     threads: int = 1,
+    resume: dict[str, SourceResume] | None = None,
 ) -> tuple[SourceSelection, ...]:
     """Size each source of ``mixture`` and draw the order of its selected samples.
 
@@ -84,6 +98,8 @@ def select_sources(
             ``offsets[k]:offsets[k + 1]``.
         seed: the build's seed.
         threads: threads for each permutation (the result is the same for any number).
+        resume: by source name, where its order goes on from (`SourceResume`); a source
+            not named starts at its first pass.
 
     Raises:
         DatasetError: a source asked for tokens that has none (no samples, or all of length 0).
@@ -101,7 +117,8 @@ def select_sources(
                 f"source {source.name!r}: has {end - start:,} samples and 0 tokens but is asked for {target:,} "
                 f"tokens; give it samples with tokens, or set its {'epochs' if mixture.by_epochs else 'weight'} to 0"
             )
-        order, planned = _draw_order(source.name, lengths, start, end, tokens, target, seed, dtype, threads)
+        at = (resume or {}).get(source.name)
+        order, planned, head = _draw_order(source.name, lengths, start, end, tokens, target, seed, dtype, threads, at)
         selection = SourceSelection(
             name=source.name,
             offset=start,
@@ -111,6 +128,7 @@ def select_sources(
             planned_tokens=planned,
             passes=planned / tokens if tokens else 0.0,
             order=order,
+            head=head,
         )
         selections.append(selection)
     shares = _shares(mixture, [selection.planned_tokens for selection in selections])
@@ -186,33 +204,53 @@ def _shares(mixture: Mixture, planned: list[int]) -> list[float]:
 
 def _draw_order(
     name: str, lengths: NDArray, start: int, end: int, tokens: int, target: int, seed: int, dtype: np.dtype,
-    threads: int,
+    threads: int, resume: SourceResume | None = None,
 ) -> tuple[NDArray, int]:
-    """Whole passes, then the prefix of one more nearest the rest: ``(order, planned tokens)``."""
+    """What is left of a pass under way (``resume``), whole passes, then the prefix of one more
+    nearest the rest: ``(order, planned tokens, positions before the first whole pass)``."""
     count = end - start
     if target == 0:
-        return np.empty(0, dtype=dtype), 0
+        return np.empty(0, dtype=dtype), 0, 0
+    head, first_pass = np.empty(0, dtype=dtype), 0
+    if resume is not None:
+        first_pass = resume.pass_index
+        if not resume.left.all():
+            head = _pass_order(name, start, count, first_pass, seed, dtype, threads)
+            head = head[resume.left[head - start]]
+            head_tokens = int(lengths[head].sum(dtype=np.int64))
+            if target <= head_tokens:
+                order, planned = _nearest_prefix(head, lengths, target)
+                return order, planned, order.shape[0]
+            target -= head_tokens
+            first_pass += 1
     whole, rest = divmod(target, tokens)
-    partial, partial_tokens = _partial_pass(name, lengths, start, count, rest, whole, seed, dtype, threads)
-    order = np.empty(whole * count + partial.shape[0], dtype=dtype)
+    partial, partial_tokens = np.empty(0, dtype=dtype), 0
+    if rest:
+        partial, partial_tokens = _nearest_prefix(
+            _pass_order(name, start, count, first_pass + whole, seed, dtype, threads), lengths, rest
+        )
+    order = np.empty(head.shape[0] + whole * count + partial.shape[0], dtype=dtype)
+    order[: head.shape[0]] = head
     for index in range(whole):
-        permute(source_pass_rng(seed, name, index), order[index * count : (index + 1) * count], start, threads=threads)
-    order[whole * count :] = partial
-    return order, whole * tokens + partial_tokens
+        at = head.shape[0] + index * count
+        permute(source_pass_rng(seed, name, first_pass + index), order[at : at + count], start, threads=threads)
+    order[head.shape[0] + whole * count :] = partial
+    planned = int(lengths[head].sum(dtype=np.int64)) + whole * tokens + partial_tokens
+    return order, planned, head.shape[0]
 
 
-def _partial_pass(
-    name: str, lengths: NDArray, start: int, count: int, rest: int, index: int, seed: int, dtype: np.dtype,
-    threads: int,
-) -> tuple[NDArray, int]:
-    """The prefix of pass ``index`` whose tokens are nearest ``rest`` (a tie takes the shorter):
-    ``(its global sample indices, its tokens)``."""
-    if rest == 0:
-        return np.empty(0, dtype=dtype), 0
+def _pass_order(name: str, start: int, count: int, index: int, seed: int, dtype: np.dtype, threads: int) -> NDArray:
+    """Pass ``index`` of a source: its global sample indices in that pass's seeded order."""
     order = np.empty(count, dtype=dtype)
     permute(source_pass_rng(seed, name, index), order, start, threads=threads)
+    return order
+
+
+def _nearest_prefix(order: NDArray, lengths: NDArray, rest: int) -> tuple[NDArray, int]:
+    """The prefix of ``order`` whose tokens are nearest ``rest`` (a tie takes the shorter):
+    ``(its global sample indices, its tokens)``; ``order`` holds at least ``rest`` tokens."""
     done = 0
-    for first in range(0, count, _CHUNK):
+    for first in range(0, order.shape[0], _CHUNK):
         sums = np.cumsum(lengths[order[first : first + _CHUNK]], dtype=np.int64)
         sums += done
         if sums[-1] < rest:
@@ -224,4 +262,4 @@ def _partial_pass(
         if rest - before <= int(sums[at]) - rest:
             return order[: first + at].copy(), before
         return order[: first + at + 1].copy(), int(sums[at])
-    raise AssertionError(f"a partial pass of {rest:,} tokens is shorter than a whole pass")  # rest < tokens
+    raise AssertionError(f"a prefix of {rest:,} tokens is asked of an order of {done:,}")
