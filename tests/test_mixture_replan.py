@@ -185,6 +185,22 @@ def test_a_parent_state_at_the_change_resumes_on_the_new_plan(run):
     assert (first.step, list(first.indices)) == (run["from_step"], row["samples"])
 
 
+def test_the_token_lr_schedule_runs_on_across_the_change(run):
+    """At every step of the new plan the factor is an unchanged run's at the same tokens: the
+    old plan's steps before S count, and the decay ends with the new run's last token."""
+    from batchplan.runtime import read_step_tokens
+    from batchplan.runtime.schedule import token_lr_factor, token_lr_lambda
+
+    before, tokens = read_step_tokens(run["child"])
+    assert before[0] == open_plan(run["child"]).metadata["tokens_before_first_step"] > 0
+    total = int(before[-1] + tokens[-1])
+    options = {"warmup_tokens": total // 10, "decay": "cosine", "min_lr_ratio": 0.1}
+    schedule = token_lr_lambda(run["child"], **options)
+    for index in range(before.shape[0]):
+        expected = token_lr_factor(int(before[index] + tokens[index]), total_tokens=total, **options)
+        assert schedule(run["from_step"] + index) == pytest.approx(expected)
+
+
 def test_a_kept_source_with_other_rows_is_refused(run, tmp_path):
     changed = run["lengths"]["a"].copy()
     changed[0] += 1
