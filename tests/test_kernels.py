@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from batchplan.kernels.assemble import lay_out_rows, take_scheduled
 from batchplan.kernels.bin_layout import bin_lengths, place_slots, scatter_entries, unshuffle_groups
-from batchplan.kernels.order import order_by_decreasing
+from batchplan.kernels.order import order_by_decreasing, order_by_merging
 from batchplan.kernels.pack import (
     bin_destinations,
     bin_length_sums,
@@ -814,6 +814,24 @@ def test_order_by_decreasing_sorts_keys_of_several_digits(keys, by_counting):
     order = np.full(len(keys), -1, dtype=np.int64)
     order_by_decreasing(np.array(keys, dtype=np.int64), 70_000, by_counting, np.empty(70_002, dtype=np.int64), order)
     assert order.tolist() == sorted(range(len(keys)), key=lambda i: -keys[i])
+
+
+_FLOAT_KEYS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, 1.0, -1.0, float("nan"), float("inf"), -float("inf")]),  # ties, signed zeros
+)
+
+
+@given(keys=st.lists(_FLOAT_KEYS, max_size=200))
+@example(keys=[1.0] * 40 + [2.0] * 40)  # runs of equal keys across the merge passes
+@example(keys=[float("nan"), 0.0, -0.0, float("nan"), 0.0] * 9)
+def test_order_by_merging_is_numpys_stable_order_by_decreasing_key(keys):
+    """The merge sort gives exactly ``np.argsort(-keys, kind="stable")`` (larger first, NaN
+    last, ties in input order), past one insertion run (16) and across several merge passes."""
+    values = np.array(keys, dtype=np.float64)
+    order = np.full(values.shape[0], -1, dtype=np.int64)
+    order_by_merging(values, order, np.empty(values.shape[0], dtype=np.int64))
+    assert order.tolist() == np.argsort(-values, kind="stable").tolist()
 
 
 @pytest.mark.parametrize("by_counting", [True, False])

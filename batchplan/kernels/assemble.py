@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit
 
 from batchplan.kernels.balance import assign_step
-from batchplan.kernels.order import counting_pays, order_by_counting
+from batchplan.kernels.order import counting_pays, order_by_counting, order_by_merging
 from batchplan.kernels.split import share
 
 __all__ = ["lay_out_rows", "take_scheduled"]
@@ -63,11 +63,12 @@ def take_scheduled(
         inverse[round_order[j]] = j
     size = min(window, max(end - begin, 0))
     by_counting = not by_values and counting_pays(max_tokens, window)
-    # Tokens sort by counting where that pays, else as float64 costs: the one argsort numba compiles.
+    # Tokens sort by counting where that pays, else as float64 costs (the merge sort rank balancing uses).
     tokens = np.empty(size if by_counting else 0, dtype=np.int64)
     costs = np.empty(0 if by_counting else size, dtype=np.float64)
     counts = np.empty(max_tokens + 2 if by_counting else 0, dtype=np.int64)
     order = np.empty(size, dtype=np.int64)
+    spare = np.empty(0 if by_counting else size, dtype=np.int64)
     first_window, last_window = share(-(-(end - begin) // max(window, 1)), part, parts)
     for first in range(begin + first_window * window, min(begin + last_window * window, end), max(window, 1)):
         n = min(first + window, end) - first
@@ -78,10 +79,8 @@ def take_scheduled(
         else:
             for i in range(n):
                 k = schedule[first + i]
-                costs[i] = -values[k] if by_values else -table[k, 0]
-            positions = np.argsort(costs[:n], kind="mergesort")  # stable: depends only on the input order
-            for i in range(n):  # a loop, not a slice assignment (`batchplan.kernels.order`'s radix sort says why)
-                order[i] = positions[i]
+                costs[i] = values[k] if by_values else table[k, 0]
+            order_by_merging(costs[:n], order, spare)  # stable: depends only on the input order
         for i in range(n):
             relative = first - begin + i  # its place once sorted, then its round's place
             target = begin + inverse[relative // world_size] * world_size + relative % world_size
@@ -133,6 +132,8 @@ def lay_out_rows(
     rank = np.empty(longest, dtype=np.int64)
     micro = np.empty(longest, dtype=np.int64)
     step_costs = np.empty(longest, dtype=np.float64)
+    by_cost = np.empty(longest, dtype=np.int64)
+    spare = np.empty(longest, dtype=np.int64)
     for step in range(first_step, last_step):
         begin = step_offsets[step]
         end = step_offsets[step + 1]
@@ -140,7 +141,7 @@ def lay_out_rows(
         before = begin // world_size  # rows of each rank in earlier steps
         for p in range(begin, end):
             step_costs[p - begin] = costs[p]
-        assign_step(step_costs[: end - begin], per_rank, world_size, rank, micro)
+        assign_step(step_costs[: end - begin], per_rank, world_size, rank, micro, by_cost[: end - begin], spare)
         for m in range(per_rank):
             rank_rows[0, before + m] = step
             rank_rows[1, before + m] = m

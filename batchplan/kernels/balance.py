@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from batchplan.kernels.order import order_by_merging
+
 __all__ = ["SCAN_UP_TO", "assign_step", "place_decreasing"]
 
 # Up to this many ranks, `place_decreasing` scans them for the least loaded instead of
@@ -23,10 +25,11 @@ SCAN_UP_TO = 16
 
 
 @njit(cache=True, nogil=True)
-def assign_step(costs, per_rank, world_size, rank_out, micro_out):
+def assign_step(costs, per_rank, world_size, rank_out, micro_out, order, spare):
     """Place one step's micro-batches on ranks: rank and position of ``costs[i]`` go to
-    ``rank_out[i]`` and ``micro_out[i]``; every rank takes ``per_rank``."""
-    order = np.argsort(-costs, kind="mergesort")  # stable: depends only on the input order
+    ``rank_out[i]`` and ``micro_out[i]``; every rank takes ``per_rank``. ``order`` (as long as
+    ``costs``) and ``spare`` (at least as long): int64 scratch."""
+    order_by_merging(costs, order, spare)  # stable: depends only on the input order
     if per_rank == 1:  # every rank starts empty and takes one: the k-th largest goes to rank k
         for position in range(order.shape[0]):
             rank_out[order[position]] = position

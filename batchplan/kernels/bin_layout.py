@@ -156,7 +156,8 @@ def bin_lengths(start, slot_bin, offsets, bins, max_tokens):
             target = slot_bin[slot]
             slot += 1
             if wanted[target]:
-                i = np.searchsorted(bins, target)
+                # As `place_slots` searches (int64, side "right"): one searchsorted for numba to compile.
+                i = np.searchsorted(bins, np.int64(target), side="right") - 1
                 member_lengths[cursor[i]] = length
                 cursor[i] += 1
     return local, member_lengths

@@ -18,7 +18,8 @@ bin's size and tokens; `fill_bins` lays members out bin after bin, `batchplan.ke
 straight into any final order of bins from the entries (without holding their shuffled
 order), and `bin_length_sums` reads sums without laying anything out. `pack_runs` packs many
 small runs of items (a batch's ranks, `batchplan.planning.batch`) with the same steps
-(`_place_length`), each run on its own.
+(`_place_length`), each run on its own. The packer's helpers are inlined into the two kernels
+that call them: no kernels of their own for numba to compile on a first run.
 
 On the shared Wikipedia lengths at C = 512 this packs 99.95 % full (LPFHP: 99.81 %).
 """
@@ -35,7 +36,7 @@ from batchplan.kernels.tree import tree_add, tree_first_at_least
 __all__ = ["bin_destinations", "bin_length_sums", "fill_bins", "most_bins", "pack_bins", "pack_runs", "pack_segments"]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _push(head, below, tree, size, target, residual):
     """Put bin ``target`` on the stack of its residual (a full bin takes nothing more)."""
     if residual > 0:
@@ -67,7 +68,14 @@ def _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts, below, 
     all of the dtype of ``index``, may come from the caller, else are made here (None); an
     empty ``tokens`` leaves the bins' tokens out (returned empty).
     """
-    slot_bin, counts, below = _buffers(histogram, max_tokens, index, slot_bin, counts, below)
+    if slot_bin is None:
+        slot_bin = np.empty(histogram.sum(), dtype=index.dtype)
+    if counts is None or below is None:  # a caller that made them has the bound already
+        bound = most_bins(histogram, max_tokens)
+        if counts is None:
+            counts = np.zeros(bound + 1, dtype=index.dtype)  # bin b's slots at b + 1: made offsets in place
+        if below is None:
+            below = np.empty(bound, dtype=index.dtype)
     size = 1
     while size < max_tokens + 1:
         size <<= 1
@@ -81,13 +89,15 @@ def _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts, below, 
         num_bins, slot = _place_length(
             np.int64(length), left, max_tokens, head, below, tree, size, slot_bin, counts, num_bins, slot
         )
-    tokens = _bin_tokens(head, below, tree, size, max_tokens, np.int64(num_bins), tokens)
+    if tokens is None:
+        tokens = np.empty(num_bins, dtype=below.dtype)
+    tokens = _bin_tokens(head, below, tree, size, max_tokens, num_bins, tokens)
     for target in range(num_bins):
         counts[target + 1] += counts[target]
     return slot_bin, counts[: num_bins + 1], tokens
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _place_length(length, left, max_tokens, head, below, tree, size, slot_bin, counts, num_bins, slot):
     """Place ``left`` items of one ``length``, best fit, as slots ``slot...``; every longer
     item is placed. Returns ``(num_bins, slot)`` after them."""
@@ -121,21 +131,7 @@ def _place_length(length, left, max_tokens, head, below, tree, size, slot_bin, c
     return num_bins, slot
 
 
-@njit(cache=True, nogil=True)
-def _buffers(histogram, max_tokens, index, slot_bin, counts, below):
-    """The caller's arrays, or new ones where it passed None (see `_best_fit_decreasing`)."""
-    if slot_bin is None:
-        slot_bin = np.empty(histogram.sum(), dtype=index.dtype)
-    if counts is None or below is None:  # a caller that made them has the bound already
-        bound = most_bins(histogram, max_tokens)
-        if counts is None:
-            counts = np.zeros(bound + 1, dtype=index.dtype)  # bin b's slots at b + 1: made offsets in place
-        if below is None:
-            below = np.empty(bound, dtype=index.dtype)
-    return slot_bin, counts, below
-
-
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _open_each(count, residual, head, below, tree, size, slot_bin, counts, num_bins, slot):
     """``count`` items that each open a bin left with ``residual``; returns ``(num_bins, slot)``."""
     for _ in range(count):
@@ -151,7 +147,7 @@ def _open_each(count, residual, head, below, tree, size, slot_bin, counts, num_b
     return num_bins, slot
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _one_each(left, length, fit, head, below, tree, size, slot_bin, counts, slot):
     """Every bin at residual ``fit`` (< 2 x ``length``) takes exactly one item of this length,
     in stack order: the next item's best fit is the next bin of that stack. Returns how
@@ -172,12 +168,10 @@ def _one_each(left, length, fit, head, below, tree, size, slot_bin, counts, slot
     return take
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, inline="always")
 def _bin_tokens(head, below, tree, size, max_tokens, num_bins, tokens):
     """A bin's tokens: the capacity less the residual of the stack it ends on (none: full).
     An empty ``tokens`` from the caller: not wanted (returned as it is)."""
-    if tokens is None:
-        tokens = np.empty(num_bins, dtype=below.dtype)
     if tokens.shape[0] < num_bins:
         return tokens[:0]
     tokens = tokens[:num_bins]
