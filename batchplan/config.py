@@ -14,15 +14,19 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias, get_args
 
 from batchplan.errors import ConfigError
 
 __all__ = ["MODES", "OVERSIZE_POLICIES", "PlanConfig", "num_threads", "parse_count"]
 
-MODES = ("pack", "pad")
-OVERSIZE_POLICIES = ("error", "drop", "truncate", "split")
-BALANCE_MODES = ("tokens", "compute")
+# The allowed values of the choices: as types (the fields of PlanConfig) and as tuples (checks, CLI).
+Mode: TypeAlias = Literal["pack", "pad"]
+Oversize: TypeAlias = Literal["error", "drop", "truncate", "split"]
+Balance: TypeAlias = Literal["tokens", "compute"]
+MODES: tuple[Mode, ...] = get_args(Mode)
+OVERSIZE_POLICIES: tuple[Oversize, ...] = get_args(Oversize)
+BALANCE_MODES: tuple[Balance, ...] = get_args(Balance)
 LAYOUTS = ("file", "directory")  # how a plan is written (not part of the plan)
 
 # Steps are formed from micro-batches of similar cost within windows of this many
@@ -75,18 +79,18 @@ class PlanConfig:
     """
 
     max_tokens: int
-    mode: Literal["pack", "pad"] = "pack"
+    mode: Mode = "pack"
     world_size: int = 1
     epochs: int = 1
     seed: int = 0
     micro_batches: int | None = None
     tokens_per_step: int | None = None
-    oversize: Literal["error", "drop", "truncate", "split"] = "error"
+    oversize: Oversize = "error"
     drop_empty: bool = False
     drop_last: bool = False
     shuffle_window: int = DEFAULT_SHUFFLE_WINDOW
     batch_multiple: int = 1
-    balance: Literal["tokens", "compute"] | None = None
+    balance: Balance | None = None
     balance_window: int = DEFAULT_BALANCE_WINDOW
     hidden_size: int | None = None
     attention_coefficient: float | None = None
@@ -167,44 +171,47 @@ class PlanConfig:
     def _check_rampup(self) -> None:
         if not _check_pair("rampup_start", "rampup_tokens", self.rampup_start, self.rampup_tokens):
             return
-        _check_int("rampup_start", self.rampup_start, minimum=1)
+        start = _check_int("rampup_start", self.rampup_start, minimum=1)
         _check_int("rampup_tokens", self.rampup_tokens, minimum=1)
         smallest = self.world_size * self.max_tokens  # the smallest step: one micro-batch per rank
-        if self.rampup_start < smallest:
+        if start < smallest:
             raise ConfigError(
-                f"`rampup_start` {self.rampup_start:,} is smaller than one micro-batch per rank "
+                f"`rampup_start` {start:,} is smaller than one micro-batch per rank "
                 f"(world_size {self.world_size} x max_tokens {self.max_tokens:,} = {smallest:,}), the "
                 f"smallest step; raise `rampup_start` to at least {smallest:,}"
             )
         if self.tokens_per_step is not None:
-            if self.rampup_start >= self.tokens_per_step:
+            if start >= self.tokens_per_step:
                 raise ConfigError(
-                    f"`rampup_start` {self.rampup_start:,} must be below `tokens_per_step` "
+                    f"`rampup_start` {start:,} must be below `tokens_per_step` "
                     f"{self.tokens_per_step:,} (the ramp grows the step up to it); lower `rampup_start`"
                 )
             return
         per_step = self.micro_batches_per_step
+        assert per_step is not None  # steps are sized by micro-batches: tokens_per_step is None
         if per_step == 1:
             raise ConfigError(
                 "a ramp-up needs a full step larger than one micro-batch per rank (the smallest "
                 "step): pass `tokens_per_step` (the ramp's target) or `micro_batches` above 1"
             )
         full = smallest * per_step
-        if self.rampup_start >= full:
+        if start >= full:
             raise ConfigError(
-                f"`rampup_start` {self.rampup_start:,} must be below a full step of `micro_batches` "
+                f"`rampup_start` {start:,} must be below a full step of `micro_batches` "
                 f"{per_step} (at most {per_step} x {smallest:,} = {full:,} tokens); lower `rampup_start` "
                 "or raise `micro_batches`"
             )
 
     def _check_seqlen_warmup(self) -> None:
-        if not _check_pair("seqlen_warmup_min", "seqlen_warmup_tokens", self.seqlen_warmup_min, self.seqlen_warmup_tokens):
+        if not _check_pair(
+            "seqlen_warmup_min", "seqlen_warmup_tokens", self.seqlen_warmup_min, self.seqlen_warmup_tokens
+        ):
             return
-        _check_int("seqlen_warmup_min", self.seqlen_warmup_min, minimum=1)
+        warmup_min = _check_int("seqlen_warmup_min", self.seqlen_warmup_min, minimum=1)
         _check_int("seqlen_warmup_tokens", self.seqlen_warmup_tokens, minimum=1)
-        if self.seqlen_warmup_min >= self.max_tokens:
+        if warmup_min >= self.max_tokens:
             raise ConfigError(
-                f"`seqlen_warmup_min` {self.seqlen_warmup_min:,} must be below max_tokens "
+                f"`seqlen_warmup_min` {warmup_min:,} must be below max_tokens "
                 f"{self.max_tokens:,} (the cap grows from it to max_tokens); lower `seqlen_warmup_min`"
             )
 
@@ -253,11 +260,13 @@ class PlanConfig:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _check_int(name: str, value: object, *, minimum: int) -> None:
+def _check_int(name: str, value: object, *, minimum: int) -> int:
+    """``value``, checked to be an integer (not a bool) of at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"`{name}` must be an integer, got {value!r}")
     if value < minimum:
         raise ConfigError(f"`{name}` must be >= {minimum}, got {value:,}")
+    return value
 
 
 def _check_pair(first_name: str, second_name: str, first: object, second: object) -> bool:

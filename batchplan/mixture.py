@@ -143,7 +143,9 @@ class MixturePhase:
             )
         weights = {}
         for name, weight in self.weights.items():
-            weights[str(name)] = _non_negative(str(name), f"weight in the phase from {self.from_tokens:,} tokens", weight)
+            weights[str(name)] = _non_negative(
+                str(name), f"weight in the phase from {self.from_tokens:,} tokens", weight
+            )
         object.__setattr__(self, "weights", weights)
 
     def to_dict(self) -> dict[str, Any]:
@@ -162,7 +164,9 @@ class MixturePhase:
             raise ConfigError(f"phases[{position}]: unknown keys {unknown}; the known keys are {list(PHASE_KEYS)}")
         for key in PHASE_KEYS:
             if key not in values:
-                raise ConfigError(f"phases[{position}]: key {key!r} is missing; every phase needs from_tokens and weights")
+                raise ConfigError(
+                    f"phases[{position}]: key {key!r} is missing; every phase needs from_tokens and weights"
+                )
         return cls(**values)
 
 
@@ -209,7 +213,9 @@ class Mixture:
         if not isinstance(self.phases, (list, tuple)) or any(not isinstance(p, MixturePhase) for p in self.phases):
             raise ConfigError(f"phases holds {self.phases!r}; expected a list of MixturePhase values")
         object.__setattr__(self, "phases", tuple(self.phases))
-        if self.phases and self.tokens is None:
+        if not self.phases:
+            return
+        if self.tokens is None:
             raise ConfigError(
                 "phases change weights at token counts of the run, so they need the mixture's tokens; give the "
                 "mixture tokens and each source a weight, or leave phases out"
@@ -225,7 +231,9 @@ class Mixture:
             before = phase.from_tokens
             unknown = sorted(set(phase.weights) - set(self.names))
             if unknown:
-                raise ConfigError(f"{where}: weights name unknown sources {unknown}; the sources are {list(self.names)}")
+                raise ConfigError(
+                    f"{where}: weights name unknown sources {unknown}; the sources are {list(self.names)}"
+                )
             missing = [name for name in self.names if name not in phase.weights]
             if missing:
                 raise ConfigError(
@@ -233,7 +241,9 @@ class Mixture:
                     "of the phase)"
                 )
             if not any(phase.weights.values()):
-                raise ConfigError(f"{where}: every weight is 0, so the phase plans nothing; give a source a weight above 0")
+                raise ConfigError(
+                    f"{where}: every weight is 0, so the phase plans nothing; give a source a weight above 0"
+                )
 
     def _check_sized_by(self, key: str, other: str, mode: str) -> None:
         """Every source has ``key`` and none has ``other``; not every ``key`` is 0."""

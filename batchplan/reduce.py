@@ -10,7 +10,7 @@ from numpy.typing import NDArray
 __all__ = ["add_counts", "segment_max", "segment_sum", "sum_by_group"]
 
 
-def segment_sum(values: NDArray, offsets: NDArray[np.int64]) -> NDArray:
+def segment_sum(values: NDArray, offsets: NDArray[np.integer]) -> NDArray:
     """Sum of each segment: exact int64 for integers; float64 segment by segment for floats
     (a prefix sum's differences would carry the rounding of everything before)."""
     values = np.asarray(values)
@@ -25,7 +25,7 @@ def segment_sum(values: NDArray, offsets: NDArray[np.int64]) -> NDArray:
     return total[offsets[1:]] - total[offsets[:-1]]
 
 
-def segment_max(values: NDArray, offsets: NDArray[np.int64]) -> NDArray:
+def segment_max(values: NDArray, offsets: NDArray[np.integer]) -> NDArray:
     """Largest value of each segment; 0 for an empty one."""
     values = np.asarray(values)
     out = np.zeros(offsets.shape[0] - 1, dtype=values.dtype)

@@ -38,7 +38,6 @@ import argparse
 import collections
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -49,8 +48,8 @@ import torch
 from numpy.typing import NDArray
 
 from batchplan import PlanConfig
-from batchplan.planning.cost import attention_coefficient
 from batchplan.plan import Plan
+from batchplan.planning.cost import attention_coefficient
 from batchplan.planning.epochs import build_plan
 from batchplan.runtime import PackCollator, token_loss_sum
 from batchplan.toy import TinyGPT

@@ -239,7 +239,7 @@ def lower_bound(cost, world_size: int) -> float:
 def run_case(name, case, planners, repeats: int) -> list[dict]:
     lengths, world_size, max_tokens, groups = case
     rows = {key: {"case": name, "planner": key, "seconds": float("inf")} for key in planners}
-    for key, planner in planners.items():  # untimed: loads numba's kernels, warms Python's caches
+    for planner in planners.values():  # untimed: loads numba's kernels, warms Python's caches
         try:
             planner(lengths, world_size, max_tokens, groups)
         except Exception:  # noqa: BLE001 -- reported by the timed runs
@@ -283,8 +283,9 @@ def speed(repeats: int, sequences: int = 65536, world_size: int = 512, max_token
         start = time.perf_counter()
         plan = plan_batch(lengths, world_size, max_tokens, attention_coefficient=COEFFICIENT)
         times.append(time.perf_counter() - start)
-    return {"sequences": sequences, "world_size": world_size, "max_tokens": max_tokens, "best_ms": min(times) * 1e3,
-            "median_ms": float(np.median(times)) * 1e3, "num_micro": plan.num_micro, "balance": plan.balance}  # fmt: skip
+    return {"sequences": sequences, "world_size": world_size, "max_tokens": max_tokens,
+            "best_ms": min(times) * 1e3, "median_ms": float(np.median(times)) * 1e3, "num_micro": plan.num_micro,
+            "balance": plan.balance}  # fmt: skip
 
 
 COLD = """
@@ -325,8 +326,8 @@ def print_table(rows: list[dict]) -> None:
             continue
         print(f"{row['case']} | {row['planner']} | {row['over_cap']} | {'yes' if row['equal_counts'] else 'NO'} | "
               f"{row['micro_batches']} | {row['dropped']} | {row['repeated']} | {row['empty']} | "
-              f"{row['max_over_mean']:.6f} | {row['bound']:.6f} | {row['lockstep_over_mean']:.4f} | {row['groups_split']} | "
-              f"{row['seconds'] * 1e3:.1f}")  # fmt: skip
+              f"{row['max_over_mean']:.6f} | {row['bound']:.6f} | {row['lockstep_over_mean']:.4f} | "
+              f"{row['groups_split']} | {row['seconds'] * 1e3:.1f}")  # fmt: skip
 
 
 def main() -> None:

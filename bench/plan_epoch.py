@@ -20,7 +20,9 @@ from bench.build import case_parser, lognormal_lengths, print_row, time_permutat
 def main() -> None:
     parser = case_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, help="threads splitting the epoch's kernels (default: what a build uses)")
+    parser.add_argument(
+        "--threads", type=int, help="threads splitting the epoch's kernels (default: what a build uses)"
+    )
     args = parser.parse_args()
 
     from batchplan.config import PlanConfig, num_threads
@@ -44,8 +46,8 @@ def main() -> None:
     permutation = time_permutation(lengths.shape[0])
     row = {
         "case": name, "samples": int(lengths.shape[0]), "mode": args.mode, "max_tokens": args.max_tokens,
-        "world_size": args.world_size, "threads": threads, "plan_epoch_s": round(best, 3), "permutation_s": round(permutation, 3),
-        "ratio": round(best / permutation, 2),
+        "world_size": args.world_size, "threads": threads, "plan_epoch_s": round(best, 3),
+        "permutation_s": round(permutation, 3), "ratio": round(best / permutation, 2),
     }  # fmt: skip
     print_row(row, args.json)
 

@@ -43,7 +43,7 @@ def plan_hashes(rows: bool = False) -> dict[str, str]:
     extra cases."""
     sys.path.insert(0, str(TESTS))
     from conftest import build_and_write
-    from test_guarantees import CASES, loss_column_for, lengths_of, make_case
+    from test_guarantees import CASES, lengths_of, loss_column_for, make_case
 
     from batchplan.config import PlanConfig
 
@@ -141,7 +141,9 @@ def main() -> None:
     missing = sorted(set(before) - set(hashes))
     for case in differ:
         print(f"differs: {case}")
-    print(f"{len(hashes) - len(differ)} of {len(hashes)} plans identical; {len(differ)} differ; {len(missing)} not built")
+    print(
+        f"{len(hashes) - len(differ)} of {len(hashes)} plans identical; {len(differ)} differ; {len(missing)} not built"
+    )
     sys.exit(1 if differ else 0)
 
 

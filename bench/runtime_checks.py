@@ -36,7 +36,7 @@ import numpy as np
 from batchplan.formats.opening import open_plan
 from batchplan.runtime import PackCollator, PlanDataset
 from batchplan.runtime.checks import check_items, check_rank_rows, span_cap
-from batchplan.runtime.records import PlannedItems, PlannedRows
+from batchplan.runtime.records import PlannedRows
 from batchplan.runtime.rows import RankRows
 from bench.build import lognormal_lengths
 

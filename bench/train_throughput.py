@@ -136,7 +136,7 @@ def main() -> None:
             runs[name].train(float("inf"), timed=False, max_micro_batches=args.warmup)
         # Round-robin slices: a load change on a shared machine hits every method alike.
         for round_number in range(args.rounds):
-            for name, run in runs.items():
+            for run in runs.values():
                 run.train(args.seconds / args.rounds)
             summary = ", ".join(f"{n} {r.real / r.seconds:,.0f}" for n, r in runs.items())
             print(f"round {round_number + 1}/{args.rounds}: real tokens/s {summary}", flush=True)

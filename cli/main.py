@@ -13,14 +13,15 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any
 
 import typer
-from batchplan_cli.choices import Balance, Layout, Mode, Oversize
-from batchplan_cli.flags import to_cli_words
 
 from batchplan.config import DEFAULT_BALANCE_WINDOW
 from batchplan.errors import BatchPlanError, ConfigError
+
+from .choices import Balance, Layout, Mode, Oversize
+from .flags import to_cli_words
 
 app = typer.Typer(
     name="batchplan",
@@ -68,58 +69,64 @@ def _fail_cleanly(command):
 @app.command()
 @_fail_cleanly
 def build(
-    dataset: Annotated[Optional[list[str]], typer.Argument(help=_DATASET_HELP + " Or none, with --mixture.")] = None,
+    dataset: Annotated[list[str] | None, typer.Argument(help=_DATASET_HELP + " Or none, with --mixture.")] = None,
+    *,  # the required options follow an argument with a default
     output: Annotated[
         Path, typer.Option("--output", "-o", help="Plan to write: a file (.arrow), or a directory (--layout).")
-    ] = ...,
-    max_tokens: Annotated[int, typer.Option(help="Token cap per micro-batch (pad: count x longest).")] = ...,
+    ],
+    max_tokens: Annotated[int, typer.Option(help="Token cap per micro-batch (pad: count x longest).")],
     mixture: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(help="A mixture file (YAML or JSON: sources with weights or epochs) instead of DATASET."),
     ] = None,
     mode: Annotated[
         Mode, typer.Option(help="pack (concatenate samples) or pad (pad to the longest).")
-    ] = Mode.pack,
+    ] = Mode.PACK,
     world_size: Annotated[int, typer.Option(help="Data-parallel ranks.")] = 1,
     epochs: Annotated[int, typer.Option(help="Epochs to plan.")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of every shuffle.")] = 0,
-    micro_batches: Annotated[Optional[int], typer.Option(help="Micro-batches per rank per step (default: 1).")] = None,
-    tokens_per_step: Annotated[Optional[int], typer.Option(help="Global token target per step.")] = None,
+    micro_batches: Annotated[int | None, typer.Option(help="Micro-batches per rank per step (default: 1).")] = None,
+    tokens_per_step: Annotated[int | None, typer.Option(help="Global token target per step.")] = None,
     oversize: Annotated[
         Oversize, typer.Option(help="Samples above max_tokens: stop with an error, drop, truncate or split them.")
-    ] = Oversize.error,
+    ] = Oversize.ERROR,
     drop_empty: Annotated[bool, typer.Option("--drop-empty", help="Drop samples of length 0 or null.")] = False,
     drop_last: Annotated[bool, typer.Option("--drop-last", help="Drop each epoch's incomplete final step.")] = False,
-    shuffle_window: Annotated[Optional[int], typer.Option(help="Pad mode: samples sorted within windows of this size.")] = None,
+    shuffle_window: Annotated[
+        int | None, typer.Option(help="Pad mode: samples sorted within windows of this size.")
+    ] = None,
     batch_multiple: Annotated[int, typer.Option(help="Pad mode: samples per micro-batch a multiple of this.")] = 1,
-    hidden_size: Annotated[Optional[int], typer.Option(help="Model width: adds the attention term to the cost.")] = None,
+    hidden_size: Annotated[int | None, typer.Option(help="Model width: adds the attention term to the cost.")] = None,
     attention_coefficient: Annotated[
-        Optional[float], typer.Option(help="The attention term's coefficient, instead of --hidden-size.")
+        float | None, typer.Option(help="The attention term's coefficient, instead of --hidden-size.")
     ] = None,
     balance: Annotated[
-        Optional[Balance],
+        Balance | None,
         typer.Option(help="Balance ranks by tokens or compute (default: compute with --hidden-size)."),
     ] = None,
     balance_window: Annotated[
-        int, typer.Option(help="Rounds (one micro-batch per rank) of similar cost, formed within this many rounds; 1 = random.")
+        int,
+        typer.Option(
+            help="Rounds (one micro-batch per rank) of similar cost, formed within this many rounds; 1 = random."
+        ),
     ] = DEFAULT_BALANCE_WINDOW,
     rampup: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(help="START:TOKENS: global tokens per step grow from START to the full step over TOKENS."),
     ] = None,
     seqlen_warmup: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(help="MIN:TOKENS: samples split to a cap growing from MIN to max_tokens over TOKENS tokens."),
     ] = None,
     length_column: Annotated[str, typer.Option(help="Integer column of token counts.")] = "length",
     tokens_column: Annotated[str, typer.Option(help="List column of token ids (when no length column).")] = "input_ids",
-    loss_tokens_column: Annotated[Optional[str], typer.Option(help="Integer column: tokens carrying a label.")] = None,
+    loss_tokens_column: Annotated[str | None, typer.Option(help="Integer column: tokens carrying a label.")] = None,
     layout: Annotated[
-        Optional[Layout],
+        Layout | None,
         typer.Option(help="file: one plan file; directory: a file per epoch, written once planned, and a manifest."),
     ] = None,
     only_epochs: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(help="START:STOP: plan only these epochs (STOP excluded) into a plan directory; builds of the "
                      "other ranges, anywhere, complete it."),
     ] = None,
@@ -127,10 +134,10 @@ def build(
 ) -> None:
     """Read sample lengths and write a plan for every epoch."""
     _unwind_on_sigterm()
-    from batchplan_cli.parsing import parse_epoch_range, parse_pair
-
     from batchplan.config import DEFAULT_SHUFFLE_WINDOW, PlanConfig
     from batchplan.operations.build import build_plan_file
+
+    from .parsing import parse_epoch_range, parse_pair
 
     rampup_start, rampup_tokens = parse_pair("--rampup", "START:TOKENS", rampup)
     warmup_min, warmup_tokens = parse_pair("--seqlen-warmup", "MIN:TOKENS", seqlen_warmup)
@@ -144,24 +151,24 @@ def build(
         seqlen_warmup_min=warmup_min, seqlen_warmup_tokens=warmup_tokens,
         shuffle_window=DEFAULT_SHUFFLE_WINDOW if shuffle_window is None else shuffle_window,
     )  # fmt: skip
-    options = {"length_column": length_column, "tokens_column": tokens_column,
+    options: dict[str, Any] = {"length_column": length_column, "tokens_column": tokens_column,
                "loss_tokens_column": loss_tokens_column, "layout": None if layout is None else layout.value,
                "only_epochs": parse_epoch_range(only_epochs, epochs)}  # fmt: skip
-    if bool(dataset) == (mixture is not None):
-        raise ConfigError("give either DATASET or --mixture (a mixture file names its sources' datasets)")
-    if mixture is not None:
+    if dataset and mixture is None:
+        build_file = functools.partial(build_plan_file, dataset)
+    elif mixture is not None and not dataset:
         from batchplan.operations.build_mixture import build_mixture_plan_file
 
-        build_plan_file = functools.partial(build_mixture_plan_file, mixture)
+        build_file = functools.partial(build_mixture_plan_file, mixture)
     else:
-        build_plan_file = functools.partial(build_plan_file, dataset)
+        raise ConfigError("give either DATASET or --mixture (a mixture file names its sources' datasets)")
     if quiet:
-        build_plan_file(output, config, **options)
+        build_file(output, config, **options)
         return
-    from batchplan_cli.progress import BuildProgress
+    from .progress import BuildProgress
 
     with BuildProgress() as progress:
-        written = build_plan_file(output, config, progress=progress, **options)
+        written = build_file(output, config, progress=progress, **options)
     _print_built(output, written)
 
 
@@ -172,10 +179,10 @@ def _print_built(output: Path, written: dict) -> None:
         print(f"wrote part of the plan directory {output}; epochs {', '.join(map(str, missing))} are still missing: "
               "build them with the same command and --only-epochs (the last build writes the manifest)")  # fmt: skip
         return
-    from batchplan_cli.render import print_summary
-
     from batchplan.formats.opening import open_plan
     from batchplan.reports.summary import summarize_plan
+
+    from .render import print_summary
 
     print_summary(summarize_plan(open_plan(output)), title=f"wrote {output}")
 
@@ -185,9 +192,9 @@ def _print_built(output: Path, written: dict) -> None:
 def inspect(
     plan: Annotated[Path, typer.Argument(help="Plan file.")],
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
-    plot: Annotated[Optional[Path], typer.Option(help="Also draw the plan into this image (.png/.svg/.pdf).")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Also draw the plan into this image (.png/.svg/.pdf).")] = None,
     dataset: Annotated[
-        Optional[list[str]], typer.Option("--dataset", "-d", help="With --plot: draw the dataset's sample lengths.")
+        list[str] | None, typer.Option("--dataset", "-d", help="With --plot: draw the dataset's sample lengths.")
     ] = None,
 ) -> None:
     """Summarise a plan: steps, fill, padding, rank imbalance, drops; --plot draws it."""
@@ -205,17 +212,18 @@ def inspect(
     if json_output:
         import json
 
-        from batchplan_cli.render import print_warnings
+        from .render import print_warnings
 
         typer.echo(json.dumps(summary, indent=2))
         print_warnings(summary)  # on stderr: the JSON stays clean
     else:
-        from batchplan_cli.render import print_summary
+        from .render import print_summary
 
         print_summary(summary, title=str(plan))
     if figure is not None:
         from batchplan.reports.plot import save_figure
 
+        assert plot is not None  # the figure is drawn only for --plot
         save_figure(figure, plot)
         typer.echo(f"wrote {plot}", err=json_output)
 
@@ -227,16 +235,16 @@ def compare(
     max_tokens: Annotated[int, typer.Option(help="Memory budget of one micro-batch, in tokens, for every strategy.")],
     world_size: Annotated[int, typer.Option(help="Data-parallel ranks.")],
     micro_batches: Annotated[int, typer.Option(help="Micro-batches per rank per step.")] = 1,
-    hidden_size: Annotated[Optional[int], typer.Option(help="Model width for the attention cost (default: 4096).")] = None,
+    hidden_size: Annotated[int | None, typer.Option(help="Model width for the attention cost (default: 4096).")] = None,
     oversize: Annotated[
         Oversize, typer.Option(help="Samples above max_tokens: stop with an error, drop, truncate or split them.")
-    ] = Oversize.truncate,
+    ] = Oversize.TRUNCATE,
     drop_empty: Annotated[bool, typer.Option("--drop-empty", help="Drop samples of length 0 or null.")] = False,
     seed: Annotated[int, typer.Option(help="Seed of every shuffle.")] = 0,
     length_column: Annotated[str, typer.Option(help="Integer column of token counts.")] = "length",
     tokens_column: Annotated[str, typer.Option(help="List column of token ids (when no length column).")] = "input_ids",
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
-    plot: Annotated[Optional[Path], typer.Option(help="Also draw the comparison into this image.")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Also draw the comparison into this image.")] = None,
 ) -> None:
     """Compare batchplan pad/pack with PyTorch, Hugging Face and fairseq batching on the same lengths."""
     from batchplan.formats.lengths import read_lengths
@@ -257,7 +265,7 @@ def compare(
 
         typer.echo(json.dumps(result.to_dict(), indent=2))
     else:
-        from batchplan_cli.render import print_comparison
+        from .render import print_comparison
 
         print_comparison(result.to_dict(), hidden_size_given=hidden_size is not None)
     if plot is not None:
@@ -273,10 +281,10 @@ def compare(
 def validate(
     plan: Annotated[Path, typer.Argument(help="Plan file.")],
     dataset: Annotated[
-        Optional[list[str]], typer.Option("--dataset", "-d", help="The dataset the plan was built for.")
+        list[str] | None, typer.Option("--dataset", "-d", help="The dataset the plan was built for.")
     ] = None,
     mixture: Annotated[
-        Optional[Path], typer.Option(help="The mixture file a mixture's plan was built from, instead of --dataset.")
+        Path | None, typer.Option(help="The mixture file a mixture's plan was built from, instead of --dataset.")
     ] = None,
 ) -> None:
     """Re-check every guarantee of a plan; exit 1 on any violation."""
@@ -310,16 +318,16 @@ def reshard(
     from_step: Annotated[int, typer.Option(help="First step of the new plan: optimizer steps done at the checkpoint.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="New plan file to write (.arrow).")],
     world_size: Annotated[
-        Optional[int], typer.Option(help="Data-parallel ranks of the continued run (default: the plan's).")
+        int | None, typer.Option(help="Data-parallel ranks of the continued run (default: the plan's).")
     ] = None,
     mixture: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(help="Re-plan a mixture's run from --from-step with this mixture file (the whole run's tokens)."),
     ] = None,
     micro_batches: Annotated[
-        Optional[int], typer.Option(help="Micro-batches per rank per step (default: the old step re-divided).")
+        int | None, typer.Option(help="Micro-batches per rank per step (default: the old step re-divided).")
     ] = None,
-    tokens_per_step: Annotated[Optional[int], typer.Option(help="Global token target per step instead.")] = None,
+    tokens_per_step: Annotated[int | None, typer.Option(help="Global token target per step instead.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No summary.")] = False,
 ) -> None:
     """Re-plan the steps from --from-step on for another world size (resume with fewer or more
@@ -343,20 +351,19 @@ def reshard(
         )  # fmt: skip
     if quiet:
         return
-    from batchplan_cli.render import print_summary
-
     from batchplan.formats.opening import open_plan
     from batchplan.reports.summary import summarize_plan
+
+    from .render import print_summary
 
     parent, new = summarize_plan(open_plan(plan)), summarize_plan(open_plan(output))
     print_summary(new, title=f"wrote {output}")
     config = metadata["config"]
-    world_size = config["world_size"]
     step = (f"{config['micro_batches']} micro-batch(es) per rank" if config["tokens_per_step"] is None
             else f"a target of {config['tokens_per_step']:,} tokens")  # fmt: skip
     mean_tokens = new["tokens_per_step"]["mean"], parent["tokens_per_step"]["mean"]
     typer.echo(
-        f"steps {from_step:,}.. on {world_size} ranks (was {parent['world_size']}): {step} per step, "
+        f"steps {from_step:,}.. on {config['world_size']} ranks (was {parent['world_size']}): {step} per step, "
         "{:,.0f} tokens per step on average (was {:,.0f})".format(*mean_tokens)
     )
 
@@ -369,6 +376,7 @@ def main() -> None:
     ~0.2 s and has nothing to do; every file is closed inside its command (a plan is
     written, synced and renamed before the command returns).
     """
+    code: str | int | None
     try:
         app(prog_name="batchplan")
         code = 0
@@ -386,4 +394,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

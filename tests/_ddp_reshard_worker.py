@@ -15,9 +15,9 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from _ddp_plans import process_group
 import torch
 import torch.distributed as dist
+from _ddp_plans import process_group
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
@@ -52,7 +52,7 @@ def _train(path: str, lengths, *, stop_after: int | None = None, state: dict | N
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     collate = PackCollator() if sampler.mode == "pack" else PadCollator()
     loader = DataLoader(PlanDataset(RandomTokens(lengths, VOCAB_SIZE)), batch_sampler=sampler, collate_fn=collate)
-    seen, steps, world_size = [], 0, dist.get_world_size()
+    seen, steps = [], 0
     while not sampler.finished:
         for batch in loader:
             mb = batch.record

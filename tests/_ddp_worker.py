@@ -80,7 +80,6 @@ def gradient_check(path: str, collator, attention: str, lengths=None) -> dict:
     model = make_model(seed=1, attention=attention)
     ddp = DistributedDataParallel(model)
     loader = DataLoader(PlanDataset(dataset), batch_sampler=sampler, collate_fn=collator)
-    world_size = dist.get_world_size()
     count = 0
     for batch in loader:
         mb = batch.record
@@ -146,7 +145,7 @@ def train(path: str, *, num_workers: int, stop_after: int | None = None, checkpo
         PlanDataset(make_dataset()), batch_sampler=sampler, collate_fn=PackCollator(), num_workers=num_workers,
         multiprocessing_context="fork" if num_workers else None,
     )  # fmt: skip
-    seen, steps, world_size = [], 0, dist.get_world_size()
+    seen, steps = [], 0
     while not sampler.finished:
         for batch in loader:
             mb = batch.record

@@ -68,7 +68,7 @@ def planned(path: str, rank: int) -> list[tuple]:
 
 def assert_same_params(actual: dict, expected: dict) -> None:
     for name, value in expected.items():
-        torch.testing.assert_close(actual[name], value, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(actual[name], value, rtol=0, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def assert_resumed(first: dict, rest: dict, full: dict, path: str, rank: int) -> None:

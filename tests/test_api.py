@@ -12,9 +12,9 @@ from _modules import loaded_after
 import batchplan
 from batchplan.formats.lengths import fingerprint_lengths, read_lengths
 from batchplan.formats.mixture_file import read_mixture
+from batchplan.formats.opened_plan import OpenedPlan
 from batchplan.formats.opening import open_plan
 from batchplan.formats.plan_directory import PlanDirectory
-from batchplan.formats.opened_plan import OpenedPlan
 from batchplan.formats.plan_file import PlanFile
 from batchplan.formats.plan_writer import write_plan
 from batchplan.mixture import Mixture, MixtureSource

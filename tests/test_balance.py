@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 from batchplan import ConfigError
-from batchplan.operations.build import build_plan_file
 from batchplan.config import PlanConfig
-from batchplan.planning.cost import attention_coefficient, micro_batch_costs
 from batchplan.formats.opening import open_plan
 from batchplan.formats.plan_writer import write_plan
+from batchplan.operations.build import build_plan_file
+from batchplan.operations.validate import check_plan
+from batchplan.planning.cost import attention_coefficient, micro_batch_costs
 from batchplan.planning.epochs import build_plan
 from batchplan.reports.summary import summarize_plan
-from batchplan.operations.validate import check_plan
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 FILES = ["sharegpt_dialogues_cl100k", "sharegpt_segments_cl100k", "squad11_bert384", "wikipedia_bert512_1m"]

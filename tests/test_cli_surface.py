@@ -20,12 +20,13 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from batchplan.formats import plan_writer
-from batchplan.config import PlanConfig
+from batchplan.config import BALANCE_MODES, LAYOUTS, MODES, OVERSIZE_POLICIES, PlanConfig
 from batchplan.errors import PlanFormatError, PlanMismatchError
+from batchplan.formats import plan_writer
 from batchplan.formats.opening import open_plan
 from batchplan.formats.plan_writer import write_plan
 from batchplan.planning.epochs import build_plan
+from batchplan_cli.choices import Balance, Layout, Mode, Oversize
 from batchplan_cli.main import app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +60,12 @@ def small_plan(path: Path, world_size: int = 2) -> Path:
 
 
 # -- help ------------------------------------------------------------------------
+
+
+def test_choices_are_the_library_values_in_its_order():
+    """The CLI's enums list exactly the values the library takes, so none is missing from ``--help``."""
+    for choice, values in ((Mode, MODES), (Oversize, OVERSIZE_POLICIES), (Balance, BALANCE_MODES), (Layout, LAYOUTS)):
+        assert tuple(member.value for member in choice) == values, choice.__name__
 
 
 def test_every_choice_build_offers_builds_a_plan_that_records_it(tmp_path):

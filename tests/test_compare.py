@@ -11,6 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
+from batchplan.config import PlanConfig
+from batchplan.planning.epochs import build_plan
+from batchplan.planning.randomness import epoch_rng
 from batchplan.reports.compare import (
     STREAM_FAIRSEQ,
     STREAM_HF,
@@ -18,9 +21,6 @@ from batchplan.reports.compare import (
     batch_sorted_greedy,
     compare_strategies,
 )
-from batchplan.config import PlanConfig
-from batchplan.planning.epochs import build_plan
-from batchplan.planning.randomness import epoch_rng
 from batchplan_cli.main import app
 
 DATA = Path(__file__).resolve().parent.parent / "data"

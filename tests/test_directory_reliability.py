@@ -238,8 +238,8 @@ def test_a_symlinked_output_is_written_through(previous, tmp_path):
 
 def test_the_loser_of_two_concurrent_builds_says_another_build_may_be_running(tmp_path):
     """A build of other settings completes its plan while this one writes: this one says so."""
-    from batchplan.formats.plan_writer import header_metadata
     from batchplan.formats.lengths import read_lengths
+    from batchplan.formats.plan_writer import header_metadata
     from batchplan.planning.epochs import plan_epochs, prepare_entries
 
     lengths = read_lengths(SQUAD)

@@ -80,7 +80,11 @@ def test_each_launch_of_the_page_runs_as_written(set_up, environment, tmp_path, 
 def not_ignored(names: list[str]) -> list[str]:
     """The names (relative to the repository root; folders end in /) that .gitignore does not ignore."""
     done = subprocess.run(
-        ["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input="\n".join(names), capture_output=True, text=True
+        ["git", "check-ignore", "--no-index", "--stdin"],
+        cwd=ROOT,
+        input="\n".join(names),
+        capture_output=True,
+        text=True,
     )
     ignored = set(done.stdout.splitlines())
     return [name for name in names if name not in ignored]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from batchplan.operations.build import build_plan_file
 from batchplan.config import PlanConfig
 from batchplan.formats.opening import open_plan
+from batchplan.operations.build import build_plan_file
 from batchplan.reports.summary import summarize_plan
 
 DATA = Path(__file__).resolve().parent.parent / "data"

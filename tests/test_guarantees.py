@@ -31,8 +31,8 @@ from conftest import REAL_FILES, build_and_write, dataset_lengths
 
 from batchplan import DatasetError, PlanConfig
 from batchplan.formats.opening import open_plan
-from batchplan.planning.epochs import build_plan
 from batchplan.operations.validate import check_plan
+from batchplan.planning.epochs import build_plan
 
 # --------------------------------------------------------------------------- the matrix
 

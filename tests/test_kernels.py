@@ -438,7 +438,19 @@ def test_take_scheduled_matches_reference(case, with_values, by_values, parts, m
     for part in range(parts):
         # max_tokens 9 (every token count here is below 10): windows sorted by counting; 10,000: by comparison.
         take_scheduled(
-            schedule, begin, end, window, round_order, world_size, table, values, by_values, max_tokens, *got, part, parts
+            schedule,
+            begin,
+            end,
+            window,
+            round_order,
+            world_size,
+            table,
+            values,
+            by_values,
+            max_tokens,
+            *got,
+            part,
+            parts,
         )
     got = [*got[0], got[1]]
     order = list(schedule)
@@ -837,4 +849,6 @@ def test_order_by_merging_is_numpys_stable_order_by_decreasing_key(keys):
 @pytest.mark.parametrize("by_counting", [True, False])
 def test_order_by_decreasing_refuses_a_key_out_of_range(by_counting):
     with pytest.raises(ValueError, match="outside"):
-        order_by_decreasing(np.array([3, 21]), 20, by_counting, np.empty(22, dtype=np.int64), np.empty(2, dtype=np.int64))
+        order_by_decreasing(
+            np.array([3, 21]), 20, by_counting, np.empty(22, dtype=np.int64), np.empty(2, dtype=np.int64)
+        )

@@ -16,7 +16,15 @@ def test_import_batchplan_is_light():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module", ["batchplan.formats.plan_file", "batchplan.formats.lengths", "batchplan.reports.summary", "batchplan.operations.validate"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "batchplan.formats.plan_file",
+        "batchplan.formats.lengths",
+        "batchplan.reports.summary",
+        "batchplan.operations.validate",
+    ],
+)
 def test_file_layer_does_not_import_numba(module):
     assert "numba" not in loaded_after(f"import {module}")
 
@@ -56,7 +64,10 @@ def imported_modules(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found |= {f"{node.module}.{alias.name}" for alias in node.names} if node.module == "batchplan" else {node.module}
+            if node.module == "batchplan":
+                found |= {f"{node.module}.{alias.name}" for alias in node.names}
+            else:
+                found |= {node.module}
     return {name for name in found if name.startswith("batchplan.")}
 
 

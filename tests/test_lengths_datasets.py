@@ -18,7 +18,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from batchplan_cli.main import app
 from typer.testing import CliRunner
 
 from batchplan.config import PlanConfig
@@ -26,6 +25,7 @@ from batchplan.errors import DatasetError
 from batchplan.formats.lengths import DatasetFiles, count_samples, find_dataset_files, read_lengths
 from batchplan.operations.build import build_plan_file
 from batchplan.operations.validate import validate_plan
+from batchplan_cli.main import app
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()

@@ -24,13 +24,13 @@ import pyarrow.parquet as pq
 import pytest
 from _corpus import assert_plans_equal, write_corpus
 from _ddp_plans import free_port
-from batchplan_cli.main import app
 from typer.testing import CliRunner
 
 from batchplan.errors import DatasetError
 from batchplan.formats.lengths import read_lengths
 from batchplan.formats.opening import open_plan
 from batchplan.formats.storage import GCS_RETRY_SECONDS, _with_retry_limit
+from batchplan_cli.main import app
 
 pytest.importorskip("gcp_storage_emulator", reason="gcp-storage-emulator (the test extra) runs the GCS server")
 

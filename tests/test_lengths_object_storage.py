@@ -20,7 +20,6 @@ import pyarrow.fs as pafs
 import pytest
 from _corpus import assert_plans_equal, write_corpus
 from _ddp_plans import free_port
-from batchplan_cli.main import app
 from typer.testing import CliRunner
 
 from batchplan.config import PlanConfig
@@ -29,6 +28,7 @@ from batchplan.formats.lengths import find_dataset_files, read_lengths
 from batchplan.formats.opening import open_plan
 from batchplan.formats.storage import for_each_file
 from batchplan.operations.build import build_plan_file
+from batchplan_cli.main import app
 
 moto_server = pytest.importorskip("moto.server", reason="moto[server] (the test extra) runs the S3 server")
 

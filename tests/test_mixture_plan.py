@@ -141,7 +141,7 @@ def read_uses(path: Path) -> Uses:
 
 def assert_repetition_in_order(uses: Uses) -> None:
     """Within a source, no sample's (k+1)-th use comes in a step before the last k-th use."""
-    for index, source in enumerate(uses.meta["mixture"]["sources"]):
+    for source in uses.meta["mixture"]["sources"]:
         lo, hi = source["offset"], source["offset"] + source["num_samples"]
         mine = (uses.samples >= lo) & (uses.samples < hi)
         steps, samples = uses.steps[mine], uses.samples[mine]
@@ -223,7 +223,7 @@ def test_hypothesis_mixtures_hold_shares_repeat_in_order_and_keep_every_single_d
     lengths = [np.clip(rng.lognormal(rng.uniform(3, 6), 0.8, rng.integers(20, 3000)), 1, 1024).astype(np.int32)
                for _ in range(num_sources)]  # fmt: skip
     weights = (10 ** rng.uniform(-3, 0, num_sources)).tolist()
-    tokens = int(sum(int(l.sum()) for l in lengths) * budget)
+    tokens = int(sum(int(source.sum()) for source in lengths) * budget)
     directory = Path(tempfile.mkdtemp(dir=tmp_path))
     paths = write_sources(directory, lengths)
     mixture = mixture_of(paths, weights, tokens)

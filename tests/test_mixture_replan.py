@@ -76,7 +76,9 @@ def uses_of(path: Path, keep=lambda step: True) -> list[tuple[int, int]]:
         for rank in range(plan.world_size):
             for row in plan.read_rank(epoch, rank).to_pylist():
                 starts = row.get("starts") or [0] * len(row["samples"])
-                found += [(row["step"], s) for s, start in zip(row["samples"], starts) if start == 0 and keep(row["step"])]
+                found += [
+                    (row["step"], s) for s, start in zip(row["samples"], starts) if start == 0 and keep(row["step"])
+                ]
     return found
 
 

@@ -121,7 +121,8 @@ def test_even_out_counts_matches_the_slow_form(rank_bins, extra):
     if num_micro == 0:
         return
     out, offsets = even_out_counts(np.array(members, dtype=np.int64), np.array(bin_offsets, dtype=np.int64),
-                                   np.array(run_bins, dtype=np.int64), np.array(item_costs), np.int64(num_micro))  # fmt: skip
+                                   np.array(run_bins, dtype=np.int64), np.array(item_costs),
+                                   np.int64(num_micro))  # fmt: skip
     for rank, ids in enumerate(wanted):
         got = [list(out[offsets[rank * num_micro + m] : offsets[rank * num_micro + m + 1]]) for m in range(num_micro)]
         assert got == even_out_by_hand(ids, item_costs, num_micro)
@@ -151,8 +152,9 @@ def batches(draw, split: bool = False):
 
 AT_THE_CAP = {"lengths": np.array([8]), "world_size": 3, "max_tokens": 8, "groups": None,
               "attention_coefficient": 0.0, "seed": 0, "oversize": "error"}  # fmt: skip
-GROUP_ABOVE_CAP = {"lengths": np.array([6, 6, 6, 1, 2]), "world_size": 2, "max_tokens": 8, "groups": np.array([0, 0, 0, 1, 1]),
-                   "attention_coefficient": 0.0, "seed": 0, "oversize": "error"}  # fmt: skip
+GROUP_ABOVE_CAP = {"lengths": np.array([6, 6, 6, 1, 2]), "world_size": 2, "max_tokens": 8,
+                   "groups": np.array([0, 0, 0, 1, 1]), "attention_coefficient": 0.0, "seed": 0,
+                   "oversize": "error"}  # fmt: skip
 
 
 def entries_of(plan, rank, micro):
@@ -257,8 +259,10 @@ def test_rank_costs_are_within_the_longest_processing_time_bound(batch):
     mean = plan.rank_costs.sum() / batch["world_size"]
     if mean == 0:
         return
-    item_costs = [plan_batch(lengths[groups == g], 1, cap, attention_coefficient=c, oversize=batch["oversize"]).rank_costs[0]
-                  for g in np.unique(groups)]  # fmt: skip
+    item_costs = [
+        plan_batch(lengths[groups == g], 1, cap, attention_coefficient=c, oversize=batch["oversize"]).rank_costs[0]
+        for g in np.unique(groups)
+    ]
     largest = max(item_costs)
     assert plan.balance <= 1 + largest / mean + 1e-9
     assert plan.balance >= plan.balance_bound - 1e-9
@@ -278,7 +282,11 @@ def test_rank_costs_are_within_four_thirds_of_the_best_assignment(lengths, world
 @given(batches() | batches(split=True))
 def test_step_loss_tokens_are_the_sum_of_every_micro_batch_loss_tokens(batch):
     plan = plan_batch(**batch)
-    pieces = [n if n is not None else batch["lengths"][s] for r, m in micro_batches_of(plan) for s, _, n in entries_of(plan, r, m)]
+    pieces = [
+        n if n is not None else batch["lengths"][s]
+        for r, m in micro_batches_of(plan)
+        for s, _, n in entries_of(plan, r, m)
+    ]
     assert plan.step_loss_tokens == int(plan.loss_tokens.sum()) == sum(int(x) - 1 for x in pieces)
     assert plan.step_tokens == int(batch["lengths"].sum())
 
@@ -300,7 +308,7 @@ def test_a_micro_batch_is_empty_only_where_its_rank_has_fewer_units_than_micro_b
         empty = sum(len(mb) == 0 for mb in plan.ranks[r])
         if empty:  # every non-empty micro-batch holds one unit: nothing more to split
             groups = batch["groups"] if batch["groups"] is not None else np.arange(len(batch["lengths"]))
-            for m, samples in enumerate(plan.ranks[r]):
+            for samples in plan.ranks[r]:
                 if len(samples) > 1:
                     labels = np.unique(groups[samples])
                     assert len(labels) == 1 and batch["lengths"][groups == labels[0]].sum() <= batch["max_tokens"]
@@ -467,7 +475,9 @@ def test_exchange_items_matches_the_slow_form(costs, world_size, seed, tries, sl
 def test_exchange_items_never_raises_the_busiest_load(costs, world_size, seed):
     rank = np.random.default_rng(seed).integers(0, world_size, len(costs))
     before = np.bincount(rank, weights=costs, minlength=world_size).max(initial=0)
-    exchange_items(np.array(costs, dtype=np.float64), rank, np.int64(world_size), np.int64(20), np.int64(4), np.int64(4), 0.0)
+    exchange_items(
+        np.array(costs, dtype=np.float64), rank, np.int64(world_size), np.int64(20), np.int64(4), np.int64(4), 0.0
+    )
     assert np.bincount(rank, weights=costs, minlength=world_size).max(initial=0) <= before + 1e-9
 
 

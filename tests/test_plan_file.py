@@ -133,9 +133,9 @@ def test_pack_plans_of_format_version_1_with_padded_tokens_still_read(tmp_path, 
     """Format version 1 has ``padded_tokens`` in pack mode too: such plans open, verify,
     validate, summarize, replay and reshard like version 2 plans."""
     from batchplan.operations.reshard import reshard_plan_file
-    from batchplan.runtime import PlanSampler
-    from batchplan.reports.summary import summarize_plan
     from batchplan.operations.validate import check_plan
+    from batchplan.reports.summary import summarize_plan
+    from batchplan.runtime import PlanSampler
 
     config = PlanConfig(max_tokens=256, world_size=3, epochs=2)
     current, earlier = tmp_path / "current.arrow", tmp_path / "earlier.arrow"

@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from batchplan_cli.main import app
 from typer.testing import CliRunner
 
 from batchplan.config import PlanConfig
 from batchplan.errors import BatchPlanError, PlanMismatchError
 from batchplan.formats.opening import open_plan
 from batchplan.operations.build import build_plan_file
+from batchplan_cli.main import app
 
 pytest.importorskip("matplotlib")
 

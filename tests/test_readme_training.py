@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _spawn import run_documented
 import torch
+from _spawn import run_documented
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALL = ".venv/bin/pip install -e '.[torch]' torch==2.13.0"

@@ -33,16 +33,16 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import batchplan.planning.memory as memory
-from batchplan.operations.build import build_plan_file
 from batchplan.config import OVERSIZE_POLICIES, PlanConfig
 from batchplan.errors import BatchPlanError, PlanFormatError
 from batchplan.formats.lengths import fingerprint_lengths
-from batchplan.formats.plan_format import METADATA_KEY
 from batchplan.formats.opening import open_plan
+from batchplan.formats.plan_format import METADATA_KEY
 from batchplan.formats.plan_writer import write_plan
+from batchplan.operations.build import build_plan_file
+from batchplan.operations.validate import check_plan
 from batchplan.planning.epochs import build_plan
 from batchplan.runtime import PlanSampler
-from batchplan.operations.validate import check_plan
 from batchplan_cli.main import app
 
 runner = CliRunner()

@@ -28,14 +28,14 @@ from conftest import build_and_write
 from typer.testing import CliRunner
 
 from batchplan import ConfigError, PlanConfig, PlanMismatchError
+from batchplan.formats.bitmap import decode_bitmap, encode_bitmap
 from batchplan.formats.opening import open_plan
 from batchplan.formats.plan_writer import write_plan
-from batchplan.planning.epochs import build_plan
-from batchplan.formats.bitmap import decode_bitmap, encode_bitmap
 from batchplan.operations.reshard import default_step_sizing, reshard_plan, reshard_plan_file
+from batchplan.operations.validate import check_plan
+from batchplan.planning.epochs import build_plan
 from batchplan.runtime import PlanSampler
 from batchplan.runtime.schedule import token_lr_lambda
-from batchplan.operations.validate import check_plan
 from batchplan_cli.main import app
 
 
@@ -412,7 +412,7 @@ def states_after(path, world_size: int, steps: int) -> list[dict]:
     for rank in range(world_size):
         sampler = PlanSampler(path, rank=rank, world_size=world_size)
         done = 0
-        for epoch in range(sampler.num_epochs):
+        for _ in range(sampler.num_epochs):
             for rows in sampler:
                 done += rows.record.is_last
                 if done == steps:

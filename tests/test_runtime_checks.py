@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 
 from batchplan.config import PlanConfig
 from batchplan.errors import PlanFormatError, PlanMismatchError
-from batchplan.formats.plan_format import METADATA_KEY
 from batchplan.formats.opening import open_plan
+from batchplan.formats.plan_format import METADATA_KEY
 from batchplan.operations.build import build_plan_file
 from batchplan.runtime import PackCollator, PadCollator, PlanDataset, PlanSampler
 from batchplan.runtime.records import MicroBatch, PlannedItems, PlannedRows, SpanItem

@@ -143,9 +143,9 @@ def test_a_loss_tokens_column_plan_matches_item_labels(tmp_path):
         labels = np.where(np.arange(length) < prompt, -100, ids)
         items.append({"input_ids": ids, "labels": labels})
     loss_tokens = np.array([(item["labels"][1:] != -100).sum() for item in items], dtype=np.int32)
-    from batchplan.planning.epochs import build_plan
     from batchplan.config import PlanConfig
     from batchplan.formats.plan_writer import write_plan
+    from batchplan.planning.epochs import build_plan
 
     write_plan(build_plan(lengths, PlanConfig(max_tokens=64), loss_tokens=loss_tokens), tmp_path / "sft.arrow")
     sampler = PlanSampler(tmp_path / "sft.arrow")

@@ -78,6 +78,23 @@ def test_a_dataset_that_does_not_fit_its_source_is_refused(mixture, change, mess
         MixtureDataset(mixture["plan"], datasets)
 
 
+def test_reading_a_sample_of_a_source_left_without_a_dataset_names_it(tmp_path):
+    """A source of weight 0 may be given no dataset; reading one of its samples anyway (one by one
+    or in a batch) is an error that names the source."""
+    sources = []
+    for name, weight in (("a", 1.0), ("b", 0.0)):
+        pq.write_table(pa.table({"length": np.full(20, 10, dtype=np.int32)}), tmp_path / f"{name}.parquet")
+        sources.append({"name": name, "paths": [f"{name}.parquet"], "weight": weight})
+    spec = {"sources": sources, "tokens": 100}
+    (tmp_path / "mix.json").write_text(json.dumps(spec))
+    build_mixture_plan_file(tmp_path / "mix.json", tmp_path / "plan.arrow", PlanConfig(max_tokens=64))
+    dataset = MixtureDataset(tmp_path / "plan.arrow", {"a": list(range(20))})
+    assert dataset[19] == 19 and dataset.__getitems__([0, 1]) == [0, 1]
+    for read in (lambda: dataset[20], lambda: dataset.__getitems__([20, 21]), lambda: dataset.__getitems__([0, 20])):
+        with pytest.raises(PlanMismatchError, match="sample 20 is in source 'b', which has no dataset"):
+            read()
+
+
 def test_records_say_their_source_and_hold_only_its_samples(mixture):
     dataset = MixtureDataset(mixture["plan"], datasets_of(mixture))
     names = source_names(mixture["plan"])

@@ -29,7 +29,6 @@ from batchplan.runtime import (
     with_record,
 )
 
-
 pytestmark = pytest.mark.usefixtures("no_launcher_environment")
 
 
@@ -99,7 +98,7 @@ def test_a_rebuilt_mapping_loses_the_record_and_says_so(plans):
     batch = next(iter(loader))
     rebuilt = type(batch)({k: v for k, v in batch.items()})  # what Trainer._prepare_input does
     with pytest.raises(ConfigError, match="carries no plan record.*PlanDataset"):
-        rebuilt.record
+        _ = rebuilt.record
     with pytest.raises(ConfigError, match="with_record"):
         record_of(dict(batch))
 
@@ -110,7 +109,7 @@ def test_a_dataset_not_wrapped_gives_batches_without_a_record(plans):
     batch = next(iter(loader))
     assert not batch.has_record
     with pytest.raises(ConfigError, match="wrap the dataset in PlanDataset"):
-        batch.record
+        _ = batch.record
 
 
 def test_with_record_gives_any_collate_function_the_record(tmp_path):
@@ -190,10 +189,10 @@ def test_pack_batches_turn_the_kv_cache_off_unless_asked(plans):
 def test_loss_scale_uses_the_plans_world_size_and_refuses_another(tmp_path):
     """``mb.loss_scale()`` needs no argument: the record knows its plan's ranks; another world
     size would scale every step's mean by the wrong ratio, so it is refused."""
+    from batchplan.config import PlanConfig
     from batchplan.errors import ConfigError
     from batchplan.formats.plan_writer import write_plan
     from batchplan.planning.epochs import build_plan
-    from batchplan.config import PlanConfig
     from batchplan.runtime import PlanSampler
 
     path = tmp_path / "plan.arrow"

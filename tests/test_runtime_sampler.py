@@ -13,14 +13,13 @@ import torch
 from _ddp_plans import make_dataset, sample_lengths, write_test_plan
 from torch.utils.data import DataLoader
 
-from batchplan.operations.build import build_plan_file
 from batchplan.config import PlanConfig
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
 from batchplan.formats.lengths import fingerprint_lengths
-from batchplan.formats.plan_file import PlanFile
 from batchplan.formats.opening import open_plan
+from batchplan.formats.plan_file import PlanFile
+from batchplan.operations.build import build_plan_file
 from batchplan.runtime import MicroBatch, PackCollator, PlanDataset, PlanSampler, SpanIndex
-
 
 pytestmark = pytest.mark.usefixtures("no_launcher_environment")
 
@@ -155,7 +154,9 @@ def test_epochs_differ_and_repeat_identically(plans):
 def test_opening_reads_no_rows_and_an_epoch_reads_only_this_rank(plans, monkeypatch):
     calls = []
     original = PlanFile.read_rank
-    monkeypatch.setattr(PlanFile, "read_rank", lambda self, e, r, **kw: calls.append((e, r)) or original(self, e, r, **kw))
+    monkeypatch.setattr(
+        PlanFile, "read_rank", lambda self, e, r, **kw: calls.append((e, r)) or original(self, e, r, **kw)
+    )
     sampler = PlanSampler(plans["pack"], rank=1, world_size=2)
     assert calls == []
     sampler.set_epoch(1)

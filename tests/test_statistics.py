@@ -21,8 +21,8 @@ from typer.testing import CliRunner
 from batchplan.config import PlanConfig
 from batchplan.formats.opening import open_plan
 from batchplan.formats.plan_writer import write_plan
-from batchplan.planning.epochs import build_plan
 from batchplan.operations.reshard import reshard_plan_file
+from batchplan.planning.epochs import build_plan
 from batchplan.reports.statistics import last_steps_of, rank_imbalance
 from batchplan_cli.main import app
 

@@ -119,7 +119,9 @@ def reference_coverage(case: dict) -> str | None:
         return "pieces of samples are listed as consumed in a plan without spans"
     wrong = [s for s in range(case["num_samples"]) if s not in always and s not in last and seen[s] != 1]
     if wrong:
-        return f"{len(wrong):,} samples are not planned exactly once (sample {wrong[0]:,} appears {seen[wrong[0]]} times)"
+        return (
+            f"{len(wrong):,} samples are not planned exactly once (sample {wrong[0]:,} appears {seen[wrong[0]]} times)"
+        )
     if any(seen[s] for s in last):
         return "a sample dropped by drop_last is in the plan (or was trained before it)"
     return None
@@ -221,11 +223,13 @@ def test_coverage_rank_by_rank_matches_a_whole_epoch_count(case):
     lengths = None if case["lengths"] is None else np.array(case["lengths"], dtype=np.int32)
     whole = np.zeros(case["num_samples"], dtype=bool)
     whole[case["whole"]] = True
-    coverage = EpochCoverage(case["num_samples"], case["has_spans"], lengths, None if lengths is None else case["cap"],
-                             whole if whole.any() else None, np.array(case["trained"], dtype=np.int64).reshape(-1, 3))  # fmt: skip
+    coverage = EpochCoverage(case["num_samples"], case["has_spans"], lengths,
+                             None if lengths is None else case["cap"], whole if whole.any() else None,
+                             np.array(case["trained"], dtype=np.int64).reshape(-1, 3))  # fmt: skip
     ranks = [columns(rank, case["has_spans"]) for rank in case["ranks"]]
     for rank in ranks:
         coverage.add(*rank)
     found = coverage.check(np.array(case["always"], dtype=np.int64), np.array(case["last"], dtype=np.int64),
-                           np.array(case["last_spans"], dtype=np.int64).reshape(-1, 3), lambda: iter(ranks))  # fmt: skip
+                           np.array(case["last_spans"], dtype=np.int64).reshape(-1, 3),
+                           lambda: iter(ranks))  # fmt: skip
     assert found == reference_coverage(case)

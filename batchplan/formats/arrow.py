@@ -13,6 +13,8 @@ another (`list_values`). Each takes an ``Array`` (a view of its buffers) or a
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
@@ -22,7 +24,7 @@ __all__ = ["arrow_array", "list_lengths", "list_offsets", "list_values", "numpy_
 # numpy dtypes of the plan's primitive Arrow types.
 _NUMPY_TYPES = {pa.int16(): np.int16, pa.int32(): np.int32, pa.int64(): np.int64, pa.float64(): np.float64}
 
-ArrowColumn = pa.Array | pa.ChunkedArray
+ArrowColumn: TypeAlias = pa.Array | pa.ChunkedArray
 
 
 def arrow_array(values: NDArray, arrow_type: pa.DataType) -> pa.Array:

@@ -70,7 +70,7 @@ def list_arrow_files(folder: Path) -> list[Path]:
         raise DatasetError(
             f"{state_path}: expected a non-empty '_data_files' list of Arrow files, found {entries!r}; {_RESAVE}"
         )
-    files = []
+    files: list[Path] = []
     for entry in entries:
         name = entry.get("filename") if isinstance(entry, dict) else None
         if not isinstance(name, str) or not name:

@@ -82,13 +82,12 @@ class DirectoryWriter:
     def __enter__(self) -> DirectoryWriter:
         return self
 
-    def __exit__(self, kind, error, traceback) -> bool:
+    def __exit__(self, kind, error, traceback) -> None:
         if error is None:
-            return False
+            return
         removed = self._remove_written()
         if isinstance(error, OSError) and not isinstance(error, BatchPlanError):
             raise self._write_failed(error, removed) from error
-        return False
 
     def write_epoch(
         self, entries: Entries, epoch: EpochPlan, on_batch: Callable[[int], None] | None = None
@@ -184,8 +183,10 @@ class DirectoryWriter:
     def _remove_written(self) -> int:
         """After a failure: the epoch files this build wrote that no manifest lists; how many."""
         listed = read_manifest_names(self.directory)
+        if listed is None:
+            return 0
         removed = 0
-        for name in [] if listed is None else self._written:
+        for name in self._written:
             path = self.directory / name
             if name not in listed and path.is_file():
                 with contextlib.suppress(OSError):

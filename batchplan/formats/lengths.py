@@ -226,7 +226,7 @@ def read_lengths(
     # holding a larger value anywhere is read again, into int32.
     starts = [0, *itertools.accumulate(counts)]
     done = None if on_file is None else (lambda index: on_file(files.paths[index]))
-    dtypes = [np.uint16] * len(columns)
+    dtypes: list[type[np.integer]] = [np.uint16] * len(columns)
     while True:
         arrays = [np.empty(total, dtype=dtype) for dtype in dtypes]
 
@@ -237,7 +237,7 @@ def read_lengths(
             for_each_file(len(files.paths), read_file, on_done=done)
             break
         except _TooLarge as larger:
-            arrays = None
+            del arrays, read_file  # the narrow arrays go before the wider ones are filled
             dtypes[larger.column] = np.int32
     lengths, loss = arrays[0], (arrays[1] if len(arrays) > 1 else None)
     # Arrow's allocator keeps the freed read buffers for reuse (~0.2 GB); planning never reads

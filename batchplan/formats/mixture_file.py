@@ -16,6 +16,7 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -179,8 +180,9 @@ def read_mixture_lengths(
     return MixtureLengths(lengths=lengths, loss_tokens=loss, sources=tuple(described))
 
 
-def _read_source(source: MixtureSource, columns: dict[str, str | None]) -> SampleLengths | None:
-    """One source's lengths; None for a source with no rows that contributes nothing."""
+def _read_source(source: MixtureSource, columns: dict[str, Any]) -> SampleLengths | None:
+    """One source's lengths (``columns``: `read_lengths`' column keywords); None for a source with
+    no rows that contributes nothing."""
     try:
         files = find_dataset_files(source.paths)
     except DatasetError as error:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from batchplan.formats.plan_directory import PlanDirectory
 from batchplan.formats.opened_plan import OpenedPlan
+from batchplan.formats.plan_directory import PlanDirectory
 from batchplan.formats.plan_file import PlanFile
 
 __all__ = ["open_plan"]

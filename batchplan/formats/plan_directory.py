@@ -195,11 +195,11 @@ def _epoch_files(metadata: dict[str, Any], manifest: Path) -> list[dict[str, Any
     """The manifest's ``epoch_files``, each named as epoch ``i``'s file of the plan."""
     files, plan = metadata.get("epoch_files"), metadata.get("plan")
     keys = {"name": str, "content_hash": str, "tokens": int}
-    listed = isinstance(files, list) and len(files) == metadata["epochs"]
     if (
         metadata.get("layout") != "directory"
         or not isinstance(plan, str)
-        or not listed
+        or not isinstance(files, list)
+        or len(files) != metadata["epochs"]
         or not all(isinstance(f, dict) and all(isinstance(f.get(k), t) for k, t in keys.items()) for f in files)
     ):
         raise PlanFormatError(f"{manifest}: the manifest does not list the plan's epoch files; rebuild the plan")

@@ -46,7 +46,8 @@ class PlanRows:
         self.names = tuple(rows.schema.names)
         self.num_rows = rows.num_rows
         self._rows = rows
-        self._read: dict[str, np.ndarray | tuple[NDArray[np.int64], np.ndarray]] = {}
+        self._numbers: dict[str, np.ndarray] = {}  # numeric columns read so far
+        self._lists: dict[str, tuple[NDArray[np.int64], np.ndarray]] = {}  # list columns: offsets, entries
 
     def __contains__(self, name: str) -> bool:
         """Whether the rows have column ``name`` (``"cost" in rows``)."""
@@ -65,12 +66,12 @@ class PlanRows:
         """
         if name == "padded_tokens" and name not in self.names:
             name = "tokens"  # a pack plan: no padding
-        values = self._read.get(name)
+        values = self._numbers.get(name)
         if values is None:
             column = self._column(name)
             self._check_nulls(name, column.null_count)
             try:
-                values = self._read[name] = numpy_of(column)
+                values = self._numbers[name] = numpy_of(column)
             except (pa.ArrowException, ValueError) as error:
                 raise self._unreadable(name, error) from error
         return values
@@ -88,8 +89,7 @@ class PlanRows:
         return np.diff(self.offsets(name))
 
     def _list(self, name: str) -> tuple[NDArray[np.int64], np.ndarray]:
-        key = f"{name}[]"
-        if key not in self._read:
+        if name not in self._lists:
             column = self._column(name)
             chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
             try:
@@ -97,14 +97,14 @@ class PlanRows:
             except (pa.ArrowException, ValueError, IndexError) as error:
                 raise self._unreadable(name, error) from error
             if len(parts) == 1:
-                self._read[key] = parts[0]
+                self._lists[name] = parts[0]
             else:
                 sizes = [values.shape[0] for _, values in parts]
                 starts = np.cumsum([0] + sizes[:-1])
                 offsets = [np.zeros(1, np.int64)] + [part[1:] + start for (part, _), start in zip(parts, starts)]
                 entries = np.concatenate([values for _, values in parts]) if parts else np.empty(0, np.int64)
-                self._read[key] = np.concatenate(offsets), entries
-        return self._read[key]  # type: ignore[return-value]
+                self._lists[name] = np.concatenate(offsets), entries
+        return self._lists[name]
 
     def _list_chunk(self, name: str, array: pa.ListArray) -> tuple[NDArray[np.int64], np.ndarray]:
         """One array of a list column: its offsets from 0 and its entries (a view)."""

@@ -17,9 +17,9 @@ from numpy.typing import NDArray
 
 from batchplan.errors import PlanFormatError
 from batchplan.formats.arrow import arrow_array
-from batchplan.formats.atomic import atomic_path
 from batchplan.formats.arrow_file import shift_columns
 from batchplan.formats.arrow_layout import replace_in_schema
+from batchplan.formats.atomic import atomic_path
 from batchplan.formats.plan_format import (
     BATCH_CRC_KEY,
     FORMAT_VERSION,
@@ -197,8 +197,8 @@ def epoch_metadata(entries: Entries, epoch: EpochPlan) -> dict[str, Any]:
         "packing": None if epoch.packing is None else epoch.packing.as_dict(),
         "drop_last": np.unique(entries.samples_of(epoch.dropped_entries)).tolist(),
     }
-    if entries.has_spans:  # a split sample may lose only some of its pieces
-        part["drop_last_spans"] = _dropped_spans(entries, epoch.dropped_entries)
+    if entries.start is not None:  # spans: a split sample may lose only some of its pieces
+        part["drop_last_spans"] = _dropped_spans(entries, entries.start, epoch.dropped_entries)
     return part
 
 
@@ -229,10 +229,10 @@ def _has_padded(config: PlanConfig) -> bool:
     return config.mode == "pad"
 
 
-def _dropped_spans(entries: Entries, dropped: NDArray[np.integer]) -> list[list[int]]:
-    """``[sample, start, length]`` of each dropped entry, sorted."""
+def _dropped_spans(entries: Entries, start: NDArray[np.int64], dropped: NDArray[np.integer]) -> list[list[int]]:
+    """``[sample, start, length]`` of each dropped entry (``start``: the entries' first tokens), sorted."""
     dropped = np.sort(dropped)  # entries are numbered in (sample, start) order
-    spans = np.stack([entries.samples_of(dropped), entries.start[dropped], entries.length[dropped]])
+    spans = np.stack([entries.samples_of(dropped), start[dropped], entries.length[dropped]])
     return spans.T.tolist()
 
 
@@ -293,8 +293,9 @@ def _rank_batch(schema, entries: Entries, epoch: EpochPlan, rank: int, rows: sli
     if epoch.cost is not None:
         columns["cost"] = epoch.cost[rows]
     if "source" in schema.names:
+        assert epoch.source is not None  # a mixture's plan (write_plan's mixture=): the planner set the sources
         columns["source"] = epoch.source[rows]
-    if entries.has_spans:
+    if entries.start is not None:  # spans
         columns["starts"] = _list_array(list_offsets, entries.start[members], schema.field("starts").type)
         columns["lengths"] = _list_array(list_offsets, entries.length[members], schema.field("lengths").type)
     arrays = [

@@ -164,7 +164,7 @@ class ParquetObject:
 
 def storage_error(name: str, error: OSError) -> DatasetError:
     """``error`` from reading URI ``name`` as one line, with what to check."""
-    store = _STORES.get(_URI.match(name).group(1).lower(), "S3")
+    store = _STORES.get(_scheme(name), "S3")
     return DatasetError(f"{name}: cannot read from {store} ({one_line(error)}); {_HINTS[store]}")
 
 
@@ -194,8 +194,9 @@ def for_each_file(
                 done, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for future in done:
                     index = pending.pop(future)
-                    if future.exception() is not None:
-                        errors[index] = future.exception()
+                    error = future.exception()
+                    if error is not None:
+                        errors[index] = error
                     elif on_done is not None:
                         on_done(index)
         finally:  # Ctrl-C or a failing on_done: files not started yet never start
@@ -205,8 +206,14 @@ def for_each_file(
         raise errors[min(errors)]
 
 
+def _scheme(uri: str) -> str:
+    """The scheme of ``uri`` in lower case ("s3"); "" for a local path."""
+    match = _URI.match(uri)
+    return "" if match is None else match.group(1).lower()
+
+
 def _store_of(uri: str) -> str:
-    scheme = _URI.match(uri).group(1).lower()
+    scheme = _scheme(uri)
     if scheme not in _STORES:
         raise DatasetError(
             f"{uri}: unsupported URI scheme {scheme!r}; expected s3://BUCKET/PREFIX, gs://BUCKET/PREFIX "

@@ -26,6 +26,7 @@ accelerate_utils = require("accelerate.utils")
 
 from batchplan.runtime import PlanBatch, PlanSampler  # noqa: E402
 from batchplan.runtime.batch import record_of  # noqa: E402
+from batchplan.runtime.records import MicroBatch  # noqa: E402
 from batchplan.runtime.steps import check_follows  # noqa: E402
 
 __all__ = ["PreparedPlanLoader", "prepare_plan_loader"]
@@ -64,7 +65,7 @@ class PreparedPlanLoader:
         self.sampler = sampler
         self.device = device
         self.non_blocking = non_blocking
-        self._last = None
+        self._last: MicroBatch | None = None  # the record of the last batch yielded
 
     def __len__(self) -> int:
         return len(self.loader)

@@ -58,7 +58,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
 from batchplan.integrations import require
@@ -69,13 +70,16 @@ torch = require("torch")
 from torch.utils.data import DataLoader  # noqa: E402
 
 from batchplan.runtime import PackCollator, PadCollator, PlanBatch, PlanDataset, PlanSampler  # noqa: E402
+from batchplan.runtime.records import MicroBatch  # noqa: E402
 
 __all__ = ["PlanDataModule", "plan_backward", "plan_loss"]
 
 STATE_FORMAT = "batchplan-lightning/1"
 
+_LightningDataModule: Any = lightning_pytorch.LightningDataModule  # a class of a library imported at run time
 
-class PlanDataModule(lightning_pytorch.LightningDataModule):
+
+class PlanDataModule(_LightningDataModule):
     """Feeds a Lightning ``Trainer`` this rank's micro-batches of a plan.
 
     Args:
@@ -104,9 +108,9 @@ class PlanDataModule(lightning_pytorch.LightningDataModule):
         self.collate_fn = collate_fn
         self.num_workers = num_workers
         self.pin_memory = pin_memory
-        self._sampler: PlanSampler | None = plan if isinstance(plan, PlanSampler) else None
+        self._sampler: PlanSampler | None = None  # opened on first use
         self._pending_step: int | None = None
-        self.last_record = None
+        self.last_record: MicroBatch | None = None
 
     # -- the sampler -------------------------------------------------------------------
 
@@ -114,9 +118,12 @@ class PlanDataModule(lightning_pytorch.LightningDataModule):
     def sampler(self) -> PlanSampler:
         """This rank's `PlanSampler` (opened on first use)."""
         if self._sampler is None:
-            trainer = self._trainer_or_none()
-            rank, world_size = (None, None) if trainer is None else (trainer.global_rank, trainer.world_size)
-            self._sampler = PlanSampler(self.plan, rank=rank, world_size=world_size)
+            if isinstance(self.plan, PlanSampler):
+                self._sampler = self.plan
+            else:
+                trainer = self._trainer_or_none()
+                rank, world_size = (None, None) if trainer is None else (trainer.global_rank, trainer.world_size)
+                self._sampler = PlanSampler(self.plan, rank=rank, world_size=world_size)
         return self._sampler
 
     def setup(self, stage: str) -> None:
@@ -231,16 +238,21 @@ class _PlanLoader(DataLoader):
     ``steps_done()`` (`PlanSampler.state_at_step`), as a resume does.
     """
 
-    steps_done = None  # () -> the trainer's optimizer steps done, or None: the sampler is left as it is
+    # () -> the trainer's optimizer steps done, or None: the sampler is left as it is
+    steps_done: Callable[[], int | None] | None = None
+
+    @property
+    def plan_sampler(self) -> PlanSampler:
+        return cast(PlanSampler, self.batch_sampler)  # made with batch_sampler=the plan's sampler
 
     def __len__(self) -> int:
-        sampler = self.batch_sampler
+        sampler = self.plan_sampler
         return int(sampler.plan.metadata["rows_per_rank"][sampler.epoch])
 
     def __iter__(self):
         done = self.steps_done() if self.steps_done is not None else None
         if done is not None:
-            sampler = self.batch_sampler
+            sampler = self.plan_sampler
             sampler.load_state_dict(sampler.state_at_step(done))
         return super().__iter__()
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -63,8 +63,16 @@ __all__ = ["PlanTrainer", "PlanTrainerMixin", "SAMPLER_STATE_FILE"]
 
 SAMPLER_STATE_FILE = "batchplan_sampler_rank{rank}.json"
 
+# The mixin's base: at run time object (the Trainer class comes after the mixin in a subclass's
+# bases); for the type checker Trainer itself, which is Any (`require` imports transformers).
+if TYPE_CHECKING:
+    _TrainerBase = Any
+else:
+    _TrainerBase = object
+_Trainer: Any = transformers.Trainer
 
-class PlanTrainerMixin:
+
+class PlanTrainerMixin(_TrainerBase):
     """Makes a ``Trainer`` subclass replay a batchplan plan; put it first in the bases.
 
     Args:
@@ -79,6 +87,8 @@ class PlanTrainerMixin:
             micro-batches of each step), or ``average_tokens_across_devices`` is off.
         PlanMismatchError: the plan was built for another world size or dataset.
     """
+
+    compute_loss_func: Any  # Trainer's; set here for a model that returns only logits
 
     def __init__(self, *args: Any, plan: str | os.PathLike | PlanSampler, plan_collator: Any = None,
                  **kwargs: Any) -> None:  # fmt: skip
@@ -106,7 +116,7 @@ class PlanTrainerMixin:
         if self.train_dataset is not None:
             _check_dataset(self.plan_sampler, self.train_dataset)
         config = getattr(self.model, "config", None)
-        if self.plan_sampler.mode == "pack" and getattr(config, "use_cache", None):
+        if config is not None and self.plan_sampler.mode == "pack" and getattr(config, "use_cache", None):
             config.use_cache = False  # a KV cache hides the packed samples' boundaries from HF models
         if not self.model_accepts_loss_kwargs and self.compute_loss_func is None:
             self.compute_loss_func = _token_mean_loss  # exact for a model that returns only logits
@@ -239,7 +249,7 @@ class PlanTrainerMixin:
         return sampler.epoch, 0
 
 
-class PlanTrainer(PlanTrainerMixin, transformers.Trainer):
+class PlanTrainer(PlanTrainerMixin, _Trainer):
     """``transformers.Trainer`` that replays a plan: ``PlanTrainer(..., plan="plan.arrow")``."""
 
 

@@ -65,12 +65,15 @@ class EpochCoverage:
         position = self.num_entries
         self.num_entries += samples.shape[0]
         if self.has_spans:
+            assert starts is not None and lengths is not None  # a plan with spans: every rank's entries have them
             if self.trained_whole is not None and self.trained_whole[samples].any():
                 self.whole_again = True
             whole = self._whole(samples, starts, lengths)
             if not whole.all():
                 where = np.flatnonzero(~whole)
-                for column, values in zip(self.pieces, (samples[where], starts[where], lengths[where], position + where)):
+                for column, values in zip(
+                    self.pieces, (samples[where], starts[where], lengths[where], position + where)
+                ):
                     column.append(values)
                 samples = samples[whole]
         self.counts[samples] = 1  # a repeat stores 1 again: ``num_whole`` tells
@@ -103,7 +106,8 @@ class EpochCoverage:
         return whole
 
     def _kept(self, index) -> np.ndarray:
-        """Tokens an epoch covers of the samples at ``index`` (an array or a slice)."""
+        """Tokens an epoch covers of the samples at ``index`` (an array or a slice); with the dataset only."""
+        assert self.lengths is not None  # the callers check
         kept = self.lengths[index]
         # The cap as int64: a Python int above the lengths' dtype (uint16) would not convert.
         return kept if self.cap is None else np.minimum(kept, np.int64(self.cap))
@@ -209,11 +213,14 @@ class EpochCoverage:
         for column in self.pieces:  # each column joined, and its parts let go, in turn
             columns.append(np.concatenate(column, dtype=np.int64))
             column.clear()
-        order = np.lexsort((columns[3], columns[1], columns[0]))
-        columns[3] = None
-        for k in range(3):
-            columns[k] = columns[k][order]
-        return columns[0], columns[1], columns[2]
+        samples, starts, lengths, positions = columns
+        del columns
+        order = np.lexsort((positions, starts, samples))
+        del positions
+        samples = samples[order]  # each column sorted, and the unsorted one let go, in turn
+        starts = starts[order]
+        lengths = lengths[order]
+        return samples, starts, lengths
 
     def _whole_entries_of(self, split: NDArray[np.int64], reread) -> Iterator[tuple[np.ndarray, ...]]:
         """The whole entries of the samples ``split`` (sorted), as pieces: (sample, start, length,

@@ -73,7 +73,7 @@ class _Tally:
 class EpochChecker:
     """The checks of one epoch: `run` returns their violations."""
 
-    def __init__(self, plan, epoch, lengths, loss_tokens, step_base, tokens_base, trained_before):
+    def __init__(self, plan, epoch, lengths, loss_tokens, step_base, tokens_base, trained_before) -> None:
         self.plan, self.epoch, self.lengths = plan, epoch, lengths
         whole, self.trained_spans = trained_before  # what a parent trained before
         self.trained_whole = whole if whole is not None and whole.any() else None
@@ -82,7 +82,7 @@ class EpochChecker:
         self.meta = plan.metadata
         self.has_spans = "starts" in plan.schema.names
         self.is_mixture = "mixture" in self.meta
-        self.steps: _Steps | None = None
+        self._steps: _Steps | None = None  # set by `check_ranks` (`read_steps`) when the layout holds
         self.total_tokens = 0  # the epoch's tokens, summed by `check_ranks`
 
     def fail(self, guarantee: str, message: str) -> list[Violation]:
@@ -123,7 +123,7 @@ class EpochChecker:
             if not (stored or layout):
                 layout = (self.read_steps(first) if rank == 0 else []) or self.check_micro(rank, rows)
         if stored or layout:
-            self.steps = None
+            self._steps = None
         return stored or layout
 
     def check_stored(self, rank: int, rows: PlanRows, first: np.ndarray) -> list[Violation]:
@@ -148,8 +148,14 @@ class EpochChecker:
         np.cumsum(per_step, out=bounds[1:])
         micro = np.arange(step.size) - bounds[step] if step.size else step
         zeros = np.zeros(per_step.shape[0], dtype=np.int64)
-        self.steps = _Steps(step, micro, per_step[step], bounds, zeros, zeros.copy())
+        self._steps = _Steps(step, micro, per_step[step], bounds, zeros, zeros.copy())
         return []
+
+    @property
+    def steps(self) -> _Steps:
+        """The epoch's steps, read by `check_ranks`; every check after it runs on a well-formed layout."""
+        assert self._steps is not None  # `run` stops when check_ranks finds the layout broken
+        return self._steps
 
     def check_micro(self, rank: int, rows: PlanRows) -> list[Violation]:
         """Micro indices 0..m-1 per step; adds the rank's tokens and loss tokens to the step sums."""

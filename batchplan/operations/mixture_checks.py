@@ -48,7 +48,9 @@ def check_mixture(plan: OpenedPlan) -> list[Violation]:
     phases = mixture.get("phases") or [{"from_tokens": 0, "weights": [s["weight"] for s in sources]}]
     starts = np.array([phase["from_tokens"] for phase in phases], dtype=np.int64)
     phase_weights = np.array([phase["weights"] for phase in phases], dtype=np.float64)
-    found, use_steps, use_samples = [], [], []
+    found: list[Violation] = []
+    use_steps: list[np.ndarray] = []  # the step and sample of each use of a sample, rank by rank
+    use_samples: list[np.ndarray] = []
     step_base = int(plan.metadata.get("first_step", 0))
     for epoch in range(plan.num_epochs):
         steps = plan.metadata["steps_per_epoch"][epoch]
@@ -177,7 +179,9 @@ def _check_repetition(steps, samples, bounds, sources, never: NDArray[np.int64],
         first_of = np.searchsorted(used[by_sample], used[by_sample], side="left")
         nth = np.empty(used.shape[0], dtype=np.int64)
         # uses before the plan's first step
-        before = np.zeros(source["num_samples"], np.int64) if prior is None else prior[bounds[index] : bounds[index + 1]]
+        before = (
+            np.zeros(source["num_samples"], np.int64) if prior is None else prior[bounds[index] : bounds[index + 1]]
+        )
         nth[by_sample] = np.arange(used.shape[0]) - first_of
         nth += before[used]
         uses = np.bincount(used, minlength=source["num_samples"]) + before

@@ -44,6 +44,11 @@ class ParentRows:
     def num_rows(self) -> int:
         return int(self.step.shape[0])
 
+    def spans(self) -> NDArray[np.int64]:
+        """Shape (entries, 3): each entry's ``(sample, start, length)``; for a plan with spans."""
+        assert self.start is not None and self.length is not None  # read from a plan with spans
+        return np.stack([self.sample, self.start, self.length], axis=1)
+
     def take(self, rows: NDArray[np.int64]) -> ParentRows:
         """These rows, in this order."""
         flat = segment_positions(self.offsets, rows)
@@ -106,7 +111,8 @@ def concat_rows(first: ParentRows, second: ParentRows) -> ParentRows:
         return None if a is None else np.concatenate([a, b])
 
     return ParentRows(
-        step=both(first.step, second.step), offsets=np.concatenate([first.offsets, first.offsets[-1] + second.offsets[1:]]),
+        step=both(first.step, second.step),
+        offsets=np.concatenate([first.offsets, first.offsets[-1] + second.offsets[1:]]),
         sample=both(first.sample, second.sample), start=both(first.start, second.start),
         length=both(first.length, second.length), tokens=both(first.tokens, second.tokens),
         loss_tokens=both(first.loss_tokens, second.loss_tokens),
@@ -160,7 +166,7 @@ def index_entries(plan: OpenedPlan, rows: list[ParentRows], drops: list[NDArray[
         unknown = np.zeros(sample.shape[0], dtype=np.int32)  # per-sample lengths are not in the file
         entries = Entries(sample=sample, start=None, length=unknown, loss_tokens=unknown, dropped=always)
         return entries, [_entry_of(sample, part.sample) for part in rows], [_entry_of(sample, d[:, 0]) for d in drops]
-    pieces = [np.stack([part.sample, part.start, part.length], axis=1) for part in rows] + list(drops)
+    pieces = [part.spans() for part in rows] + list(drops)
     every = np.concatenate(pieces)
     order = np.lexsort((every[:, 2], every[:, 1], every[:, 0]))
     ordered = every[order]

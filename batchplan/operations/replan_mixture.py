@@ -123,7 +123,7 @@ def replan_mixture(
             f"{plan.path} was built from one dataset, not a mixture; re-planning with another mixture takes the "
             "plan of a mixture"
         )
-    if mixture.by_epochs:
+    if mixture.tokens is None:  # sized by epochs
         raise ConfigError(
             "re-planning takes a mixture with tokens (the whole run's) and weights; a mixture sized by epochs has "
             "no run to continue"
@@ -280,6 +280,7 @@ def _rest_mixture(mixture: Mixture, sources: SourcesInPlan, tokens_before: int) 
     """``mixture`` over every source in index order (a left-out one at weight 0) for the
     run's tokens from ``tokens_before`` on: the weights in force there first, later phases
     moved by ``tokens_before``."""
+    assert mixture.tokens is not None  # `replan_mixture` refuses a mixture sized by epochs
     in_force = {source.name: source.weight for source in mixture.sources}
     later = []
     for phase in mixture.phases:
@@ -321,7 +322,8 @@ def _mixture_metadata(mixture: Mixture, described, sources: SourcesInPlan, selec
     offsets = sources.offsets()
     rows = []
     for index, (name, selection) in enumerate(zip(sources.names, selections)):
-        source, lengths, old = given.get(name), read.get(name), parent.get(name)
+        source, lengths = given.get(name), read.get(name)
+        old: dict[str, Any] = parent.get(name) or {}  # the parent's record of the source ({}: one added)
         row = {
             "name": name,
             "paths": list(source.paths) if source is not None else old["paths"],
@@ -329,9 +331,9 @@ def _mixture_metadata(mixture: Mixture, described, sources: SourcesInPlan, selec
             "num_samples": int(sources.sizes[index]),
             "files": [[path, count] for path, count in lengths.files] if lengths is not None else old["files"],
             "lengths_fingerprint": lengths.fingerprint if lengths is not None else old["lengths_fingerprint"],
-            "length_column": (source.length_column if source is not None else None) or (old or {}).get(
+            "length_column": (source.length_column if source is not None else None) or old.get(
                 "length_column", "length"),
-            "loss_tokens_column": (source.loss_tokens_column if source is not None else None) or (old or {}).get(
+            "loss_tokens_column": (source.loss_tokens_column if source is not None else None) or old.get(
                 "loss_tokens_column"),
             "weight": selection.weight,
             "target_tokens": selection.target_tokens,

@@ -43,8 +43,8 @@ A mixture's plan (metadata key ``mixture``) keeps its steps: each parent step fr
 on becomes one step of the new plan with the same micro-batches (the epoch's last step's
 pieces are not packed again), placed on the ``W2`` ranks largest cost first and completed
 with empty micro-batches to a whole number per rank (``ceil(n / W2)`` each for a step of
-``n``; `batchplan.operations.reshard_mixture`). So every step keeps its tokens, each source's tokens and the samples' uses, and
-with them the mixture's guarantees (`batchplan.operations.mixture_checks`: shares, drift,
+``n``; `batchplan.operations.reshard_mixture`). So every step keeps its tokens, each source's tokens and the
+samples' uses, and with them the mixture's guarantees (`batchplan.operations.mixture_checks`: shares, drift,
 repetition); the rows keep their ``source`` and the file the ``mixture`` metadata. Step
 sizes cannot be chosen (``micro_batches``/``tokens_per_step``); the config records
 ``ceil(W * M / W2)`` micro-batches per rank, or the parent's token target. ``consumed``
@@ -309,7 +309,9 @@ def _schedule(part: ParentRows, entry_ids, dropped_ids, config: PlanConfig, epoc
     # One entry per parent micro-batch: its length is the micro-batch's tokens.
     starts = np.arange(count, dtype=np.int64)
     length = part.tokens.astype(np.int32)
-    parents = Entries(sample=starts, start=None, length=length, loss_tokens=part.loss_tokens.astype(np.int32), dropped={})
+    parents = Entries(
+        sample=starts, start=None, length=length, loss_tokens=part.loss_tokens.astype(np.int32), dropped={}
+    )
     batches = MicroBatches.of_ranges(starts.astype(index_dtype(count)), length, starts, starts + 1)
     scheduled = schedule_epoch(parents, batches, config, epoch, costs=part.cost)
     return _expand(scheduled, part, entry_ids, dropped_ids)
@@ -370,7 +372,7 @@ def _consumed(plan: OpenedPlan, rows: ParentRows, from_step: int, epoch: int) ->
     if not plan.metadata.get("has_spans"):
         whole[done.sample] = True
         return {"epoch": epoch, "samples": encode_bitmap(whole), "spans": []}
-    pieces = np.concatenate([np.stack([done.sample, done.start, done.length], axis=1), spans])
+    pieces = np.concatenate([done.spans(), spans])
     rest = rows.take(np.flatnonzero(rows.step >= from_step)).sample
     open_samples = np.concatenate([rest, parent_drops(plan, epoch)[:, 0]])
     complete = ~np.isin(pieces[:, 0], open_samples)

@@ -71,6 +71,7 @@ def mixture_consumed(
     used[before.sample] = True
     steps = int(np.unique(before.step).shape[0])
     tokens = np.zeros(len(sources), dtype=np.int64)
+    assert before.source is not None  # a mixture's rows say their source
     np.add.at(tokens, before.source.astype(np.int64), before.tokens)
     uses = np.zeros(plan.num_samples, dtype=np.int64)
     if inherited is not None:

@@ -145,6 +145,10 @@ def _validate_mixture_plan(plan: OpenedPlan, mixture: PathLike) -> list[Violatio
     return check_plan(plan, lengths, loss_tokens)
 
 
+def _no_pieces() -> NDArray[np.int64]:
+    return np.zeros((0, 3), dtype=np.int64)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Lineage:
     """Where a plan starts: 0 for a built plan; for a resharded one, its parent's step."""
@@ -153,13 +157,14 @@ class _Lineage:
     tokens_before: int = 0
     first_epoch: int = 0  # epochs before it were trained on the parent and hold no rows
     consumed_whole: NDArray[np.bool_] | None = None  # samples trained before first_step
-    consumed_spans: NDArray[np.int64] | None = None  # shape (n, 3): pieces trained before it
+    # Shape (n, 3): the pieces (sample, start, length) trained before first_step.
+    consumed_spans: NDArray[np.int64] = dataclasses.field(default_factory=_no_pieces)
 
     def trained_before(self, epoch: int) -> tuple[NDArray[np.bool_] | None, NDArray[np.int64]]:
         """What the parent trained of ``epoch`` before ``first_step``: (whole samples, or None
         for none; pieces)."""
         if epoch != self.first_epoch or self.consumed_whole is None:
-            return None, np.zeros((0, 3), dtype=np.int64)
+            return None, _no_pieces()
         return self.consumed_whole, self.consumed_spans
 
 

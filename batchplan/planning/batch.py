@@ -139,7 +139,9 @@ class BatchPlan:
     @property
     def rank_spans(self) -> RankMicroBatches | None:
         """``rank_spans[r][m]``: the ``(start, length)`` rows of ``ranks[r][m]`` (None without split)."""
-        return None if self.spans is None else RankMicroBatches(self.spans, self.offsets, self.world_size, self.num_micro)
+        return (
+            None if self.spans is None else RankMicroBatches(self.spans, self.offsets, self.world_size, self.num_micro)
+        )
 
 
 @dataclass(frozen=True)
@@ -256,7 +258,9 @@ def _loss_of(lengths: NDArray[np.int64], loss_tokens) -> NDArray[np.int64] | Non
         return None
     loss = _as_counts(loss_tokens, "loss_tokens")
     if loss.shape != lengths.shape:
-        raise DatasetError(f"loss_tokens has {loss.shape[0]:,} values for {lengths.shape[0]:,} lengths; give one per sequence")
+        raise DatasetError(
+            f"loss_tokens has {loss.shape[0]:,} values for {lengths.shape[0]:,} lengths; give one per sequence"
+        )
     bad = np.flatnonzero((loss < 0) | (loss > lengths))
     if bad.size:
         first = int(bad[0])

@@ -16,6 +16,7 @@ and a window of members.
 from __future__ import annotations
 
 from collections.abc import Callable
+
 import numpy as np
 from numpy.typing import NDArray
 
@@ -25,8 +26,8 @@ from batchplan.kernels.segments import range_sums
 from batchplan.kernels.shuffle import count_groups
 from batchplan.plan import Members, index_dtype
 from batchplan.planning.buffers import new_buffer
-from batchplan.planning.destinations import Destinations, check_written
 from batchplan.planning.cutting_stock import pack_histogram
+from batchplan.planning.destinations import Destinations, check_written
 from batchplan.planning.randomness import KeyStream, unshuffle_by_group
 from batchplan.planning.threads import run_in_parts
 
@@ -68,6 +69,8 @@ class PackedBins:
         if self._parked:
             self._slot_bin = self._pack_again()
             self._parked = False
+        if self._slot_bin is None:
+            raise ValueError("the bins were used up")
         return self._slot_bin
 
     def park(self) -> None:
@@ -82,6 +85,7 @@ class PackedBins:
         ``tokens`` are views of them): they get the same values again. ``last``: for the
         final layout, which needs no tokens: best fit's stacks of bins are kept in the
         tokens' array instead of a new one, and the tokens are let go."""
+        assert self._pack_buffers is not None  # only bins with best fit's arrays are parked
         counts, tokens = self._pack_buffers
         counts[: self.num_bins + 1] = 0  # all it wrote (the rest was never touched: no pages)
         slot_bin = new_buffer(int(self.start[-1]), counts.dtype)
@@ -216,18 +220,20 @@ class PackedBins:
     def placed(self, where: Destinations, threads: int, base: int = 0) -> Placed:
         """Each slot's place at ``where``, the bins used up (`lay_out`); entry ``i`` is ``base + i``."""
         slot_bin = self._pack_again(last=True) if self._parked else self._slot_bin
-        self._slot_bin = self.tokens = self._pack_buffers = None
+        self._slot_bin = self._pack_buffers = None
+        del self.tokens
         places = self._places(slot_bin, where.take_destination(), where.ranges, slot_bin)
-        del slot_bin
-        self.offsets = None
+        del slot_bin, self.offsets
         return Placed(self.lengths, places, self._unshuffle(places, threads), base)
 
     def _new_places(self) -> NDArray:
         return new_buffer(self.slot_bin.shape[0], self.slot_bin.dtype)
 
     def _places(self, slot_bin, destination, pieces, places) -> NDArray:
-        """Each slot's place (`batchplan.kernels.bin_layout.place_slots`), in ``places`` (may be ``slot_bin``)."""
-        place_slots(slot_bin, self.offsets, destination, *pieces, places)
+        """Each slot's place (`batchplan.kernels.bin_layout.place_slots`), in ``places`` (may be ``slot_bin``);
+        ``pieces``: the pieces' ``(starts, ends, destinations)`` (`Destinations.ranges`)."""
+        piece_starts, piece_ends, piece_destination = pieces
+        place_slots(slot_bin, self.offsets, destination, piece_starts, piece_ends, piece_destination, places)
         return places
 
     def _write_entries(self, places, values, out, threads: int) -> int:
@@ -256,7 +262,8 @@ class PendingMembers(Members):
     part, `batchplan.planning.parted_bins`), each writing its entries' ids to their places."""
 
     def __init__(self, streams: list[Placed], count: int, dtype: np.dtype | None = None) -> None:
-        super().__init__(None)
+        # Members' methods are all overridden: the array is laid out only when `all` asks.
+        self._all: NDArray | None = None
         self._streams, self._count = streams, count
         self._dtype = np.dtype(dtype or streams[0].places.dtype)
         self._window = (0, np.zeros(0, dtype=self._dtype))  # (first, members)
@@ -266,8 +273,8 @@ class PendingMembers(Members):
         return self._count
 
     def between(self, start: int, stop: int) -> NDArray:
-        if self._array is not None:
-            return self._array[start:stop]
+        if self._all is not None:
+            return self._all[start:stop]
         start, stop = min(start, self._count), min(stop, self._count)  # as a slice of the array would
         if not 0 <= start <= stop:
             raise ValueError(f"members {start:,}:{stop:,} asked of {self._count:,}")
@@ -279,11 +286,11 @@ class PendingMembers(Members):
         return window[start - first : stop - first]
 
     def all(self) -> NDArray:
-        if self._array is None:
+        if self._all is None:
             self._window = (0, self._window[1][:0])
-            self._array = self._lay_out(0, self._count)
+            self._all = self._lay_out(0, self._count)
             self._streams = []
-        return self._array
+        return self._all
 
     def _lay_out(self, start: int, stop: int) -> NDArray:
         """Members ``start:min(stop, count)``, by one pass over each stream's entries."""
@@ -301,7 +308,9 @@ class Placed:
     """Entries ``base..base + len(lengths) - 1`` with each slot's place (`PackedBins.lay_out`):
     ``cursors`` start each part of the entries in ``places`` (`scatter_to_places`)."""
 
-    def __init__(self, lengths: NDArray[np.integer], places: NDArray, cursors: NDArray[np.int64], base: int = 0) -> None:
+    def __init__(
+        self, lengths: NDArray[np.integer], places: NDArray, cursors: NDArray[np.int64], base: int = 0
+    ) -> None:
         self.lengths, self.places, self.cursors, self.base = lengths, places, cursors, base
 
 

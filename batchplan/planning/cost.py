@@ -32,7 +32,7 @@ def attention_coefficient(hidden_size: int) -> float:
 
 def micro_batch_costs(
     entry_lengths: NDArray[np.integer],
-    offsets: NDArray[np.int64],
+    offsets: NDArray[np.integer],
     mode: str,
     coefficient: float,
 ) -> NDArray[np.float64]:

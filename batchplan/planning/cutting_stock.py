@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeAlias
 
 import numpy as np
 from numpy.typing import NDArray
@@ -200,13 +200,19 @@ def _solve_lp(histogram, max_tokens: int, known: int, greedy) -> tuple[int, _Mas
     return bins, master, lengths
 
 
-def _best_fit(histogram: NDArray[np.int64], max_tokens: int):
+# Best fit decreasing's packing, ``(slot_bin, offsets, tokens)``, and patterns (the kernels of
+# `batchplan.kernels.patterns`): ``(pattern_offsets, pattern_lengths, pattern_counts, copies)``.
+_Packing: TypeAlias = tuple[NDArray, NDArray, NDArray]
+_Patterns: TypeAlias = tuple[NDArray, NDArray, NDArray, NDArray]
+
+
+def _best_fit(histogram: NDArray[np.int64], max_tokens: int) -> _Packing:
     """Best fit decreasing's ``(slot_bin, offsets, tokens)`` (slots counted in int32 when they fit)."""
     index = np.empty(0, dtype=index_dtype(int(histogram.sum())))
     return _best_fit_decreasing(histogram, max_tokens, index, None, None, None, None)
 
 
-def _pack_greedily(histogram: NDArray[np.int64], max_tokens: int, best=None):
+def _pack_greedily(histogram: NDArray[np.int64], max_tokens: int, best: _Packing | None = None) -> _Patterns:
     """The patterns of `fill_exact` where they need fewer bins than best fit decreasing's
     (``best``, its packing when already made), else best fit's."""
     greedy = fill_exact(histogram, max_tokens)
@@ -216,7 +222,7 @@ def _pack_greedily(histogram: NDArray[np.int64], max_tokens: int, best=None):
     return patterns_of_bins(slot_bin, offsets, histogram, max_tokens)
 
 
-def _round_lp(master: _Master, lengths, histogram: NDArray[np.int64], max_tokens: int):
+def _round_lp(master: _Master, lengths, histogram: NDArray[np.int64], max_tokens: int) -> _Patterns:
     """The whole copies of the LP's patterns, then the items left packed greedily: patterns."""
     values = master.values()
     offsets = np.zeros(len(master.columns) + 1, dtype=np.int64)
@@ -242,7 +248,7 @@ def pack_histogram(
     histogram,
     max_tokens: int,
     *,
-    buffers: tuple[NDArray, ...] | None = None,
+    buffers: tuple[NDArray | None, ...] | None = None,
     max_lp_lengths: int = MAX_LP_LENGTHS,
 ) -> HistogramPacking:
     """Pack a histogram of lengths (counts of lengths 0..max_tokens; length 0 is not packed).
@@ -266,7 +272,7 @@ def pack_histogram(
     histogram, known, kind = _prepared(histogram, max_tokens)
     slot_bin, counts, below, tokens = buffers or (None, None, None, None)
     index = slot_bin if slot_bin is not None else np.empty(0, dtype=index_dtype(int(histogram.sum())))
-    best = _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts, below, tokens)
+    best: _Packing = _best_fit_decreasing(histogram, max_tokens, index, slot_bin, counts, below, tokens)
     bins = best[1].shape[0] - 1
     if bins <= slack(known):
         return HistogramPacking(*best, _make_bound(known, kind, histogram, max_tokens))

@@ -17,7 +17,8 @@ class Destinations:
     micro-batches every micro-batch's ``(starts, ends)``."""
 
     def __init__(self, offsets: NDArray[np.int64], destination: NDArray[np.int64], ranges: tuple) -> None:
-        self.offsets, self._destination, self.ranges = offsets, destination, ranges
+        self.offsets, self.ranges = offsets, ranges
+        self._destination: NDArray[np.int64] | None = destination
 
     @property
     def count(self) -> int:

@@ -87,13 +87,15 @@ def drop_last_step(batches: MicroBatches, schedule, config: PlanConfig, epoch: i
     if per_step is not None:
         keep = full - full % (world_size * per_step)
     else:
+        target = config.tokens_per_step
+        assert target is not None  # steps are sized by tokens when not by micro-batches
         tokens = batches.tokens()[schedule[:full]]
         step_offsets = cut_steps(tokens, config, StepSizing(0, 0.0))
         keep = full
         if step_offsets.shape[0] > 1:
             last_step = int(tokens[step_offsets[-2] :].sum())
             next_round = tokens.sum() / max(1, full // world_size)
-            if abs(last_step + next_round - config.tokens_per_step) < abs(last_step - config.tokens_per_step):
+            if abs(last_step + next_round - target) < abs(last_step - target):
                 keep = int(step_offsets[-2])
     _check_keeps_some(keep, schedule.shape[0], config, epoch)
     return schedule[:keep], batches.members_of(schedule[keep:])
@@ -120,6 +122,7 @@ def _last_step_incomplete(tokens, step_offsets, config: PlanConfig, sizing: Step
     rounds = (tokens.shape[0] - begin) // world_size
     per_step = config.micro_batches_per_step
     done = sizing.tokens_before + int(tokens[:begin].sum())
+    assert config.rampup_tokens is not None  # under a ramp-up
     if per_step is not None and (done >= config.rampup_tokens or rounds >= per_step):
         return rounds < per_step
     last_step = int(tokens[begin:].sum())

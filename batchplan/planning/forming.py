@@ -22,7 +22,7 @@ __all__ = ["compute_costs", "concatenate_parts", "form_micro_batches", "form_war
 
 
 def form_micro_batches(
-    lengths: NDArray[np.int32], config: PlanConfig, rng: np.random.Generator, threads: int = 1
+    lengths: NDArray[np.integer], config: PlanConfig, rng: np.random.Generator, threads: int = 1
 ) -> MicroBatches:
     """Micro-batches over entries ``0..len(lengths)-1`` (members index ``lengths``); the
     shuffles run on ``threads`` threads (the same result for any number). Packing runs on the
@@ -97,17 +97,19 @@ def concatenate_parts(parts, num_entries: int) -> MicroBatches:
         starts.append(base + batches.starts[order])
         ends.append(base + batches.ends[order])
         base += batches.members.shape[0]
-    joined = MicroBatches.of_ranges(np.concatenate(members), np.concatenate(lengths), np.concatenate(starts), np.concatenate(ends))
+    joined = MicroBatches.of_ranges(
+        np.concatenate(members), np.concatenate(lengths), np.concatenate(starts), np.concatenate(ends)
+    )
     packings = [batches.packing for batches, _, _ in parts]
     if packings and None not in packings:
         joined.packing = sum(packings[1:], packings[0])
     return joined
 
 
-def compute_costs(batches: MicroBatches, config: PlanConfig) -> NDArray[np.float64]:
-    """Predicted compute per micro-batch, in tokens: `batchplan.planning.cost` for the model width."""
-    coefficient = config.cost_coefficient
-    if config.mode == "pack":
+def compute_costs(batches: MicroBatches, mode: str, coefficient: float) -> NDArray[np.float64]:
+    """Predicted compute per micro-batch, in tokens: `batchplan.planning.cost` with the model's
+    attention ``coefficient`` (`PlanConfig.cost_coefficient`)."""
+    if mode == "pack":
         return batches.length_sums(lambda lengths: lengths + coefficient * lengths**2)
     # Pad: count x (longest + c longest^2).
     count = batches.ends - batches.starts

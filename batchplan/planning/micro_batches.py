@@ -17,9 +17,9 @@ from numpy.typing import NDArray
 from batchplan.kernels.segments import lay_out_segments, range_sums, scatter_segments, segment_destinations
 from batchplan.plan import Members, PackingBound, index_dtype
 from batchplan.planning.bins import PackedBins
-from batchplan.planning.parted_bins import PartedBins
-from batchplan.planning.destinations import Destinations, check_written
 from batchplan.planning.buffers import new_buffer, scratch_or_new
+from batchplan.planning.destinations import Destinations, check_written
+from batchplan.planning.parted_bins import PartedBins
 
 __all__ = ["LaidOut", "MicroBatches"]
 
@@ -32,14 +32,22 @@ class LaidOut:
     end), which follow the formed ones."""
 
     def __init__(self, members: NDArray[np.integer], lengths: NDArray[np.int32], starts, ends) -> None:
-        self.members, self.lengths = members, lengths
+        self.members = members
+        self._lengths: NDArray[np.int32] | None = lengths  # None once let go
         self.starts, self.ends = starts, ends
+
+    @property
+    def lengths(self) -> NDArray[np.int32]:
+        """The members' lengths, until `release_lengths`."""
+        if self._lengths is None:
+            raise ValueError("the lengths were let go")
+        return self._lengths
 
     @property
     def num_formed(self) -> int:
         return int(self.starts.shape[0])
 
-    def formed_tokens(self) -> NDArray[np.int64]:
+    def formed_tokens(self) -> NDArray[np.integer]:
         return range_sums(self.lengths, self.starts, self.ends, np.zeros(self.num_formed, dtype=np.int64))
 
     def ranges(self, starts: NDArray[np.int64], ends: NDArray[np.int64]) -> list[tuple[NDArray, NDArray]]:
@@ -52,9 +60,9 @@ class LaidOut:
         return [self.members[s:e] for s, e in zip(starts, ends)]
 
     def release_lengths(self) -> None:
-        self.lengths = None
+        self._lengths = None
 
-    def bounds(self, extra: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    def bounds(self, extra: NDArray[np.int64]) -> tuple[NDArray[np.integer], NDArray[np.integer]]:
         """Starts and ends of every micro-batch: the formed ones, then ``extra``."""
         return joined(self.starts, extra[:, 0]), joined(self.ends, extra[:, 1])
 
@@ -83,14 +91,16 @@ class LaidOut:
 
     def lay_out(self, where: Destinations, threads: int) -> Members:
         """The members laid out at ``where``, using these up (the lengths are let go first)."""
-        members, self.members, self.lengths = self.members, None, None
-        self.starts = self.ends = None
+        members = self.members
+        del self.members
+        self._lengths = self.starts = self.ends = None
         out = new_buffer(where.count, members.dtype)
-        check_written(scatter_segments(members, *where.ranges, where.take_destination(), out), out)
+        starts, ends = where.ranges
+        check_written(scatter_segments(members, starts, ends, where.take_destination(), out), out)
         return Members(out)
 
 
-def joined(formed: NDArray[np.int64], added: NDArray[np.int64]) -> NDArray[np.int64]:
+def joined(formed: NDArray[np.integer], added: NDArray[np.int64]) -> NDArray[np.integer]:
     """``formed`` then ``added`` (``formed`` itself when nothing was added: no copy of the many)."""
     return np.concatenate([formed, added]) if added.shape[0] else formed
 
@@ -119,7 +129,7 @@ class MicroBatches:
         self.layout: LaidOut | PackedBins | PartedBins = layout
         self._base_tokens = layout.tokens if isinstance(layout, PackedBins) else None
         self._extra = np.zeros((0, 3), dtype=np.int64)  # rows (start, end, tokens)
-        self._joined_cache: tuple[NDArray[np.int64], NDArray[np.int64]] | None = None
+        self._joined_cache: tuple[NDArray[np.integer], NDArray[np.integer]] | None = None
         self.packing: PackingBound | None = None  # pack mode: as packed, and the bound
 
     @classmethod
@@ -133,11 +143,11 @@ class MicroBatches:
         return cls(packed)
 
     @property
-    def starts(self) -> NDArray[np.int64]:
+    def starts(self) -> NDArray[np.integer]:
         return self._joined_bounds()[0]
 
     @property
-    def ends(self) -> NDArray[np.int64]:
+    def ends(self) -> NDArray[np.integer]:
         return self._joined_bounds()[1]
 
     @property
@@ -145,14 +155,14 @@ class MicroBatches:
         """Shape (k, 2): start and end of each micro-batch `extend` added."""
         return self._extra[:, :2]
 
-    def _joined_bounds(self) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    def _joined_bounds(self) -> tuple[NDArray[np.integer], NDArray[np.integer]]:
         """Starts and ends of all micro-batches, joined once per `extend`."""
         if self._joined_cache is None:
             formed_starts, formed_ends = self.layout.starts, self.layout.ends
             self._joined_cache = (joined(formed_starts, self._extra[:, 0]), joined(formed_ends, self._extra[:, 1]))
         return self._joined_cache
 
-    def bounds(self, which: NDArray[np.int64]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+    def bounds(self, which: NDArray[np.integer]) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
         """``(starts, ends)`` of a few micro-batches (without joining all of them)."""
         which = np.asarray(which, dtype=np.int64)
         formed = which < self.layout.num_formed
@@ -187,7 +197,7 @@ class MicroBatches:
         total = np.zeros(self.count, dtype=np.float64 if np.issubdtype(values.dtype, np.floating) else np.int64)
         return range_sums(values, self.starts, self.ends, total)
 
-    def tokens(self) -> NDArray[np.int64]:
+    def tokens(self) -> NDArray[np.integer]:
         """Tokens of each micro-batch."""
         if self._base_tokens is None:  # the micro-batches as formed (before `extend`), summed once
             self._base_tokens = self.layout.formed_tokens()
@@ -222,7 +232,7 @@ class MicroBatches:
         """Entry lengths of a few micro-batches (no entry is looked up)."""
         return self.layout.range_lengths(*self.bounds(which))
 
-    def members_of(self, which: NDArray[np.int64]) -> NDArray[np.int64]:
+    def members_of(self, which: NDArray[np.integer]) -> NDArray[np.int64]:
         """The entries of the given micro-batches, concatenated (int64)."""
         parts = self.layout.range_members(*self.bounds(which))
         return np.concatenate([np.zeros(0, dtype=np.int64), *parts]).astype(np.int64)
@@ -277,6 +287,7 @@ class MicroBatches:
         ``packing`` is left), so that the peak holds the members (packed bins: the places
         they are laid out from, a window at a time, `batchplan.planning.bins.PendingMembers`)
         and what laying them out needs, nothing of the micro-batches as formed."""
-        layout, self.layout = self.layout, None
-        self._base_tokens = self._joined_cache = self._extra = None
+        layout = self.layout
+        del self.layout, self._extra
+        self._base_tokens = self._joined_cache = None
         return layout.lay_out(where, threads)

@@ -18,7 +18,7 @@ from batchplan.planning.threads import THREADED_FROM, run_in_parts
 
 __all__ = [
     "STREAM_ENTRY_ORDER", "STREAM_MICRO_BATCH_ORDER", "STREAM_ROUND_ORDER", "STREAM_SEQLEN_WARMUP", "KeyStream",
-    "epoch_rng", "permute", "shuffle_by_group", "unshuffle_by_group",
+    "PermutedPrefix", "epoch_rng", "permute", "shuffle_by_group", "unshuffle_by_group",
     "STREAM_SOURCE_PASS", "source_pass_rng", "STREAM_BATCH_ORDER", "batch_rng",
 ]  # fmt: skip
 
@@ -83,14 +83,50 @@ def permute(
     count = out.shape[0]
     if count < THREADED_FROM:  # starting threads would cost more than the work they share
         threads = 1
+    keys, start = _grouped(rng, out, first, values, carried, threads)
+    bounds = _group_bounds(start, max(1, threads))
+    run_in_parts(_shuffle_part, len(bounds) - 1, keys, start, out, carried, bounds)
+
+
+def _grouped(rng: np.random.Generator, out, first: int, values, carried, threads: int):
+    """`permute`'s first draws: each item's group, and the keys of the shuffles (drawn later);
+    ``out`` (and ``carried``) written group by group. Returns ``(keys, start)``: group ``g``
+    is positions ``start[g]:start[g + 1]``."""
+    count = out.shape[0]
     num_groups = 1 << min(max(count >> 14, 1).bit_length() - 1, 16)  # a power of two, <= 2^16
     groups = rng.integers(0, num_groups, size=count, dtype=np.uint16)
     keys = KeyStream.draw_later(rng, count)
     start, cursors, parts = _group_cursors(groups, num_groups, threads)
     run_in_parts(scatter_groups, parts, groups, cursors, out, first, values, carried)
-    del groups
-    bounds = _group_bounds(start, max(1, threads))
-    run_in_parts(_shuffle_part, len(bounds) - 1, keys, start, out, carried, bounds)
+    return keys, start
+
+
+class PermutedPrefix:
+    """`permute`'s result, made final a prefix at a time: what draws a prefix of a
+    permutation whose length is known only from its values (a source's partial pass).
+
+    Made, every item is in its group (as `permute` places it); `extend` shuffles the groups
+    up to a position, in order, one thread: positions before `ready` hold what `permute`
+    writes there, and groups past the prefix asked for are never shuffled.
+    """
+
+    def __init__(self, rng: np.random.Generator, out, first: int = 0, *, values=None, carried=None, threads: int = 1):
+        threads = 1 if out.shape[0] < THREADED_FROM else threads
+        self.out, self.carried = out, carried
+        self._keys, self._start = _grouped(rng, out, first, values, carried, threads)
+        self._groups = 0  # groups shuffled
+        self.ready = 0  # positions final
+
+    def extend(self, position: int) -> int:
+        """Make the positions before ``position`` final (and the rest of the group it ends
+        in); returns `ready`, the positions now final."""
+        last_group = int(np.searchsorted(self._start, min(position, self.out.shape[0]), side="left"))
+        if last_group > self._groups:
+            begin, end = int(self._start[self._groups]), int(self._start[last_group])
+            (keys,) = self._keys.spans([begin, end])
+            shuffle_group_range(self._start, self._groups, last_group, keys, begin, self.out, self.carried)
+            self._groups, self.ready = last_group, end
+        return self.ready
 
 
 def _shuffle_part(keys: KeyStream, start, items, carried, bounds: list[int], part: int, parts: int) -> None:

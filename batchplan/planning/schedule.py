@@ -74,13 +74,14 @@ def schedule_epoch(
     if order is not None:
         ordered = int(order.shape[0])
     room, schedule, num_full, dropped = _shuffle(batches, config, epoch, ordered, threads, order)
-    compute = None if config.cost_coefficient is None else _costs_of(batches, config, costs)
+    coefficient = config.cost_coefficient
+    compute = None if coefficient is None else _costs_of(batches, config, coefficient, costs)
     # What is needed of the entries' lengths is known now (tokens, longest): let them go.
     longest = batches.longest() if config.mode == "pad" else None
     batches.release_lengths()
     # With a loss-tokens column, each micro-batch's loss tokens are summed now, so that large
     # packed epochs can park their bins until the members are laid out (`MicroBatches.park`).
-    loss = None if entries.loss_is_length_minus_one else batches.entry_sums(entries.loss_tokens)
+    loss = None if entries.loss_tokens is None else batches.entry_sums(entries.loss_tokens)  # None: length - 1 each
     batches.park()
     kept = min(num_full, -(-ordered // config.world_size) * config.world_size)  # whole rounds
     # Each scheduled micro-batch's values, gathered once and written where balancing puts them.
@@ -121,9 +122,11 @@ def _shuffle(batches: MicroBatches, config: PlanConfig, epoch: int, ordered: int
     return room, schedule, num_full, dropped
 
 
-def _costs_of(batches: MicroBatches, config: PlanConfig, known: NDArray[np.float64] | None) -> NDArray[np.float64]:
+def _costs_of(
+    batches: MicroBatches, config: PlanConfig, coefficient: float, known: NDArray[np.float64] | None
+) -> NDArray[np.float64]:
     if known is None:
-        return compute_costs(batches, config)
+        return compute_costs(batches, config.mode, coefficient)
     if batches.count < known.shape[0] or batches.count - known.shape[0] > config.world_size:
         raise ConfigError(f"{known.shape[0]:,} known costs for {batches.count:,} micro-batches")
     return np.concatenate([known.astype(np.float64), np.zeros(batches.count - known.shape[0])])
@@ -134,7 +137,7 @@ class Rows:
     """The rows of an epoch, ordered by (rank, step, micro) (`batchplan.kernels.assemble.lay_out_rows`).
     ``order`` (each row's micro-batch id and entries) is dropped once the members' places are known."""
 
-    order: NDArray[np.integer] | None  # shape (2, rows): micro-batch id, entries (int32 when they fit)
+    order: NDArray[np.integer]  # shape (2, rows): micro-batch id, entries (int32 when they fit)
     values: NDArray[np.integer]  # shape (2, rows): tokens, loss tokens (int32 when they fit)
     padded: NDArray[np.int64] | None  # pad mode: entries x longest
     cost: NDArray[np.float64] | None
@@ -174,8 +177,7 @@ def _assemble(config: PlanConfig, epoch: int, batches: MicroBatches, rows: Rows,
     batch_of_row, sizes = rows.order
     source = None if sources is None else _row_sources(batches.starts[batch_of_row], sizes, *sources)
     where = batches.destinations(batch_of_row, sizes, threads)
-    del batch_of_row, sizes
-    rows.order = None
+    del batch_of_row, sizes, rows.order
     where.offsets = where.offsets.astype(index_dtype(where.count + 1), copy=False)
     packing = batches.packing
     members = batches.lay_out(where, threads)  # packed bins: laid out a window at a time, when written

@@ -32,7 +32,15 @@ class Scheduled:
 
     @classmethod
     def take(
-        cls, schedule, batches: MicroBatches, compute, config: PlanConfig, begin: int, end: int, epoch: int, threads: int
+        cls,
+        schedule,
+        batches: MicroBatches,
+        compute,
+        config: PlanConfig,
+        begin: int,
+        end: int,
+        epoch: int,
+        threads: int,
     ) -> Scheduled:
         """What each micro-batch of ``schedule`` needs, gathered once, with step 3 of the
         module docstring applied to positions ``begin:end`` (whole rounds): rounds of
@@ -59,7 +67,10 @@ class Scheduled:
     @property
     def costs(self) -> NDArray:
         """What ranks are balanced by (integer tokens sort and add up as their float values)."""
-        return self.compute if self.by_compute else self.tokens
+        if self.by_compute:
+            assert self.compute is not None  # balance="compute" needs the cost model (PlanConfig checks it)
+            return self.compute
+        return self.tokens
 
     def head(self, count: int) -> Scheduled:
         """The first ``count`` positions."""

@@ -32,16 +32,20 @@ class StepSizing:
             if config.tokens_per_step is not None:
                 full = float(config.tokens_per_step)
             else:
+                per_step = config.micro_batches_per_step
+                assert per_step is not None  # steps are sized by micro-batches when not by tokens
                 mean = float(batches.tokens().sum()) / max(batches.count, 1)
-                full = mean * config.world_size * config.micro_batches_per_step
+                full = mean * config.world_size * per_step
         return cls(int(tokens_before), full)
 
     def target(self, config: PlanConfig, done: int) -> float:
-        """Tokens wanted for a step that begins after ``done`` tokens of the run."""
-        return float(ramp_target(done, float(config.rampup_start), self.full_step, config.rampup_tokens))
+        """Tokens wanted for a step that begins after ``done`` tokens of the run (under a ramp-up)."""
+        start, ramp_tokens = config.rampup_start, config.rampup_tokens
+        assert start is not None and ramp_tokens is not None  # the config has a ramp-up
+        return float(ramp_target(done, float(start), self.full_step, ramp_tokens))
 
 
-def cut_steps(tokens: NDArray[np.int64], config: PlanConfig, sizing: StepSizing) -> NDArray[np.int64]:
+def cut_steps(tokens: NDArray[np.integer], config: PlanConfig, sizing: StepSizing) -> NDArray[np.int64]:
     """Step boundaries over the (shuffled) micro-batches; each step a whole number of rounds."""
     world_size = config.world_size
     num_rounds = tokens.shape[0] // world_size
@@ -53,10 +57,10 @@ def cut_steps(tokens: NDArray[np.int64], config: PlanConfig, sizing: StepSizing)
     else:
         # shape (num_rounds, world_size): one micro-batch per rank in each round
         round_tokens = tokens.reshape(num_rounds, world_size).sum(axis=1)
-        if config.has_rampup:
+        start, ramp_tokens = config.rampup_start, config.rampup_tokens
+        if start is not None and ramp_tokens is not None:  # a ramp-up (`has_rampup`)
             round_offsets = ramp_steps(
-                round_tokens, sizing.tokens_before, float(config.rampup_start), sizing.full_step,
-                config.rampup_tokens, per_step or 0,
+                round_tokens, sizing.tokens_before, float(start), sizing.full_step, ramp_tokens, per_step or 0,
             )  # fmt: skip
         else:
             round_offsets = steps_by_tokens(round_tokens, config.tokens_per_step)

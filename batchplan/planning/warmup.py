@@ -67,6 +67,7 @@ class SeqlenWarmup:
 def warmup_cap(tokens_done: int, config: PlanConfig) -> int:
     """The longest sequence allowed after ``tokens_done`` tokens of the run (Python ints: exact)."""
     low, span = config.seqlen_warmup_min, config.seqlen_warmup_tokens
+    assert low is not None and span is not None  # the config has a warmup
     if tokens_done >= span:
         return config.max_tokens
     return low + (config.max_tokens - low) * tokens_done // span
@@ -75,6 +76,7 @@ def warmup_cap(tokens_done: int, config: PlanConfig) -> int:
 def num_stages(config: PlanConfig) -> int:
     """Stages of the warmup: as many as keep each one at least `MIN_STAGE_CHUNKS` steps, up to 64."""
     stage_tokens = MIN_STAGE_CHUNKS * config.world_size * config.max_tokens
+    assert config.seqlen_warmup_tokens is not None  # the config has a warmup
     return max(1, min(MAX_STAGES, config.seqlen_warmup_tokens // stage_tokens))
 
 
@@ -87,6 +89,7 @@ def add_warmup_pieces(
         DatasetError: the epoch holds fewer tokens than the warmup.
     """
     warmup_tokens = config.seqlen_warmup_tokens
+    assert warmup_tokens is not None  # the config has a warmup
     length = entries.length.astype(np.int64)
     total = int(length.sum())
     if total < warmup_tokens:

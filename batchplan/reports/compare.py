@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from batchplan.config import PlanConfig
+from batchplan.config import Mode, Oversize, PlanConfig
 from batchplan.errors import ConfigError, DatasetError
 from batchplan.planning.cost import attention_coefficient, micro_batch_costs
 from batchplan.planning.entries import make_entries
@@ -127,7 +127,7 @@ def compare_strategies(
     world_size: int,
     micro_batches: int = 1,
     hidden_size: int = DEFAULT_HIDDEN_SIZE,
-    oversize: str = "truncate",
+    oversize: Oversize = "truncate",
     drop_empty: bool = False,
     seed: int = 0,
 ) -> Comparison:
@@ -153,7 +153,8 @@ def compare_strategies(
     coefficient = attention_coefficient(hidden_size)
     results = _measure_baselines(entry_lengths, batch_size, config, coefficient)
     bound = None
-    for mode in ("pad", "pack"):
+    modes: tuple[Mode, ...] = ("pad", "pack")
+    for mode in modes:
         result, packing = _measure_batchplan(lengths, config, mode, coefficient)
         results.append(result)
         bound = packing or bound
@@ -304,7 +305,7 @@ def deal_round_robin(num_micro_batches: int, world_size: int, per_step: int) -> 
 def measure_strategy(
     name: str,
     entry_lengths: NDArray[np.integer],
-    offsets: NDArray[np.int64],
+    offsets: NDArray[np.integer],
     step: NDArray[np.int64],
     rank: NDArray[np.integer],
     *,
@@ -347,7 +348,7 @@ def measure_strategy(
     )
 
 
-def _measure_batchplan(lengths, config: PlanConfig, mode: str, coefficient: float):
+def _measure_batchplan(lengths, config: PlanConfig, mode: Mode, coefficient: float):
     """batchplan's result in ``mode``, and the epoch's packing bound (pack; None for pad)."""
     from batchplan.planning.epochs import build_plan
 

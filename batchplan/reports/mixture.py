@@ -27,8 +27,11 @@ def step_source_tokens(plan: OpenedPlan) -> NDArray[np.int64] | None:
     """Shape (steps, sources): the tokens of each source in each step of a mixture's plan (from
     its ``source`` column); None for one dataset."""
     mixture = plan.metadata.get("mixture")
-    if mixture is None:
-        return None
+    return None if mixture is None else _source_tokens(plan, mixture)
+
+
+def _source_tokens(plan: OpenedPlan, mixture: dict[str, Any]) -> NDArray[np.int64]:
+    """`step_source_tokens` of a mixture's plan (``mixture``: its metadata key)."""
     first_step = int(plan.metadata.get("first_step", 0))
     per_step = np.zeros((plan.num_steps, len(mixture["sources"])), dtype=np.int64)
     for epoch in range(plan.num_epochs):
@@ -82,7 +85,7 @@ def summarize_phases(plan: OpenedPlan, per_step: NDArray[np.int64] | None = None
     mixture = plan.metadata.get("mixture")
     if mixture is None or not mixture.get("phases"):
         return None
-    per_step = step_source_tokens(plan) if per_step is None else per_step
+    per_step = _source_tokens(plan, mixture) if per_step is None else per_step
     starts, weights = _phases(plan)
     before = _tokens_before(plan, per_step)
     totals = per_step.sum(axis=1)
@@ -108,7 +111,7 @@ def summarize_sources(plan: OpenedPlan, per_step: NDArray[np.int64] | None = Non
     if mixture is None:
         return None
     sources = mixture["sources"]
-    per_step = step_source_tokens(plan) if per_step is None else per_step
+    per_step = _source_tokens(plan, mixture) if per_step is None else per_step
     weights = step_weights(plan, per_step)
     regular = np.ones(per_step.shape[0], dtype=bool)  # each epoch's last step is not held to its shares
     regular[np.cumsum(plan.metadata["steps_per_epoch"]) - 1] = False

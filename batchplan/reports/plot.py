@@ -182,9 +182,10 @@ def _lengths_panel(ax: Axes, data, lengths, label: str) -> None:
     note = f"{number:,} {unit}\n" + (f"{over:,} > max_tokens" if over else "all <= max_tokens")
     positive = values > 0
     values, weights = values[positive], None if weights is None else weights[positive]
+    bins: int | list[float]  # matplotlib's types take a list of edges, not an array
     if values.size and values.max() > 20 * max(1.0, _median(values, weights)):
         ax.set_xscale("log")
-        bins = np.geomspace(max(1, values.min()), values.max() + 1, 60)
+        bins = np.geomspace(max(1, values.min()), values.max() + 1, 60).tolist()
     else:
         bins = 60  # over values.min()..values.max(): the same with weights, as values are the ones counted
     ax.hist(values, bins=bins, weights=weights, color="tab:blue")
@@ -206,7 +207,7 @@ def _lengths_panel(ax: Axes, data, lengths, label: str) -> None:
 def _fill_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     cap = data["max_tokens"]
     tokens, weights = _counted_values(data["histograms"]["tokens"])
-    bins = np.linspace(0, 100, 51)  # above max_tokens (a corrupt plan): off the bins, not drawn
+    bins = np.linspace(0, 100, 51).tolist()  # above max_tokens (a corrupt plan): off the bins, not drawn
     ax.hist(100.0 * tokens / cap, bins=bins, weights=weights, color="tab:green", alpha=0.7, label="real tokens")
     title = f"micro-batch fill: {format_share(summary['fill'])} of max_tokens (steps but each epoch's last)"
     if data["mode"] == "pad":

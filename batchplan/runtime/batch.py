@@ -19,7 +19,7 @@ record before that step).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -39,7 +39,9 @@ class PlanBatch(dict):
             items that carry none (a dataset not wrapped in `PlanDataset`).
     """
 
-    def __init__(self, data: Mapping[str, Any] = (), record: MicroBatch | None = None) -> None:
+    def __init__(
+        self, data: Mapping[str, Any] | Iterable[tuple[str, Any]] = (), record: MicroBatch | None = None
+    ) -> None:
         super().__init__(data)
         self._record = record
 

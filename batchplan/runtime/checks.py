@@ -194,20 +194,24 @@ def check_items(
             ``padded_tokens`` bounds each one.
     """
     if record.starts is not None and record.lengths is not None:
-        _check_item_spans(record, np.asarray(item_tokens, dtype=np.int64), ends_sample)
+        found = np.asarray(item_tokens, dtype=np.int64)
+        _check_item_spans(record, record.starts, record.lengths, found, ends_sample)
     elif sum(item_tokens) != record.tokens:
         raise _drift(record, _changed(record, np.asarray(item_tokens, dtype=np.int64), padded))
 
 
-def _check_item_spans(record: MicroBatch, found: NDArray[np.int64], ends_sample) -> None:
-    ends = np.asarray(record.starts, dtype=np.int64) + np.asarray(record.lengths, dtype=np.int64)
+def _check_item_spans(
+    record: MicroBatch, starts: list[int], lengths: list[int], found: NDArray[np.int64], ends_sample
+) -> None:
+    """``found``: each span's sample's tokens; ``starts`` and ``lengths``: the record's spans."""
+    ends = np.asarray(starts, dtype=np.int64) + np.asarray(lengths, dtype=np.int64)
     bad = found < ends
     if ends_sample is not None:
         bad |= np.asarray(ends_sample, dtype=bool) & (found != ends)
     if not bad.any():
         return
     i = _first(bad)
-    sample, start, end, tokens = record.indices[i], record.starts[i], int(ends[i]), int(found[i])
+    sample, start, end, tokens = record.indices[i], starts[i], int(ends[i]), int(found[i])
     if tokens < end:
         what = f"sample {sample:,} has {tokens:,} tokens but the plan takes tokens [{start:,}, {end:,}) of it"
     else:

@@ -90,11 +90,13 @@ class _Collator:
         if isinstance(item, SpanItem):
             item, span = item.item, (item.start, item.length)
         tokens = _as_ids(item[self.input_key] if isinstance(item, Mapping) else item, self.input_key)
-        has_labels = isinstance(item, Mapping) and self.labels_key is not None and self.labels_key in item
-        labels = _as_ids(item[self.labels_key], self.labels_key) if has_labels else tokens
-        if has_labels and labels.shape != tokens.shape:
+        labels_key = self.labels_key
+        if not (isinstance(item, Mapping) and labels_key is not None and labels_key in item):
+            return tokens, tokens, span
+        labels = _as_ids(item[labels_key], labels_key)
+        if labels.shape != tokens.shape:
             raise DatasetError(
-                f"an item has {tokens.shape[0]} {self.input_key} but {labels.shape[0]} {self.labels_key}; "
+                f"an item has {tokens.shape[0]} {self.input_key} but {labels.shape[0]} {labels_key}; "
                 "they must have one label per token"
             )
         return tokens, labels, span

@@ -76,8 +76,9 @@ class PlanDataset(Dataset):
         return items if record is None else PlannedItems(items, record)
 
     def _check(self, items: list[Any], indices: Sequence[int], record: MicroBatch) -> None:
-        tokens = [_token_count(item.get(self.input_key) if isinstance(item, Mapping) else item) for item in items]
-        if None in tokens or len(tokens) != len(record.indices):
+        counts = [_token_count(item.get(self.input_key) if isinstance(item, Mapping) else item) for item in items]
+        tokens = [count for count in counts if count is not None]
+        if len(tokens) != len(counts) or len(tokens) != len(record.indices):
             return  # ids this wrapper cannot count: the collator checks what it assembles
         ends = [getattr(i, "ends_sample", False) for i in indices] if record.starts is not None else None
         check_items(record, tokens, ends_sample=ends)

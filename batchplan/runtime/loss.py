@@ -39,12 +39,11 @@ def token_loss_sum(
         TypeError: ``logits`` is neither a tensor nor has a ``.logits`` tensor.
     """
     logits = _logits_of(logits)
-    if isinstance(labels, Mapping):
-        labels = labels["labels"]
+    tensor = labels["labels"] if isinstance(labels, Mapping) else labels
     shifted = logits[..., :-1, :]
     if shifted.dtype in (torch.float16, torch.bfloat16):
         shifted = shifted.float()
-    targets = labels[..., 1:].to(shifted.device)
+    targets = tensor[..., 1:].to(shifted.device)
     return F.cross_entropy(
         shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1), ignore_index=ignore_index, reduction="sum"
     )
@@ -52,9 +51,8 @@ def token_loss_sum(
 
 def count_loss_tokens(labels: torch.Tensor | Mapping[str, Any], *, ignore_index: int = IGNORE_INDEX) -> int:
     """Labelled tokens after the shift: equals the record's ``loss_tokens`` for a matching batch."""
-    if isinstance(labels, Mapping):
-        labels = labels["labels"]
-    return int((labels[..., 1:] != ignore_index).sum())
+    tensor = labels["labels"] if isinstance(labels, Mapping) else labels
+    return int((tensor[..., 1:] != ignore_index).sum())
 
 
 def _logits_of(output: Any) -> torch.Tensor:

@@ -25,8 +25,8 @@ from numpy.typing import ArrayLike
 from torch.utils.data import Dataset
 
 from batchplan.errors import ConfigError, PlanFormatError, PlanMismatchError
-from batchplan.formats.opening import open_plan
 from batchplan.formats.opened_plan import OpenedPlan
+from batchplan.formats.opening import open_plan
 
 __all__ = ["MixtureDataset", "check_mixture_lengths", "source_names"]
 
@@ -64,7 +64,7 @@ class MixtureDataset(Dataset):
         self.names = [source["name"] for source in sources]
         self.offsets = [int(source["offset"]) for source in sources]
         self.num_samples = plan.num_samples
-        self.datasets = []
+        self.datasets: list[Any | None] = []  # None: a source the plan never uses, given no dataset
         for source in sources:
             dataset = datasets.get(source["name"])
             if dataset is None and source["planned_tokens"] > 0:
@@ -92,7 +92,7 @@ class MixtureDataset(Dataset):
 
     def __getitem__(self, index: int) -> Any:
         source, row = self.locate(index)
-        return self.datasets[source][row]
+        return self._dataset(source, index)[row]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         """The items of ``indices``; rows of one source (a micro-batch's) in one call of its
@@ -100,11 +100,25 @@ class MixtureDataset(Dataset):
         located = [self.locate(index) for index in indices]
         sources = {source for source, _ in located}
         if len(sources) == 1:
-            dataset = self.datasets[next(iter(sources))]
+            dataset = self._dataset(located[0][0], indices[0])
             many = getattr(dataset, "__getitems__", None)
             rows = [row for _, row in located]
             return list(many(rows)) if many is not None else [dataset[row] for row in rows]
-        return [self.datasets[source][row] for source, row in located]
+        return [self._dataset(source, index)[row] for (source, row), index in zip(located, indices)]
+
+    def _dataset(self, source: int, index: int) -> Any:
+        """The dataset of ``source``, which holds sample ``index``.
+
+        Raises:
+            PlanMismatchError: the source was given no dataset (the plan never uses it).
+        """
+        dataset = self.datasets[source]
+        if dataset is None:
+            raise PlanMismatchError(
+                f"sample {index:,} is in source {self.names[source]!r}, which has no dataset (the plan never "
+                f"uses it); pass datasets={{..., {self.names[source]!r}: <its rows>}} to read it"
+            )
+        return dataset
 
 
 def check_mixture_lengths(plan: OpenedPlan, lengths: ArrayLike, loss_tokens: ArrayLike | None = None) -> None:

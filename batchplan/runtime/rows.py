@@ -86,10 +86,11 @@ class RankRows:
             columns = [self._columns[name][first:stop].tolist() for name in _SCALARS]
             samples, starts, lengths = self._chunk_lists(first, stop)
             sources = [None] * (stop - first) if self._source is None else self._source[first:stop].tolist()
-            for j, (step, micro, num_micro, *counts) in enumerate(zip(*columns)):
+            for j, row in enumerate(zip(*columns)):
+                step, micro, num_micro, tokens, loss, step_loss, before, step_tokens, padded = row  # _SCALARS
                 yield MicroBatch(
-                    samples[j], epoch, step, micro, num_micro, micro == num_micro - 1, *counts,
-                    first + j, starts[j], lengths[j], world_size, rank, sources[j],
+                    samples[j], epoch, step, micro, num_micro, micro == num_micro - 1, tokens, loss, step_loss,
+                    before, step_tokens, padded, first + j, starts[j], lengths[j], world_size, rank, sources[j],
                 )  # fmt: skip
 
     def planned_rows(self, start: int = 0) -> Iterator[PlannedRows]:
@@ -100,6 +101,7 @@ class RankRows:
             return
         cap = 0 if self.span_cap is None else self.span_cap
         for record in self.records(start):
+            assert record.starts is not None and record.lengths is not None  # the plan has spans
             rows = [SpanIndex(r, s, n, n < cap) for r, s, n in zip(record.indices, record.starts, record.lengths)]
             yield PlannedRows(rows, record)
 

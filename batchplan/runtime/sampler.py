@@ -389,7 +389,7 @@ class PlanSampler(Sampler[list[int]]):
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["path"], state["rank"], state["world_size"])
+        PlanSampler.__init__(self, state["path"], state["rank"], state["world_size"])  # the arguments kept
         self._epoch, self._position, self._resume_pending, self._hold = state["cursor"]
 
     def __repr__(self) -> str:

@@ -130,7 +130,9 @@ def _plan_file(plan: PlanLike | object) -> OpenedPlan:
     inner = getattr(plan, "plan", None)
     if isinstance(inner, OpenedPlan):
         return inner
-    return open_plan(plan)  # type: ignore[arg-type]
+    if isinstance(plan, (str, os.PathLike)):
+        return open_plan(plan)
+    raise ConfigError(f"plan must be a plan path, an opened plan or a PlanSampler, got {type(plan).__name__}")
 
 
 def _check_schedule(warmup_tokens: int, decay: str, min_lr_ratio: float, total_tokens: int) -> None:

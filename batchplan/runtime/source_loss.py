@@ -58,6 +58,12 @@ class SourceLosses:
         PlanMismatchError: the plan is not a mixture's.
     """
 
+    # Since the last `reduce` (set by `_reset`): the first and last micro-batch added, and the
+    # plan's loss tokens of the steps that ended.
+    _first: MicroBatch | None
+    _last: MicroBatch | None
+    _planned: int
+
     def __init__(self, plan: OpenedPlan | PlanSampler | str | os.PathLike, *, device: Any = None,
                  group: Any = None) -> None:  # fmt: skip
         self.names = source_names(plan.plan if isinstance(plan, PlanSampler) else plan)
@@ -126,7 +132,9 @@ class SourceLosses:
 
     def _check(self, loss_tokens: int, reduced_over: int) -> None:
         first, last = self._first, self._last
-        whole = first is not None and first.micro == 0 and last.is_last
+        if first is None or last is None:
+            return
+        whole = first.micro == 0 and last.is_last
         if not whole or reduced_over != last.world_size or loss_tokens == self._planned:
             return
         raise PlanMismatchError(
@@ -139,6 +147,6 @@ class SourceLosses:
         if self._sums is not None:
             self._sums.zero_()
         self._tokens = [0] * len(self.names)
-        self._first: MicroBatch | None = None
-        self._last: MicroBatch | None = None
+        self._first = None
+        self._last = None
         self._planned = 0

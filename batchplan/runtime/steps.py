@@ -69,6 +69,7 @@ class PlanSteps:
                 yield step
                 step = PlanStep()
         if step:
+            assert previous is not None  # the step holds a micro-batch
             raise PlanMismatchError(
                 f"the loader ended inside step {previous.step} after micro-batch {previous.micro} of "
                 f"{previous.num_micro}; the plan's steps must arrive whole"
