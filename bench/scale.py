@@ -11,9 +11,11 @@ the cap), written to Parquet in chunks of 10⁷ (bounded memory; not timed); the
 default), each its own subprocess: `batchplan build --layout directory --epochs 1` (pack, the
 cap, the world size) with its wall time and peak resident memory (getrusage of the child), and
 `numpy.random.default_rng(0).permutation(N)` (the yardstick). Before each run the 1-minute load
-average is read; a row reports the median build, the median permutation, the median of the
-pairs' ratios with their spread (min..max), the highest load seen, and ``quiet`` (every load
-below ``--quiet-load``, 1.0 by default): a row that is not quiet is not to be quoted.
+average is read, after waiting up to ``--settle`` seconds (60) for it to fall below
+``--quiet-load`` (a build's own threads lift it for a minute after it ends); a row reports the
+median build, the median permutation, the median of the pairs' ratios with their spread
+(min..max), the highest load seen, and ``quiet`` (every load below ``--quiet-load``, 1.0 by
+default): a row that is not quiet is not to be quoted.
 
 The build's fixed cost (interpreter, imports, the numba cache, writing a manifest) is measured
 once per run as the median of three builds of 1,000 samples (``startup_s``); each row also
@@ -38,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -96,16 +99,25 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
+def settled_load(quiet_load: float, settle: float) -> float:
+    """The load average once it is below ``quiet_load``, waiting at most ``settle`` seconds
+    (a build's own threads lift it for a minute after it ends)."""
+    deadline = time.monotonic() + settle
+    while load_average() >= quiet_load and time.monotonic() < deadline:
+        time.sleep(5)
+    return load_average()
+
+
 def interleaved(dataset: Path, plan: Path, samples: int, args) -> dict:
     """Build and permutation alternated for the row's pairs; medians, the ratios' spread, loads."""
     builds, permutations, peaks, loads = [], [], [], []
     for _ in range(args.pairs or (2 if samples >= 10**9 else 3)):
-        loads.append(load_average())
+        loads.append(settled_load(args.quiet_load, args.settle))
         wall, peak = build(dataset, plan, args.max_tokens, args.world_size)
         builds.append(wall)
         peaks.append(peak)
         _remove(plan)
-        loads.append(load_average())
+        loads.append(settled_load(args.quiet_load, args.settle))
         permutations.append(permutation_in_child(samples))
     ratios = [b / p for b, p in zip(builds, permutations)]
     build_s = statistics.median(builds)
@@ -152,6 +164,8 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=1024)
     parser.add_argument("--pairs", type=int, default=None, help="build/permutation pairs (default 3, 2 at 1e9)")
     parser.add_argument("--quiet-load", type=float, default=1.0, help="a row is quiet below this load average")
+    parser.add_argument("--settle", type=float, default=60.0,
+                        help="seconds to wait, before each run, for the load to fall below --quiet-load")  # fmt: skip
     parser.add_argument("--open-world-sizes", type=int, nargs="*", default=[])
     parser.add_argument("--tmp", type=Path, default=None, help="where to write lengths and plans")
     parser.add_argument("--json", action="store_true")
