@@ -1,7 +1,7 @@
 """What a mixture costs against one dataset: build time, peak memory and fill.
 
     python -m bench.mixture --samples 1e7 --sources 50 [--pairs 3] [--json]
-    python -m bench.mixture --samples 1e9 --sources 50 --mixture-only [--epochs E]
+    python -m bench.mixture --samples 1e9 --sources 50 --mixture-only [--epochs E] [--stages]
     python -m bench.mixture --fill
     python -m bench.mixture --shares 40 [--seed 0]
 
@@ -16,7 +16,11 @@ and of peaks, and the load average before each run.
 
 ``--mixture-only`` builds only the mixture (a plan directory, ``--epochs`` parts), its sources
 written by a child process (no uses computed, no one-dataset build): the wall time and peak
-RSS of a mixture of ``--samples`` at scale (docs/scaling.md has one dataset's).
+RSS of a mixture of ``--samples`` at scale (docs/scaling.md has one dataset's). With
+``--stages`` the child is the library's build with each stage's seconds (a stage's own calls,
+stages inside it included: scheduling holds laying out) and peak resident set (the stage
+running when it peaked, innermost, polled every millisecond): reading, sizing, forming,
+composing, scheduling, laying out, writing.
 
 ``--fill`` plans data/mixture.yaml (8,192, 8 ranks, 4 micro-batches, split) and the same
 uses as one dataset, in-process, and prints each one's packed micro-batches and bound:
@@ -47,8 +51,9 @@ from bench.build import lognormal_lengths, run_in_child, run_measured, write_len
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def write_case(directory: Path, num_samples: int, num_sources: int, max_tokens: int) -> tuple[Path, Path]:
+def write_case(directory: Path | str, num_samples: int, num_sources: int, max_tokens: int) -> tuple[Path, Path]:
     """The mixture file of the time case and the one-dataset file of the same uses."""
+    directory = Path(directory)
     from batchplan import PlanConfig
     from batchplan.formats.mixture_file import read_mixture, read_mixture_lengths
     from batchplan.planning.mixture_epochs import prepare_mixture_entries
@@ -87,7 +92,8 @@ def write_sources(directory: str, num_samples: int, num_sources: int, max_tokens
         total += int(lengths.sum(dtype=np.int64))
         write_lengths(lengths, Path(directory) / f"source{index:03d}.parquet")
         del lengths
-        sources.append({"name": f"s{index:03d}", "paths": [f"source{index:03d}.parquet"], "weight": float(weights[index])})
+        name = f"s{index:03d}"
+        sources.append({"name": name, "paths": [f"source{index:03d}.parquet"], "weight": float(weights[index])})
     (Path(directory) / "mixture.json").write_text(json.dumps({"sources": sources, "tokens": total}))
 
 
@@ -95,13 +101,79 @@ def mixture_only_case(args) -> dict:
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         samples = int(float(args.samples))
         run_in_child("bench.mixture:write_sources", tmp, samples, args.sources, args.max_tokens)
-        command = [sys.executable, "-m", "batchplan_cli.main", "build", "--mixture", str(Path(tmp) / "mixture.json"),
-                   "-o", str(Path(tmp) / "plan"), "--layout", "directory", "--epochs", str(args.epochs),
-                   *build_args(args)]  # fmt: skip
+        mixture, plan, report = Path(tmp) / "mixture.json", Path(tmp) / "plan", Path(tmp) / "stages.json"
+        command = [sys.executable, "-m", "batchplan_cli.main", "build", "--mixture", str(mixture), "-o", str(plan),
+                   "--layout", "directory", "--epochs", str(args.epochs), *build_args(args)]  # fmt: skip
+        if args.stages:
+            command = [sys.executable, "-c", "import sys; from bench.mixture import build_in_stages; "
+                       "build_in_stages(*sys.argv[1:])", str(mixture), str(plan), str(report), str(args.epochs),
+                       str(args.max_tokens), str(args.world_size)]  # fmt: skip
         load = os.getloadavg()[0]
         seconds, peak = run_measured(command)
+        stages = json.loads(report.read_text()) if args.stages else None
     return {"samples": samples, "sources": args.sources, "epochs": args.epochs, "seconds": seconds,
-            "peak_gib": peak, "load": load}  # fmt: skip
+            "peak_gib": peak, "load": load, "stages": stages}  # fmt: skip
+
+
+# The build's stages: (module, function or Class.method) each; the innermost running one is
+# the stage in force.
+STAGES = {
+    "reading": ("batchplan.formats.mixture_file", "read_mixture_lengths"),
+    "sizing": ("batchplan.planning.mixture_epochs", "prepare_mixture_entries"),
+    "forming": ("batchplan.planning.mixture_epochs", "form_micro_batches"),
+    "composing": ("batchplan.planning.mixture_epochs", "_composed"),
+    "scheduling": ("batchplan.planning.mixture_epochs", "schedule_epoch"),
+    "laying out": ("batchplan.planning.parted_bins", "PartedBins.lay_out"),
+    "writing": ("batchplan.formats.directory_writer", "DirectoryWriter.write_epoch"),
+}
+
+
+def build_in_stages(mixture: str, output: str, report: str, epochs: str, max_tokens: str, world_size: str) -> None:
+    """The ``--stages`` child: `build_mixture_plan_file` into a plan directory (as the CLI
+    builds it), each stage's seconds and peak resident set written to ``report`` (JSON)."""
+    import importlib
+    import threading
+    import time
+
+    from batchplan import PlanConfig
+    from batchplan.operations.build_mixture import build_mixture_plan_file
+
+    running, seconds, peaks, done = ["other"], dict.fromkeys(["other", *STAGES], 0.0), {}, threading.Event()
+
+    def staged(name, function):
+        def call(*args, **kwargs):
+            running.append(name)
+            began = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                seconds[name] += time.perf_counter() - began
+                running.pop()
+
+        return call
+
+    for name, (module, attribute) in STAGES.items():
+        owner = importlib.import_module(module)
+        *path, function = attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        setattr(owner, function, staged(name, getattr(owner, function)))
+
+    def poll() -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while not done.is_set():
+            resident = int(Path("/proc/self/statm").read_text().split()[1]) * page / 2**30
+            peaks[running[-1]] = max(peaks.get(running[-1], 0.0), resident)
+            time.sleep(0.001)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    config = PlanConfig(max_tokens=int(max_tokens), world_size=int(world_size), epochs=int(epochs), oversize="truncate")
+    build_mixture_plan_file(mixture, output, config, layout="directory")
+    done.set()
+    poller.join()
+    rows = {name: {"seconds": round(seconds[name], 2), "peak_gib": round(peaks.get(name, 0.0), 2)} for name in STAGES}
+    Path(report).write_text(json.dumps(rows))
 
 
 def build_args(args) -> list[str]:
@@ -112,7 +184,9 @@ def build_args(args) -> list[str]:
 def time_case(args) -> dict:
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
         directory = Path(tmp)
-        mixture, single = write_case(directory, int(float(args.samples)), args.sources, args.max_tokens)
+        # In a child: what it holds would count in the builds' peaks (`run_measured`).
+        run_in_child("bench.mixture:write_case", tmp, int(float(args.samples)), args.sources, args.max_tokens)
+        mixture, single = directory / "mixture.json", directory / "uses.parquet"
         cli = [sys.executable, "-m", "batchplan_cli.main", "build"]
         commands = {
             "mixture": [*cli, "--mixture", str(mixture), "-o", str(directory / "mixture.arrow"), *build_args(args)],
@@ -213,6 +287,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="the random mixtures' seed (--shares)")
     parser.add_argument("--mixture-only", action="store_true", help="build only the mixture, as a plan directory")
     parser.add_argument("--epochs", type=int, default=1, help="the mixture's epochs (--mixture-only)")
+    parser.add_argument("--stages", action="store_true", help="each stage's seconds and peak (--mixture-only)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.mixture_only:
@@ -220,13 +295,16 @@ def main() -> None:
         print(json.dumps(result, indent=1) if args.json else
               f"{result['samples']:,} samples over {result['sources']} sources, {result['epochs']} epoch(s): "
               f"{result['seconds']:.1f} s, peak {result['peak_gib']:.2f} GiB (load {result['load']:.2f})")  # fmt: skip
+        for name, row in ({} if args.json else result["stages"] or {}).items():
+            print(f"  {name:11s} {row['seconds']:7.1f} s  peak {row['peak_gib']:5.2f} GiB")
         return
     if args.shares:
         rows = shares_case(args.shares, args.seed)
         for row in ([] if args.json else rows):
             print(" ".join(f"{key}={value:.4f}" if isinstance(value, float) else f"{key}={value}"
                            for key, value in row.items()))  # fmt: skip
-        worst = {key: max(row[key] for row in rows) for key in ("worst_share_miss", "worst_drift", "worst_composed_drift")}
+        keys = ("worst_share_miss", "worst_drift", "worst_composed_drift")
+        worst = {key: max(row[key] for row in rows) for key in keys}
         print(json.dumps({"mixtures": rows, **worst}, indent=1) if args.json else
               f"{len(rows)} mixtures: worst share miss {worst['worst_share_miss']:.4f}, worst drift "
               f"{worst['worst_drift']:.4f}, less the epoch's own miss {worst['worst_composed_drift']:.4f} "

@@ -46,10 +46,10 @@ def build_mixture_plan_file(
     from batchplan.formats.plan_writer import write_plan
     from batchplan.kernels.startup import start_numba
     from batchplan.operations.build import check_layout, check_output, stage, write_directory
+    from batchplan.plan import Plan
     from batchplan.planning.epochs import PreparedEntries, plan_epochs
     from batchplan.planning.memory import check_build_memory, estimate_build_memory
     from batchplan.planning.mixture_epochs import prepare_mixture_entries
-    from batchplan.plan import Plan
 
     if not isinstance(mixture, Mixture):
         mixture = read_mixture(mixture)
@@ -58,7 +58,9 @@ def build_mixture_plan_file(
     check_output(output, [path for source in mixture.sources for path in source.paths], layout)
     advance = stage(progress, "reading sources", len(mixture.sources))
     columns = {"length_column": length_column, "tokens_column": tokens_column, "loss_tokens_column": loss_tokens_column}
-    lengths = read_mixture_lengths(mixture, **columns)
+    lengths = read_mixture_lengths(
+        mixture, length_column=length_column, tokens_column=tokens_column, loss_tokens_column=loss_tokens_column
+    )
     advance(len(mixture.sources))
     start_numba()
     threads = num_threads()
