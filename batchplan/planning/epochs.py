@@ -135,6 +135,7 @@ def plan_epochs(prepared: PreparedEntries, config: PlanConfig, epochs: range | N
     before = prepared.tokens_before_epochs(config.epochs)
     epoch, tokens_before = 0, 0
     if config.has_rampup and config.drop_last:
+        assert config.rampup_tokens is not None  # has_rampup: the pair is set
         while epoch < wanted.stop and tokens_before < config.rampup_tokens:
             planned = _plan_prepared(prepared, config, epoch, tokens_before, num_threads())
             tokens_before += int(planned.step_tokens.sum())
@@ -193,4 +194,6 @@ def plan_epoch(
     batches, ordered = form_warmup_micro_batches(
         entries, config, warmup, rng, epoch_rng(config.seed, 0, STREAM_SEQLEN_WARMUP), threads
     )
-    return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before, ordered=ordered, threads=threads)
+    return schedule_epoch(
+        entries, batches, config, epoch, tokens_before=tokens_before, ordered=ordered, threads=threads
+    )
