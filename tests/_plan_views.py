@@ -30,3 +30,13 @@ class RankReader:
         if name not in self.MEMBERS:
             raise AttributeError(f"{name} is not part of the one-rank-at-a-time plan interface")
         return getattr(self._plan, name)
+
+
+class WithMetadata:
+    """A plan read as it is but with other metadata: a checker's view of a tampered plan."""
+
+    def __init__(self, plan, metadata) -> None:
+        self._plan, self.metadata = plan, metadata
+
+    def __getattr__(self, name):
+        return getattr(self._plan, name)

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from _plan_views import WithMetadata
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -341,14 +342,7 @@ def test_validate_finds_a_switch_at_the_wrong_step(tmp_path):
     step_tokens = plan.metadata["mixture"]["phases"][1]["from_tokens"] / sum(plan.metadata["steps_per_epoch"]) * 2
     moved["mixture"]["phases"][1]["from_tokens"] += int(10 * step_tokens)
 
-    class Tampered:
-        def __init__(self, inner, metadata):
-            self._inner, self.metadata = inner, metadata
-
-        def __getattr__(self, name):
-            return getattr(self._inner, name)
-
-    found = check_mixture(Tampered(plan, moved))
+    found = check_mixture(WithMetadata(plan, moved))
     assert found and found[0].guarantee == "mixture_shares"
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from _plan_views import WithMetadata
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -254,12 +255,5 @@ def test_validate_finds_a_micro_batch_of_two_sources(tmp_path, demo_plan):
     moved = json.loads(json.dumps(plan.metadata))
     moved["mixture"]["sources"][1]["offset"] = sources[1]["offset"] + 1  # a sample changes source
 
-    class Tampered:
-        def __init__(self, inner, metadata):
-            self._inner, self.metadata = inner, metadata
-
-        def __getattr__(self, name):
-            return getattr(self._inner, name)
-
-    found = check_mixture(Tampered(plan, moved))
+    found = check_mixture(WithMetadata(plan, moved))
     assert found and found[0].guarantee == "mixture_sources"

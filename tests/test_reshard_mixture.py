@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from _plan_views import WithMetadata
 from typer.testing import CliRunner
 
 from batchplan import ConfigError, PlanConfig
@@ -200,15 +201,8 @@ def test_validate_counts_the_uses_before_the_first_step(mixture, reshard):
     more[part] = ~more[part]
     record["uses_more"] = encode_bitmap(more)
 
-    class Tampered:
-        def __init__(self, inner, metadata):
-            self._inner, self.metadata = inner, metadata
-
-        def __getattr__(self, name):
-            return getattr(self._inner, name)
-
     assert check_mixture(plan) == []
-    found = check_mixture(Tampered(plan, moved))
+    found = check_mixture(WithMetadata(plan, moved))
     assert found and found[0].guarantee == "mixture_repetition"
 
 

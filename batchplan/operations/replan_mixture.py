@@ -36,7 +36,6 @@ import dataclasses
 import hashlib
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,10 +45,9 @@ from batchplan.config import PlanConfig, num_threads
 from batchplan.errors import ConfigError, DatasetError
 from batchplan.formats.bitmap import decode_bitmap
 from batchplan.formats.opened_plan import OpenedPlan
-from batchplan.formats.opening import open_plan
 from batchplan.mixture import Mixture, MixturePhase, MixtureSource
 from batchplan.operations.parent_rows import read_epoch
-from batchplan.operations.reshard import ReshardedPlan, empty_epoch, locate_step, parent_record
+from batchplan.operations.reshard import ReshardedPlan, empty_epoch, locate_step, open_parent, parent_record
 from batchplan.operations.reshard_mixture import mixture_consumed
 from batchplan.plan import Plan
 
@@ -72,16 +70,7 @@ def replan_mixture_file(
     mixture file or a `Mixture`), write the result atomically; return its metadata."""
     from batchplan.formats.mixture_file import read_mixture
 
-    plan_path, output = Path(plan_path), Path(output)
-    if output.resolve() == plan_path.resolve():
-        raise ConfigError(
-            f"output {output} is the plan being re-planned; write the new plan to another file "
-            "(keep the parent: the new plan resumes from the parent's sampler states)"
-        )
-    if not output.parent.is_dir():
-        raise ConfigError(f"output directory {output.parent} does not exist; create it or choose another -o")
-    parent = open_plan(plan_path)
-    parent.verify()
+    parent = open_parent(plan_path, output, "re-planned")
     mixture = mixture if isinstance(mixture, Mixture) else read_mixture(mixture)
     replanned = replan_mixture(
         parent, mixture, from_step=from_step, world_size=world_size, micro_batches=micro_batches,

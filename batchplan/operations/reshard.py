@@ -139,20 +139,27 @@ def reshard_plan_file(
     tokens_per_step: int | None = None,
 ) -> dict[str, Any]:
     """Open and verify a plan, reshard it (`reshard_plan`), write the result; return its metadata."""
+    parent = open_parent(plan_path, output, "resharded")
+    resharded = reshard_plan(
+        parent, world_size=world_size, from_step=from_step, micro_batches=micro_batches, tokens_per_step=tokens_per_step
+    )
+    return resharded.write(output)
+
+
+def open_parent(plan_path: str | os.PathLike, output: str | os.PathLike, doing: str) -> OpenedPlan:
+    """The parent plan, opened and verified, once ``output`` is known to be writable and not
+    the parent itself (which the new plan resumes from)."""
     plan_path, output = Path(plan_path), Path(output)
     if output.resolve() == plan_path.resolve():
         raise ConfigError(
-            f"output {output} is the plan being resharded; write the new plan to another file "
+            f"output {output} is the plan being {doing}; write the new plan to another file "
             "(keep the parent: the new plan resumes from the parent's sampler states)"
         )
     if not output.parent.is_dir():
         raise ConfigError(f"output directory {output.parent} does not exist; create it or choose another -o")
     parent = open_plan(plan_path)
     parent.verify()
-    resharded = reshard_plan(
-        parent, world_size=world_size, from_step=from_step, micro_batches=micro_batches, tokens_per_step=tokens_per_step
-    )
-    return resharded.write(output)
+    return parent
 
 
 def reshard_plan(
