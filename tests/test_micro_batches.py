@@ -192,24 +192,25 @@ def test_members_laid_out_a_window_at_a_time_are_the_members(monkeypatch, tmp_pa
     ],
 )
 def test_parked_bins_plan_the_same_plan(monkeypatch, tmp_path, options):
-    """A large epoch parks the bin of each slot while it is scheduled and packs the histogram
-    again to lay its members out (`PackedBins.park`): the plan is byte for byte the one made
-    keeping the bins (here every epoch parks), with cost balance, drop_last, a ramp-up and a
-    loss-tokens column."""
+    """A large epoch keeps the bin of each slot run-length encoded while it is scheduled and
+    decodes it to lay its members out (`PackedBins.park`): the plan is byte for byte the one
+    made keeping the bins (here every epoch parks), with cost balance, drop_last, a ramp-up
+    and a loss-tokens column."""
     rng = np.random.default_rng(5)
     lengths = rng.integers(1, 900, 8_000).astype(np.uint16)
     options = dict(options)
     loss = rng.integers(0, lengths).astype(np.int32) if options.pop("loss", False) else None
     config = PlanConfig(max_tokens=1024, world_size=4, epochs=2, **options)
     write_plan(build_plan(lengths, config, loss_tokens=loss), tmp_path / "kept.arrow")
-    packed_again = []
-    pack_again = bins.PackedBins._pack_again
+    decoded = []
+    decode = bins.SlotRuns.decode
     monkeypatch.setattr(bins, "PARK_FROM_ENTRIES", 0)
-    def counted(*args, **kwargs):
-        packed_again.append(1)
-        return pack_again(*args, **kwargs)
 
-    monkeypatch.setattr(bins.PackedBins, "_pack_again", counted)
+    def counted(*args, **kwargs):
+        decoded.append(1)
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(bins.SlotRuns, "decode", counted)
     write_plan(build_plan(lengths, config, loss_tokens=loss), tmp_path / "parked.arrow")
-    assert len(packed_again) == config.epochs  # once per epoch, to lay the members out
+    assert len(decoded) == config.epochs  # once per epoch, to lay the members out
     assert (tmp_path / "kept.arrow").read_bytes() == (tmp_path / "parked.arrow").read_bytes()

@@ -24,15 +24,15 @@ from batchplan.kernels.bin_layout import bin_lengths, place_slots, scatter_entri
 from batchplan.kernels.pack import bin_destinations, bin_length_sums
 from batchplan.kernels.segments import range_sums
 from batchplan.kernels.shuffle import count_groups
+from batchplan.kernels.slot_runs import count_runs, decode_runs, encode_runs
 from batchplan.plan import Members, index_dtype
 from batchplan.planning.buffers import new_buffer
-from batchplan.planning.cutting_stock import pack_histogram
 from batchplan.planning.destinations import Destinations, check_written
 from batchplan.planning.randomness import KeyStream, unshuffle_by_group
-from batchplan.planning.threads import run_in_parts
+from batchplan.planning.threads import run_in_parts, threads_for
 
 __all__ = [
-    "MEMBERS_AT_ONCE", "PARK_FROM_ENTRIES", "PackedBins", "PendingMembers", "Placed", "bin_destinations_of",
+    "MEMBERS_AT_ONCE", "PARK_FROM_ENTRIES", "PackedBins", "PendingMembers", "Placed", "SlotRuns", "bin_destinations_of",
     "count_by_group", "left_to_right_sum",
 ]  # fmt: skip
 
@@ -47,9 +47,7 @@ class PackedBins:
     longest first). `lay_out` uses the bins up; every other method leaves them as they are.
     """
 
-    def __init__(
-        self, lengths, start, keys: KeyStream, slot_bin, offsets, tokens, capacity: int, pack_buffers=None
-    ) -> None:
+    def __init__(self, lengths, start, keys: KeyStream, slot_bin, offsets, tokens, capacity: int) -> None:
         self.lengths: NDArray[np.integer] = lengths
         self.start: NDArray[np.int64] = start
         self.keys = keys
@@ -57,46 +55,24 @@ class PackedBins:
         self.offsets: NDArray[np.integer] = offsets
         self.tokens: NDArray[np.integer] = tokens
         self.capacity = capacity
-        # Best fit's (counts, tokens) arrays, to pack into again after `park`: large epochs
-        # whose bins are best fit's own (``offsets`` a view of them; not the LP's patterns).
-        repack = pack_buffers is not None and lengths.shape[0] >= PARK_FROM_ENTRIES
-        self._pack_buffers = pack_buffers if repack and np.may_share_memory(offsets, pack_buffers[0]) else None
-        self._parked = False
+        self._runs: SlotRuns | None = None  # the bin of each slot while parked (`park`)
 
     @property
     def slot_bin(self) -> NDArray[np.integer]:
-        """The bin of each slot; after `park`, best fit packs the histogram again (the same bins)."""
-        if self._parked:
-            self._slot_bin = self._pack_again()
-            self._parked = False
+        """The bin of each slot (decoded again after `park`)."""
+        if self._runs is not None:
+            self._slot_bin, self._runs = self._runs.decode(), None
         if self._slot_bin is None:
             raise ValueError("the bins were used up")
         return self._slot_bin
 
-    def park(self) -> None:
-        """Let the bin of each slot go (one index per entry) until it is needed again: large
-        epochs (`PARK_FROM_ENTRIES`) park it while they are scheduled, so the schedule's arrays
-        never share the peak with it. A smaller epoch keeps it (packing again costs time)."""
-        if self._pack_buffers is not None and self._slot_bin is not None:
-            self._slot_bin, self._parked = None, True
-
-    def _pack_again(self, last: bool = False) -> NDArray[np.integer]:
-        """Best fit decreasing on the same histogram, into its own arrays (``offsets`` and
-        ``tokens`` are views of them): they get the same values again. ``last``: for the
-        final layout, which needs no tokens: best fit's stacks of bins are kept in the
-        tokens' array instead of a new one, and the tokens are let go."""
-        assert self._pack_buffers is not None  # only bins with best fit's arrays are parked
-        counts, tokens = self._pack_buffers
-        counts[: self.num_bins + 1] = 0  # all it wrote (the rest was never touched: no pages)
-        slot_bin = new_buffer(int(self.start[-1]), counts.dtype)
-        histogram = np.diff(self.start)[: self.capacity + 1]
-        below, tokens = (tokens, tokens[:0]) if last else (None, tokens)
-        packed = pack_histogram(histogram, self.capacity, buffers=(slot_bin, counts, below, tokens))
-        # The offsets are rewritten in place (comparing them would compare them with themselves):
-        # the count of bins is what can tell another packing.
-        if packed.offsets.shape[0] != self.num_bins + 1:
-            raise AssertionError("packing the histogram again made other bins")
-        return packed.slot_bin
+    def park(self, threads: int = 1) -> None:
+        """Keep the bin of each slot run-length encoded (`SlotRuns`: 0.7 bytes per slot
+        against 4) until it is needed again: large epochs (`PARK_FROM_ENTRIES`) park it
+        while they are scheduled, so the schedule's arrays never share the peak with it.
+        A smaller epoch keeps it as it is (encoding and decoding cost two passes)."""
+        if self._slot_bin is not None and self.lengths.shape[0] >= PARK_FROM_ENTRIES:
+            self._runs, self._slot_bin = SlotRuns.encode(self._slot_bin, threads), None
 
     @property
     def num_bins(self) -> int:
@@ -219,8 +195,8 @@ class PackedBins:
 
     def placed(self, where: Destinations, threads: int, base: int = 0) -> Placed:
         """Each slot's place at ``where``, the bins used up (`lay_out`); entry ``i`` is ``base + i``."""
-        slot_bin = self._pack_again(last=True) if self._parked else self._slot_bin
-        self._slot_bin = self._pack_buffers = None
+        slot_bin = self.slot_bin
+        self._slot_bin = None
         del self.tokens
         places = self._places(slot_bin, where.take_destination(), where.ranges, slot_bin)
         del slot_bin, self.offsets
@@ -248,6 +224,33 @@ class PackedBins:
         unshuffle_by_group(self.keys, self.start, block, places, threads=threads)
         counts = count_by_group(self.lengths, self.capacity + 1, threads)
         return block + np.cumsum(counts, axis=0) - counts
+
+
+class SlotRuns:
+    """The bin of each slot, run-length encoded in ``parts`` shares (`batchplan.kernels.slot_runs`):
+    each run's bin (the bins' dtype) and its slots (uint16)."""
+
+    def __init__(self, run_bin: NDArray, run_length: NDArray[np.uint16], part_runs: NDArray[np.int64], count: int):
+        self.run_bin, self.run_length, self.part_runs, self.count = run_bin, run_length, part_runs, count
+
+    @classmethod
+    def encode(cls, slot_bin: NDArray[np.integer], threads: int) -> SlotRuns:
+        parts = threads_for(slot_bin.shape[0], threads)
+        part_runs = np.zeros(parts + 1, dtype=np.int64)
+        np.cumsum(run_in_parts(count_runs, parts, slot_bin), out=part_runs[1:])
+        run_bin = np.empty(int(part_runs[-1]), dtype=slot_bin.dtype)
+        run_length = np.empty(int(part_runs[-1]), dtype=np.uint16)
+        run_in_parts(encode_runs, parts, slot_bin, part_runs, run_bin, run_length)
+        return cls(run_bin, run_length, part_runs, int(slot_bin.shape[0]))
+
+    def decode(self) -> NDArray[np.integer]:
+        """The bin of each slot, in a new array, on as many threads as encoded it."""
+        slot_bin = new_buffer(self.count, self.run_bin.dtype)
+        parts = self.part_runs.shape[0] - 1
+        written = run_in_parts(decode_runs, parts, self.run_bin, self.run_length, self.part_runs, slot_bin)
+        if sum(written) != self.count or min(written) < 0:
+            raise AssertionError(f"runs decoded into {sum(written):,} of {self.count:,} slots")
+        return slot_bin
 
 
 class PendingMembers(Members):
@@ -315,8 +318,8 @@ class Placed:
 
 
 # Epochs of at least this many entries park the bin of each slot while they are scheduled
-# (`PackedBins.park`): 2^27 (512 MiB of int32), where memory, not the time of packing again
-# (~1.5 s per 10^8 entries on this machine's cores), is what runs out.
+# (`PackedBins.park`): 2^27 (512 MiB of int32), where memory, not the two passes that encode
+# and decode it, is what runs out.
 PARK_FROM_ENTRIES = 1 << 27
 
 # Members laid out per pass of `PendingMembers`: 2^26 (256 MiB of int32): 10^7 members in one

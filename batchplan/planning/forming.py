@@ -48,9 +48,8 @@ def form_micro_batches(
         buffers = (new_buffer(count, index), np.zeros(bound + 1, dtype=index),
                    new_buffer(bound, index), new_buffer(bound, index))  # fmt: skip
         packed = pack_histogram(histogram, capacity, buffers=buffers)
-        again = (buffers[1], buffers[3])  # to pack into again, if the bins are parked
         del buffers
-        bins = PackedBins(lengths, start, keys, packed.slot_bin, packed.offsets, packed.tokens, capacity, again)
+        bins = PackedBins(lengths, start, keys, packed.slot_bin, packed.offsets, packed.tokens, capacity)
         batches = MicroBatches.of_bins(bins)
         tokens = int(packed.tokens.sum())
         batches.packing = PackingBound(batches.count, tokens, packed.bound.bins, packed.bound.kind)

@@ -237,11 +237,11 @@ class MicroBatches:
         parts = self.layout.range_members(*self.bounds(which))
         return np.concatenate([np.zeros(0, dtype=np.int64), *parts]).astype(np.int64)
 
-    def park(self) -> None:
-        """Packed bins of a large epoch let the bin of each slot go until it is needed again
-        (`batchplan.planning.bins.PackedBins.park`); otherwise nothing changes."""
+    def park(self, threads: int = 1) -> None:
+        """Packed bins of a large epoch keep the bin of each slot encoded until it is needed
+        again (`batchplan.planning.bins.PackedBins.park`); otherwise nothing changes."""
         if not isinstance(self.layout, LaidOut):
-            self.layout.park()
+            self.layout.park(threads)
 
     def release_lengths(self) -> None:
         """Let go of the entries' lengths held beside the members (laid-out micro-batches):

@@ -179,7 +179,7 @@ class PartedBins:
     def release_lengths(self) -> None:
         """Nothing to let go: the lengths read are the entries' own."""
 
-    def park(self) -> None:
+    def park(self, threads: int = 1) -> None:
         """Epochs of at least `PARK_FROM_ENTRIES` entries park every part (`ParkedBins`); what
         forming the parts freed goes back (`release_free_heap`) before the epoch is scheduled."""
         if self.member_base[-1] >= PARK_FROM_ENTRIES:

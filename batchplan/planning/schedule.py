@@ -82,7 +82,7 @@ def schedule_epoch(
     # With a loss-tokens column, each micro-batch's loss tokens are summed now, so that large
     # packed epochs can park their bins until the members are laid out (`MicroBatches.park`).
     loss = None if entries.loss_tokens is None else batches.entry_sums(entries.loss_tokens)  # None: length - 1 each
-    batches.park()
+    batches.park(threads)
     kept = min(num_full, -(-ordered // config.world_size) * config.world_size)  # whole rounds
     # Each scheduled micro-batch's values, gathered once and written where balancing puts them.
     at = Scheduled.take(schedule, batches, compute, config, kept, num_full, epoch, threads)

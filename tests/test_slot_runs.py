@@ -1,0 +1,63 @@
+"""The bin of each slot, run-length encoded (`batchplan.kernels.slot_runs`, `PackedBins.park`):
+decoding gives back exactly what was encoded, in as many parts as encoded it, and the runs are
+those of a plain loop over each part's share."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batchplan.kernels.slot_runs import MAX_RUN, decode_runs
+from batchplan.planning.bins import SlotRuns
+
+
+def reference_runs(values: list[int], parts: int) -> list[tuple[int, int]]:
+    """(value, length) of each run, a run cut at each part's end and at `MAX_RUN` slots."""
+    runs: list[tuple[int, int]] = []
+    for part in range(parts):
+        low, high = len(values) * part // parts, len(values) * (part + 1) // parts
+        for slot in range(low, high):
+            if slot > low and values[slot] == values[slot - 1] and runs[-1][1] < MAX_RUN:
+                runs[-1] = (values[slot], runs[-1][1] + 1)
+            else:
+                runs.append((values[slot], 1))
+    return runs
+
+
+slot_bins = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9)), max_size=60).map(
+    lambda pairs: np.repeat([value for value, _ in pairs], [count for _, count in pairs]).astype(np.int32)
+)
+
+
+@given(slot_bin=slot_bins, parts=st.integers(1, 4))
+def test_runs_are_those_of_each_part_and_decode_to_the_bins(slot_bin, parts):
+    from batchplan.planning import bins
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bins, "threads_for", lambda items, threads: threads)  # parts even for few slots
+        runs = SlotRuns.encode(slot_bin, parts)
+    got = list(zip(runs.run_bin.tolist(), runs.run_length.tolist()))
+    assert got == reference_runs(slot_bin.tolist(), parts)
+    assert runs.part_runs.shape[0] == parts + 1
+    decoded = runs.decode()
+    assert decoded.tolist() == slot_bin.tolist()
+    assert decoded.dtype == slot_bin.dtype
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_a_run_longer_than_a_uint16_is_cut(dtype):
+    slot_bin = np.concatenate([np.full(MAX_RUN + 10, 7), np.full(3, 2), np.full(MAX_RUN, 7)]).astype(dtype)
+    runs = SlotRuns.encode(slot_bin, 1)
+    assert runs.run_length.tolist() == [MAX_RUN, 10, 3, MAX_RUN]
+    assert runs.run_bin.tolist() == [7, 7, 2, 7]
+    assert np.array_equal(runs.decode(), slot_bin)
+
+
+def test_runs_holding_more_than_the_share_write_nothing_past_it():
+    """Decoding checks each run against its share's end: runs of another array are refused."""
+    out = np.full(5, -9, dtype=np.int32)
+    run_bin, run_length = np.array([1, 2], dtype=np.int32), np.array([3, 3], dtype=np.uint16)
+    assert decode_runs(run_bin, run_length, np.array([0, 2]), out[:4], 0, 1) == -1
+    assert out[4] == -9
