@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import hashlib
 import os
 import re
@@ -65,19 +66,29 @@ class DirectoryWriter:
     Args:
         directory: the plan directory; created if missing (its parent must exist); a
             symbolic link is written through. It may hold only a plan directory's files.
-        header: the plan's header metadata (`batchplan.formats.plan_writer.header_metadata`).
+        header: the plan's header metadata (`batchplan.formats.plan_writer.header_metadata`),
+            or a function that makes it, called when the first epoch is written (a build
+            hashes the lengths for it while the first epoch is planned).
 
     Raises:
         ConfigError: the parent is missing, ``directory`` is a file, holds other files, or is
             not writable.
     """
 
-    def __init__(self, directory: Path, header: dict[str, Any]) -> None:
+    def __init__(self, directory: Path, header: dict[str, Any] | Callable[[], dict[str, Any]]) -> None:
         self.directory = _usable_directory(Path(directory))
-        self.header = header
-        self.plan = header_fingerprint(header)
+        self._header = header
         self._had_plan = (self.directory / MANIFEST).is_file()
         self._written: list[str] = []
+
+    @functools.cached_property
+    def header(self) -> dict[str, Any]:
+        return self._header() if callable(self._header) else self._header
+
+    @functools.cached_property
+    def plan(self) -> str:
+        """What every epoch file of this plan carries (`header_fingerprint`)."""
+        return header_fingerprint(self.header)
 
     def __enter__(self) -> DirectoryWriter:
         return self

@@ -72,53 +72,67 @@ def build_plan_file(
     advance = stage(progress, "reading lengths", len(files.paths))
     columns = {"length_column": length_column, "tokens_column": tokens_column, "loss_tokens_column": loss_tokens_column}
     with ThreadPoolExecutor(max_workers=1) as reader:
-        # Reading and hashing the lengths and estimating the build's memory from them
-        # release the GIL: they run while numba is imported and started, which is
-        # Python (~0.3 s of every build).
+        # Reading the lengths and estimating the build's memory from them release the GIL:
+        # they run while numba is imported and started, which is Python (~0.3 s of every build).
         reading = reader.submit(_read_and_estimate, files, columns, config, threads, advance)
         from batchplan.kernels.startup import start_numba
         from batchplan.planning.epochs import build_plan
 
         start_numba()
-        lengths, fingerprint, estimate = reading.result()
-    # before planning: micro-batches and spans estimated from the lengths
-    check_build_memory(_held(estimate, held, threads))
-    source = {
-        "files": [[path, rows] for path, rows in lengths.files],
-        "length_column": lengths.column,
-        "loss_tokens_column": loss_tokens_column,
-    }
-    if layout == "directory":
-        return _build_directory(output, config, lengths, source, fingerprint, epochs, progress)
-    advance = stage(progress, "planning epochs", config.epochs)
-    plan = build_plan(lengths.lengths, config, loss_tokens=lengths.loss_tokens, on_epoch=lambda _: advance(1))
-    advance = stage(progress, "writing plan", config.epochs * config.world_size)
-    return write_plan(
-        plan, output, dataset=source, lengths_fingerprint=fingerprint, on_batch=lambda _: advance(1)
-    )
+        lengths, estimate = reading.result()
+        # The fingerprint is written with the plan: the lengths are hashed (BLAKE2b releases
+        # the GIL; ~5 s of CPU at 10^9 samples) while the first epoch is planned.
+        hashing = reader.submit(lengths.fingerprint)
+        # before planning: micro-batches and spans estimated from the lengths
+        check_build_memory(_held(estimate, held, threads))
+        source = {
+            "files": [[path, rows] for path, rows in lengths.files],
+            "length_column": lengths.column,
+            "loss_tokens_column": loss_tokens_column,
+        }
+        if layout == "directory":
+            return _build_directory(output, config, lengths, source, hashing.result, epochs, progress)
+        advance = stage(progress, "planning epochs", config.epochs)
+        plan = build_plan(lengths.lengths, config, loss_tokens=lengths.loss_tokens, on_epoch=lambda _: advance(1))
+        advance = stage(progress, "writing plan", config.epochs * config.world_size)
+        return write_plan(
+            plan, output, dataset=source, lengths_fingerprint=hashing.result(), on_batch=lambda _: advance(1)
+        )
 
 
 def _read_and_estimate(
     files: DatasetFiles, columns: dict[str, Any], config: PlanConfig, threads: int, advance: Callable[[int], None]
 ):
-    """The lengths (``advance(1)`` as each file is read), their fingerprint, and the build's
-    memory estimate from them."""
+    """The lengths (``advance(1)`` as each file is read) and the build's memory estimate from them."""
     lengths = read_lengths(files, **columns, on_file=lambda _: advance(1))
     estimate = estimate_build_memory(lengths.num_samples, config, num_threads=threads, lengths=lengths.lengths)
-    return lengths, lengths.fingerprint(), estimate
+    return lengths, estimate
 
 
-def _build_directory(output: Path, config: PlanConfig, lengths, source, fingerprint, epochs: range, progress):
-    """Plan ``epochs`` of one dataset into a plan directory (`write_directory`)."""
+def _build_directory(
+    output: Path, config: PlanConfig, lengths, source, fingerprint: Callable[[], str], epochs: range, progress
+):
+    """Plan ``epochs`` of one dataset into a plan directory (`write_directory`); ``fingerprint``
+    gives the lengths' fingerprint when the first epoch is written."""
     from batchplan.formats.plan_writer import header_metadata
     from batchplan.planning.epochs import prepare_entries
 
     prepared = prepare_entries(lengths.lengths, config, loss_tokens=lengths.loss_tokens)
-    header = header_metadata(config, prepared.num_samples, prepared.entries, source, fingerprint)
+
+    def header() -> dict[str, Any]:
+        return header_metadata(config, prepared.num_samples, prepared.entries, source, fingerprint())
+
     return write_directory(output, config, prepared, header, epochs, progress)
 
 
-def write_directory(output: Path, config: PlanConfig, prepared, header: dict[str, Any], epochs: range, progress):
+def write_directory(
+    output: Path,
+    config: PlanConfig,
+    prepared,
+    header: dict[str, Any] | Callable[[], dict[str, Any]],
+    epochs: range,
+    progress,
+):
     """Plan ``epochs`` of ``prepared`` (`batchplan.planning.epochs.PreparedEntries`) and write
     each one's file as soon as it is planned; then the manifest, if every epoch's file is
     there (`batchplan.formats.directory_writer`: the plan already there stays whole until

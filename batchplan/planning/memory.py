@@ -67,6 +67,7 @@ __all__ = [
     "check_build_memory",
     "estimate_build_memory",
     "estimate_layout",
+    "length_counts",
     "kernel_bytes",
 ]
 
@@ -125,17 +126,18 @@ class MemoryEstimate:
         return dataclasses.replace(self, epochs=epochs, at_once=max(1, min(epochs, at_once)))
 
 
-def estimate_layout(lengths: NDArray[np.integer], config: PlanConfig) -> tuple[int, int, bool]:
+def estimate_layout(
+    lengths: NDArray[np.integer], config: PlanConfig, counts: tuple[int, int, NDArray[np.int64]] | None = None
+) -> tuple[int, int, bool]:
     """``(entries, micro-batches per epoch, has spans)`` a build of ``lengths`` will make, estimated.
 
     Micro-batches: kept tokens / max_tokens (pad: x 1.2 for padding), and at least one
-    per entry longer than max_tokens / 2 (no two of them share one).
+    per entry longer than max_tokens / 2 (no two of them share one). ``counts``: the
+    lengths' `length_counts`, when known.
     """
     cap = config.max_tokens
     num_entries = int(lengths.shape[0])
-    tokens = int(lengths.sum(dtype=np.int64))
-    big = int(np.count_nonzero(lengths > cap // 2))
-    oversize = lengths[lengths > cap].astype(np.int64)
+    tokens, big, oversize = counts or length_counts(lengths, cap)
     # A sequence-length warmup also cuts samples (into more pieces early on: not counted).
     has_spans = (bool(oversize.size) and config.oversize in ("truncate", "split")) or config.has_seqlen_warmup
     if oversize.size and config.oversize == "drop":
@@ -149,6 +151,23 @@ def estimate_layout(lengths: NDArray[np.integer], config: PlanConfig) -> tuple[i
         big += int((oversize // cap - 1).sum())  # full pieces beyond the first
     rows = max(int(np.ceil(tokens / cap * ROWS_PER_CAP[config.mode])), big) + config.world_size
     return num_entries, rows, has_spans
+
+
+def length_counts(lengths: NDArray[np.integer], cap: int) -> tuple[int, int, NDArray[np.int64]]:
+    """``(tokens, lengths above cap // 2, the lengths above cap)``, a chunk of `COUNT_CHUNK`
+    at a time: comparing the whole array at once would write (and fault in) a boolean array
+    as long as it, which costs more than the comparisons (~2 s against ~0.2 s at 10^9)."""
+    tokens, big, oversize = 0, 0, [np.zeros(0, dtype=np.int64)]
+    for start in range(0, lengths.shape[0], COUNT_CHUNK):
+        chunk = lengths[start : start + COUNT_CHUNK]
+        tokens += int(chunk.sum(dtype=np.int64))
+        big += int(np.count_nonzero(chunk > cap // 2))
+        if int(chunk.max()) > cap:
+            oversize.append(chunk[chunk > cap].astype(np.int64))
+    return tokens, big, np.concatenate(oversize)
+
+
+COUNT_CHUNK = 1 << 20
 
 
 def estimate_build_memory(
@@ -171,8 +190,9 @@ def estimate_build_memory(
         num_entries, rows, has_spans = num_samples, 0, False
         tokens = num_samples  # a lower bound: lengths are >= 1 (empty samples are refused or dropped)
     else:
-        num_entries, rows, has_spans = estimate_layout(np.asarray(lengths), config)
-        tokens = int(np.asarray(lengths).sum(dtype=np.int64))
+        counts = length_counts(np.asarray(lengths), config.max_tokens)
+        num_entries, rows, has_spans = estimate_layout(np.asarray(lengths), config, counts)
+        tokens = counts[0]
     estimate = MemoryEstimate(num_entries, rows, config.epochs, 1, has_spans, config.cost_coefficient is not None,
                               kernel_bytes(config, tokens), complete=lengths is not None)  # fmt: skip
     return estimate.with_epochs(config.epochs, num_threads)
