@@ -204,3 +204,25 @@ def test_files_in_parallel_fail_with_the_first_bad_file_and_start_no_more():
     done: list[int] = []
     for_each_file(100, lambda index: None, on_done=done.append, max_threads=4)
     assert sorted(done) == list(range(100))
+
+
+def test_an_object_of_many_row_groups_is_read_in_pieces_like_its_local_copy(s3, tmp_path, monkeypatch):
+    """Row groups of an object read as pieces (`batchplan.formats.dataset_files.PIECE_ROWS`)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchplan.formats import dataset_files
+
+    local = tmp_path / "grouped"
+    local.mkdir()
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 900, 1_000)
+    table = pa.table({"length": lengths, "loss": rng.integers(0, lengths)})
+    pq.write_table(table, local / "one.parquet", row_group_size=64)
+    upload(local, "grouped")
+    monkeypatch.setattr(dataset_files, "PIECE_ROWS", 100)
+    assert len(dataset_files.pieces_of(dataset_files.count_file_rows(
+        dataset_files.find_dataset_files(f"s3://{BUCKET}/grouped"), None))) == 8  # fmt: skip
+    remote = read_lengths(f"s3://{BUCKET}/grouped", loss_tokens_column="loss")
+    assert remote.lengths.tolist() == lengths.tolist()
+    assert remote.loss_tokens.tolist() == table["loss"].to_pylist()

@@ -1,39 +1,43 @@
-"""Read per-sample token lengths from Parquet or a ``datasets`` folder, column-only, files in parallel.
+"""Read per-sample token lengths from Parquet or a ``datasets`` folder, column-only, in parallel.
 
-A dataset is Parquet files and directories of them, on local disk or in object storage
-(``s3://`` and ``gs://`` URIs naming an object or a prefix; `batchplan.formats.storage`):
-sample ``i`` is global row ``i`` over the files in sorted path order, the same for a prefix
-and a local copy of it. Or it is one local folder written by Hugging Face
-``Dataset.save_to_disk`` (sample ``i`` is row ``i`` of the dataset: its Arrow files in
-``state.json`` order; `batchplan.formats.datasets_folder`). A length comes from an integer column
-(``length_column``) or, when that column is absent, from a list column of token ids
-(``tokens_column``), whose list offsets give the lengths; no other column is read.
-Two passes over the files, each on up to 16 threads (object storage is latency-bound): the
-row counts (Parquet footers), then each file's column(s) into its slice of the result.
+The dataset's files and the pieces they are read in: `batchplan.formats.dataset_files`. A
+length comes from an integer column (``length_column``) or, when that column is absent, from a
+list column of token ids (``tokens_column``), whose list offsets give the lengths; no other
+column is read. Two passes, each on up to 16 threads (object storage is latency-bound): the
+row counts (Parquet footers), then each piece's column(s) into its slice of the result.
 Memory: 2 bytes per sample for lengths when every length is below 2^16 (uint16, the usual
 case: read straight into it), else 4 (int32: a column with a larger value is read again);
-a loss-token column the same again, on its own; plus one batch per file in flight (at most 16). ``datasets`` is never
-imported, nor pandas for local files (objects are opened through ``pyarrow.dataset``, which
-imports pandas when it is installed).
+a loss-token column the same again, on its own; plus one batch per piece in flight (at most
+16). ``datasets`` is never imported, nor pandas for local files (objects are opened through
+``pyarrow.dataset``, which imports pandas when it is installed).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import os
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
 from numpy.typing import NDArray
 
-from batchplan.errors import DatasetError, one_line
+from batchplan.errors import DatasetError
 from batchplan.formats.arrow import numpy_of, valid
-from batchplan.formats.datasets_folder import StreamFile, is_datasets_folder, list_arrow_files
-from batchplan.formats.storage import Storage, for_each_file, is_uri, names_of, order_key, storage_error, uri_hint
+from batchplan.formats.dataset_files import (
+    DatasetFiles,
+    ParquetSource,
+    Piece,
+    count_file_rows,
+    count_samples,
+    find_dataset_files,
+    find_parquet_files,
+    open_source,
+    pieces_of,
+)
+from batchplan.formats.datasets_folder import StreamFile
+from batchplan.formats.storage import for_each_file
 
 __all__ = [
     "DatasetFiles",
@@ -47,7 +51,6 @@ __all__ = [
 
 PathLike = str | os.PathLike
 
-_BATCH_ROWS = 1 << 20
 _INT32_MAX = np.iinfo(np.int32).max
 _UINT16_END = 1 << 16
 _CHUNK = 1 << 20  # values converted at a time when hashing (4 MiB as int32)
@@ -108,89 +111,6 @@ def _hash_as_int32(digest, values: NDArray) -> None:
         digest.update(np.ascontiguousarray(values[start : start + _CHUNK], dtype="<i4").data)
 
 
-@dataclasses.dataclass(frozen=True)
-class DatasetFiles:
-    """The files of one dataset, in sample order.
-
-    Attributes:
-        paths: Parquet files (local paths, or ``s3://bucket/key`` and ``gs://bucket/key``
-            URIs), or the Arrow stream files of ``folder``.
-        folder: the Hugging Face datasets folder the files belong to, or None for Parquet.
-        storage: the filesystems that open the URIs among ``paths``.
-    """
-
-    paths: tuple[str, ...]
-    folder: Path | None = None
-    storage: Storage = dataclasses.field(default_factory=Storage, compare=False, repr=False)
-
-
-def find_dataset_files(paths: PathLike | Sequence[PathLike]) -> DatasetFiles:
-    """Expand the dataset paths of a command: Parquet files, directories and URIs, or one datasets folder.
-
-    Raises:
-        DatasetError: a missing path, bucket, object or prefix, a DatasetDict folder, a
-            datasets folder given with other paths, a damaged ``state.json``, a directory or
-            prefix with no dataset files, an object store that cannot be reached.
-    """
-    names = names_of(paths)
-    folders = [Path(name) for name in names if not is_uri(name) and is_datasets_folder(Path(name))]
-    if not folders:
-        storage = Storage()
-        return DatasetFiles(tuple(find_parquet_files(names, storage=storage)), storage=storage)
-    if len(names) > 1:
-        others = list(names)
-        others.remove(str(folders[0]))
-        raise DatasetError(
-            f"{folders[0]}: a Hugging Face datasets folder given with {len(others)} other path(s) "
-            f"{others}; expected it alone (it is a whole dataset): pass one datasets folder, or combine "
-            "them with datasets.concatenate_datasets(...).save_to_disk(PATH) and pass PATH"
-        )
-    return DatasetFiles(tuple(str(path) for path in list_arrow_files(folders[0])), folder=folders[0])
-
-
-def find_parquet_files(paths: PathLike | Sequence[PathLike], *, storage: Storage | None = None) -> list[str]:
-    """Expand files, directories and URIs (all ``*.parquet`` below them) into sorted file names.
-
-    Local paths come out as ``str(Path(path))``; URIs as ``scheme://bucket/key``, opened by
-    ``storage`` (a new one when None).
-    """
-    storage = Storage() if storage is None else storage
-    found: list[str] = []
-    for name in names_of(paths):
-        if is_uri(name):
-            found.extend(storage.expand(name))
-            continue
-        path = Path(name)
-        if path.is_dir():
-            inside = sorted(p for p in path.rglob("*.parquet") if p.is_file())
-            if not inside:
-                raise DatasetError(
-                    f"{path}: directory holds no *.parquet files and no state.json; expected Parquet "
-                    "files or a folder written by Hugging Face Dataset.save_to_disk"
-                )
-            found.extend(str(p) for p in inside)
-        elif path.is_file():
-            found.append(name)
-        else:
-            raise DatasetError(f"{path}: no such file or directory{uri_hint(name)}")
-    if not found:
-        raise DatasetError("no dataset files given")
-    files = sorted(found, key=order_key)
-    for before, after in zip(files, files[1:]):
-        if before == after:
-            raise DatasetError(f"{after}: file given twice; each sample must be read once")
-    return files
-
-
-def count_samples(files: DatasetFiles) -> int | None:
-    """Samples of the dataset before reading it: Parquet footers, or the streams' batch
-    headers; None if a file is unreadable (`read_lengths` then reports it)."""
-    try:
-        return sum(_count_rows(files, None))
-    except DatasetError:
-        return None
-
-
 def read_lengths(
     paths: PathLike | Sequence[PathLike] | DatasetFiles,
     *,
@@ -215,29 +135,31 @@ def read_lengths(
             loss tokens above the length, an object store that cannot be reached.
     """
     files = paths if isinstance(paths, DatasetFiles) else find_dataset_files(paths)
-    column = _pick_length_column(_open_source(files, 0), length_column, tokens_column)
+    column = _pick_length_column(open_source(files, 0), length_column, tokens_column)
     columns = [column] if loss_tokens_column is None else [column, loss_tokens_column]
-    counts = _count_rows(files, columns)
+    group_rows = count_file_rows(files, columns)
+    counts = [sum(rows) for rows in group_rows]
     total = sum(counts)
     if total == 0:
         raise DatasetError(f"{files.folder or ', '.join(files.paths)}: dataset has 0 rows; nothing to plan")
-    # Each file fills its own slice: memory is the result plus the batches in flight, never a
+    # Each piece fills its own slice: memory is the result plus the batches in flight, never a
     # list of parts. Columns are read into uint16 (lengths are almost always below 2^16); one
     # holding a larger value anywhere is read again, into int32.
-    starts = [0, *itertools.accumulate(counts)]
-    done = None if on_file is None else (lambda index: on_file(files.paths[index]))
+    pieces = pieces_of(group_rows)
+    done = _file_done(files, pieces, on_file)
     dtypes: list[type[np.integer]] = [np.uint16] * len(columns)
     while True:
         arrays = [np.empty(total, dtype=dtype) for dtype in dtypes]
 
-        def read_file(index: int, arrays=arrays) -> None:
-            _read_into(_open_source(files, index), columns, starts[index], starts[index + 1], *arrays)
+        def read_piece(index: int, arrays=arrays) -> None:
+            piece = pieces[index]
+            _read_into(open_source(files, piece.file), columns, piece, *arrays)
 
         try:
-            for_each_file(len(files.paths), read_file, on_done=done)
+            for_each_file(len(pieces), read_piece, on_done=done)
             break
         except _TooLarge as larger:
-            del arrays, read_file  # the narrow arrays go before the wider ones are filled
+            del arrays, read_piece  # the narrow arrays go before the wider ones are filled
             dtypes[larger.column] = np.int32
     lengths, loss = arrays[0], (arrays[1] if len(arrays) > 1 else None)
     # Arrow's allocator keeps the freed read buffers for reuse (~0.2 GB); planning never reads
@@ -264,80 +186,50 @@ def _fitted(values: NDArray, out: NDArray, column: int) -> NDArray:
     return values
 
 
-def _count_rows(files: DatasetFiles, columns: list[str] | None) -> list[int]:
-    """Rows of each file (Parquet footers), checking that each holds ``columns``."""
-    counts = [0] * len(files.paths)
-
-    def count(index: int) -> None:
-        source = _open_source(files, index)
-        if columns is not None:
-            _check_columns(source.path, source.schema, columns)
-        counts[index] = source.count_rows(columns or source.schema.names[:1])
-
-    for_each_file(len(files.paths), count)
-    return counts
-
-
 def _read_into(
-    source: _ParquetFile | StreamFile, columns: list[str], start: int, end: int, lengths: NDArray,
-    loss: NDArray | None = None,
+    source: ParquetSource | StreamFile, columns: list[str], piece: Piece, lengths: NDArray, loss: NDArray | None = None
 ) -> None:
-    """The lengths (and loss tokens) of one file, into samples ``start:end``."""
-    row = start
-    for batch in source.iter_batches(columns):
+    """The lengths (and loss tokens) of one piece of a file, into its samples."""
+    row = piece.start
+    if piece.row_groups is None:
+        batches = source.iter_batches(columns)
+    else:
+        assert isinstance(source, ParquetSource)  # only Parquet files are cut into row groups
+        batches = source.iter_batches(columns, piece.row_groups)
+    for batch in batches:
         stop = row + batch.num_rows
-        if stop > end:
+        if stop > piece.end:
             break
-        where = _Rows(str(source.path), file_row=row - start, sample=row)
+        where = _Rows(str(source.path), file_row=row - piece.file_start, sample=row)
         lengths[row:stop] = _fitted(_lengths_of(where, batch.column(columns[0]), columns[0]), lengths, 0)
         if loss is not None:
             loss[row:stop] = _fitted(_integers_of(where, batch.column(columns[1]), columns[1]), loss, 1)
         row = stop
-    if row != end:
+    if row != piece.end:
         raise DatasetError(
-            f"{source.path}: holds a different number of rows than the {end - start:,} its footer counted "
-            "a moment before; the file changed while it was read: read the dataset again once it is written"
+            f"{source.path}: holds a different number of rows than the {piece.end - piece.start:,} its footer "
+            "counted a moment before; the file changed while it was read: read the dataset again once it is written"
         )
 
 
-class _ParquetFile:
-    """One Parquet file, read like a `StreamFile`: schema, row count, batches of some columns."""
+def _file_done(files: DatasetFiles, pieces: list[Piece], on_file: Callable[[str], None] | None):
+    """``on_done`` for `for_each_file` over ``pieces``: ``on_file(path)`` once a file's last piece is read."""
+    if on_file is None:
+        return None
+    left = [0] * len(files.paths)
+    for piece in pieces:
+        left[piece.file] += 1
 
-    def __init__(self, path: str, storage: Storage):
-        self.path = path
-        try:
-            self._file = storage.open_parquet(path)
-        except (pa.ArrowException, OSError) as error:
-            raise _read_error(
-                path, error, "not a readable Parquet file", "give Parquet files or directories of them, "
-                "or a folder written by Hugging Face Dataset.save_to_disk"
-            ) from error
-        self.schema: pa.Schema = self._file.schema_arrow
+    def done(index: int) -> None:
+        file = pieces[index].file
+        left[file] -= 1
+        if left[file] == 0:
+            on_file(files.paths[file])
 
-    def count_rows(self, columns: list[str]) -> int:
-        return self._file.metadata.num_rows
-
-    def iter_batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
-        try:
-            yield from self._file.iter_batches(batch_size=_BATCH_ROWS, columns=columns)
-        except (pa.ArrowException, OSError) as error:
-            raise _read_error(self.path, error, f"cannot read column(s) {columns}", "") from error
+    return done
 
 
-def _read_error(path: str, error: BaseException, what: str, fix: str) -> DatasetError:
-    """A read error as one line; a URI's I/O error says what to check on the store."""
-    if is_uri(path) and isinstance(error, OSError):
-        return storage_error(path, error)
-    return DatasetError(f"{path}: {what} ({one_line(error)}){'; ' + fix if fix else ''}")
-
-
-def _open_source(files: DatasetFiles, index: int) -> _ParquetFile | StreamFile:
-    if files.folder is None:
-        return _ParquetFile(files.paths[index], files.storage)
-    return StreamFile(Path(files.paths[index]), files.folder)
-
-
-def _pick_length_column(source: _ParquetFile | StreamFile, length_column: str, tokens_column: str) -> str:
+def _pick_length_column(source: ParquetSource | StreamFile, length_column: str, tokens_column: str) -> str:
     names = source.schema.names
     if length_column in names:
         kind = source.schema.field(length_column).type
@@ -355,15 +247,6 @@ def _pick_length_column(source: _ParquetFile | StreamFile, length_column: str, t
         f"{source.path}: no length column {length_column!r} and no token column {tokens_column!r}; "
         f"columns are {names}; pass `length_column` or `tokens_column`"
     )
-
-
-def _check_columns(path: str | Path, schema: pa.Schema, columns: list[str]) -> None:
-    for name in columns:
-        if name not in schema.names:
-            raise DatasetError(
-                f"{path}: column {name!r} is missing (columns are {schema.names}); every file "
-                "of a dataset must have the same columns"
-            )
 
 
 @dataclasses.dataclass(frozen=True)

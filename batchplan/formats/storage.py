@@ -157,9 +157,13 @@ class ParquetObject:
         self.metadata: pq.FileMetaData = self._fragment.metadata
         self.schema_arrow: pa.Schema = self._fragment.physical_schema
 
-    def iter_batches(self, batch_size: int, columns: list[str]) -> Iterator[pa.RecordBatch]:
+    def iter_batches(
+        self, batch_size: int, columns: list[str], row_groups: list[int] | None = None
+    ) -> Iterator[pa.RecordBatch]:
+        """Batches of ``columns``, of the whole object or of ``row_groups``."""
+        fragment = self._fragment if row_groups is None else self._fragment.subset(row_group_ids=row_groups)
         # One batch read ahead: memory stays at about two batches per file in flight.
-        return self._fragment.to_batches(columns=columns, batch_size=batch_size, batch_readahead=1, use_threads=False)
+        return fragment.to_batches(columns=columns, batch_size=batch_size, batch_readahead=1, use_threads=False)
 
 
 def storage_error(name: str, error: OSError) -> DatasetError:

@@ -10,7 +10,8 @@ from typing import Any, Protocol
 
 from batchplan.config import PlanConfig, num_threads
 from batchplan.errors import ConfigError
-from batchplan.formats.lengths import DatasetFiles, count_samples, find_dataset_files, read_lengths
+from batchplan.formats.dataset_files import DatasetFiles, count_samples, find_dataset_files
+from batchplan.formats.lengths import read_lengths
 from batchplan.formats.storage import is_uri
 from batchplan.planning.memory import check_build_memory, estimate_build_memory
 
