@@ -53,16 +53,22 @@ def print_summary(summary: dict[str, Any], *, title: str) -> None:
 
 
 def _sources_table(sources: list[dict[str, Any]]) -> Table:
-    """A mixture's sources: weight, tokens asked and planned, passes, and each one's share
-    of the steps (mean, and the worst miss against the bound of that step)."""
+    """A mixture's sources: weight, tokens asked and planned (and of those, what drop_last
+    drops, when it drops any), passes, and each one's share of the steps (mean, and the
+    worst miss against the bound of that step)."""
     table = Table(title="sources (share of each step but each epoch's last)")
-    for name in ("source", "weight", "target", "planned", "passes", "mean share", "worst miss", "its bound"):
+    dropped = any(source.get("dropped_tokens") for source in sources)  # drop_last's, of the planned
+    names = ("source", "weight", "target", "planned", *(("dropped",) if dropped else ()), "passes", "mean share",
+             "worst miss", "its bound")  # fmt: skip
+    for name in names:
         table.add_column(name, justify="left" if name == "source" else "right")
     for source in sources:
         worst, bound = source["worst_miss"], source["worst_miss_bound"]
+        gone = source.get("dropped_tokens")
         table.add_row(
             source["name"], format_share(source["weight"], 2), f"{source['target_tokens']:,}",
-            f"{source['planned_tokens']:,}", f"{source['passes']:.3f}", format_share(source["mean_share"], 2),
+            f"{source['planned_tokens']:,}", *(("n/a" if gone is None else f"{gone:,}",) if dropped else ()),
+            f"{source['passes']:.3f}", format_share(source["mean_share"], 2),
             "n/a" if worst is None else f"{100 * worst:.2f} pp", "n/a" if bound is None else f"{100 * bound:.2f} pp",
         )
     return table

@@ -87,7 +87,7 @@ def test_a_mixture_plan_directory_builds_and_validates(tmp_path):
         ([str(DATA / "squad11_bert384.parquet"), "--mixture", str(DEMO)], "give either DATASET or --mixture"),
         ([], "give either DATASET or --mixture"),
         (["--mixture", "no-such.yaml"], "no-such.yaml"),
-        (["--mixture", str(DEMO), "--drop-last"], "drop_last is not available with a mixture"),
+        (["--mixture", str(DEMO), "--seqlen-warmup", "512:1T"], "more tokens than the mixture's epoch 0 holds"),
     ],
 )
 def test_bad_builds_are_one_line(tmp_path, args, message):

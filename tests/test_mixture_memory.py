@@ -5,10 +5,10 @@ entries or more, every part's bins are parked while the epoch is composed and sc
 packed again to be laid out (`batchplan.planning.parted_bins`). Here both thresholds are set
 to 1, so that small mixtures take those paths: the plan files are byte for byte those of the
 default build, in every configuration the mixture's paths branch on (pack and pad, a
-loss-tokens column, spans and drops, several epochs, phases, compute balance, a ramp-up, a
-plan directory, a re-planned continuation). The draws they rest on are checked on their own:
-a selection's order drawn again (`SourceSelection.draw`), and a permutation's prefix
-(`PermutedPrefix`)."""
+loss-tokens column, spans and drops, several epochs, phases, compute balance, a ramp-up,
+drop_last, a sequence-length warmup, a plan directory, a re-planned continuation). The draws
+they rest on are checked on their own: a selection's order drawn again
+(`SourceSelection.draw`), and a permutation's prefix (`PermutedPrefix`)."""
 
 from __future__ import annotations
 
@@ -26,10 +26,10 @@ from batchplan.formats.opening import open_plan
 from batchplan.mixture import Mixture, MixtureSource
 from batchplan.operations.build_mixture import build_mixture_plan_file
 from batchplan.operations.replan_mixture import replan_mixture_file
-from batchplan.planning import mixture_epochs, parted_bins
+from batchplan.planning import mixture_entries, mixture_epochs, parted_bins
 from batchplan.planning.forming import form_micro_batches
 from batchplan.planning.micro_batches import MicroBatches
-from batchplan.planning.mixture_epochs import prepare_mixture_entries
+from batchplan.planning.mixture_entries import prepare_mixture_entries
 from batchplan.planning.mixture_sizing import SourceResume, select_sources
 from batchplan.planning.parted_bins import ParkedBins, PartedBins, RowMembers
 from batchplan.planning.randomness import PermutedPrefix, permute
@@ -47,6 +47,8 @@ CASES = {
     "split": dict(max_tokens=1024, world_size=4, micro_batches=2, oversize="split", epochs=2),
     "drop": dict(max_tokens=1024, world_size=4, micro_batches=2, oversize="drop"),
     "pad": dict(max_tokens=2048, mode="pad", world_size=4, micro_batches=2),
+    "drop-last": dict(max_tokens=2048, world_size=4, micro_batches=3, drop_last=True),
+    "warmup": dict(max_tokens=2048, world_size=4, micro_batches=2, seqlen_warmup_min=128, seqlen_warmup_tokens=10**6),
 }
 
 
@@ -69,7 +71,7 @@ def sources(tmp_path_factory) -> Path:
 @pytest.fixture
 def at_scale(monkeypatch):
     """The paths of a large mixture for any mixture: samples drawn again, parts parked."""
-    monkeypatch.setattr(mixture_epochs, "DRAW_AGAIN_FROM_USES", 1)
+    monkeypatch.setattr(mixture_entries, "DRAW_AGAIN_FROM_USES", 1)
     monkeypatch.setattr(mixture_epochs, "PARK_FROM_ENTRIES", 1)
     monkeypatch.setattr(parted_bins, "PARK_FROM_ENTRIES", 1)
 
@@ -84,7 +86,7 @@ def _build(sources: Path, mixture: str, case: str, output: Path, **options) -> P
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_large_mixtures_paths_plan_the_same_plan(sources, tmp_path, monkeypatch, mixture, case):
     want = _build(sources, mixture, case, tmp_path / "default.arrow").read_bytes()
-    monkeypatch.setattr(mixture_epochs, "DRAW_AGAIN_FROM_USES", 1)
+    monkeypatch.setattr(mixture_entries, "DRAW_AGAIN_FROM_USES", 1)
     monkeypatch.setattr(mixture_epochs, "PARK_FROM_ENTRIES", 1)
     monkeypatch.setattr(parted_bins, "PARK_FROM_ENTRIES", 1)
     assert _build(sources, mixture, case, tmp_path / "at_scale.arrow").read_bytes() == want
@@ -95,7 +97,7 @@ def test_a_large_mixtures_plan_directory_is_the_default_ones(sources, tmp_path, 
         return [path.read_bytes() for path in sorted(directory.glob("epoch-*.arrow"))]
 
     want = epoch_files(_build(sources, "phases.json", "epochs-token-steps", tmp_path / "default", layout="directory"))
-    monkeypatch.setattr(mixture_epochs, "DRAW_AGAIN_FROM_USES", 1)
+    monkeypatch.setattr(mixture_entries, "DRAW_AGAIN_FROM_USES", 1)
     monkeypatch.setattr(mixture_epochs, "PARK_FROM_ENTRIES", 1)
     monkeypatch.setattr(parted_bins, "PARK_FROM_ENTRIES", 1)
     got = epoch_files(_build(sources, "phases.json", "epochs-token-steps", tmp_path / "at_scale", layout="directory"))
@@ -103,10 +105,12 @@ def test_a_large_mixtures_plan_directory_is_the_default_ones(sources, tmp_path, 
 
 
 @pytest.mark.parametrize(("case", "drawn_again"), [("pack", True), ("loss-column", True), ("truncate", False),
-                                                   ("drop", False), ("pad", False)])  # fmt: skip
+                                                   ("drop", False), ("pad", False), ("drop-last", False),
+                                                   ("warmup", False)])  # fmt: skip
 def test_samples_are_drawn_again_where_each_use_is_one_packed_entry(sources, at_scale, case, drawn_again):
     """Uses one entry each and packed: members are the samples, drawn again (none held);
-    truncated spans, drops or pad mode: each entry keeps its sample."""
+    truncated spans, drops, pad mode, drop_last or a warmup (which name samples): each entry
+    keeps its sample."""
     mixture = read_mixture(sources / "mixture.json")
     read = read_mixture_lengths(mixture, loss_tokens_column="loss" if case == "loss-column" else None)
     prepared = prepare_mixture_entries(mixture, read.lengths, read.offsets, PlanConfig(**CASES[case]),
@@ -124,7 +128,7 @@ def test_a_replanned_continuation_at_scale_is_the_default_one(sources, tmp_path,
     from_step = open_plan(parent).num_steps * 3 // 5
     want = tmp_path / "default.arrow"
     replan_mixture_file(parent, want, sources / "phases.json", from_step=from_step)
-    monkeypatch.setattr(mixture_epochs, "DRAW_AGAIN_FROM_USES", 1)
+    monkeypatch.setattr(mixture_entries, "DRAW_AGAIN_FROM_USES", 1)
     monkeypatch.setattr(mixture_epochs, "PARK_FROM_ENTRIES", 1)
     monkeypatch.setattr(parted_bins, "PARK_FROM_ENTRIES", 1)
     got = tmp_path / "at_scale.arrow"

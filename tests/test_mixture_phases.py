@@ -17,13 +17,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from _mixture_recount import (
+    assert_planned_tokens_add_up,
+    assert_repetition_in_order,
+    assert_warmup_caps_hold,
+    recount,
+)
 from _plan_views import WithMetadata
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from batchplan import PlanConfig
-from batchplan.errors import ConfigError
+from batchplan.errors import ConfigError, DatasetError
 from batchplan.formats.opening import open_plan
 from batchplan.kernels.interleave import compose_steps
 from batchplan.mixture import Mixture, MixturePhase, MixtureSource
@@ -234,10 +240,14 @@ def assert_phases_hold(per_step, epoch_of_step, mixture: Mixture, max_tokens: in
     mode=st.sampled_from(["pack", "pad"]),
     rampup=st.booleans(),
     seed=st.integers(0, 2**16),
+    drop_last=st.booleans(),
+    warmup=st.booleans(),
 )
 def test_hypothesis_phased_mixtures_switch_at_the_step_and_hold_every_guarantee(
-    tmp_path, num_sources, num_phases, world_size, budget, epochs, mode, rampup, seed
+    tmp_path, num_sources, num_phases, world_size, budget, epochs, mode, rampup, seed, drop_last, warmup
 ):
+    """Drawn with and without ``drop_last`` and a sequence-length warmup over a quarter of
+    epoch 0 (`_mixture_recount` counts the dropped uses and checks the warmup's caps)."""
     rng = np.random.default_rng(seed)
     lengths = [np.clip(rng.lognormal(rng.uniform(3, 6), 0.8, rng.integers(50, 2000)), 1, 1024).astype(np.int32)
                for _ in range(num_sources)]  # fmt: skip
@@ -261,13 +271,25 @@ def test_hypothesis_phased_mixtures_switch_at_the_step_and_hold_every_guarantee(
         phases=tuple(phases),
     )  # fmt: skip
     ramp = dict(micro_batches=2, rampup_start=world_size * 1024, rampup_tokens=tokens // 2) if rampup else {}
-    config = PlanConfig(max_tokens=1024, world_size=world_size, mode=mode, seed=seed, epochs=epochs, **ramp)
+    epochs = 1 if drop_last and phases else epochs  # drop_last with phases takes one epoch (test_mixture_drop_last)
+    warm = dict(seqlen_warmup_min=64, seqlen_warmup_tokens=max(1, tokens // epochs // 4)) if warmup else {}
+    config = PlanConfig(max_tokens=1024, world_size=world_size, mode=mode, seed=seed, epochs=epochs,
+                        drop_last=drop_last, **ramp, **warm)  # fmt: skip
     path = directory / "plan.arrow"
-    build_mixture_plan_file(mixture, path, config)
+    try:
+        build_mixture_plan_file(mixture, path, config)
+    except DatasetError as error:  # a mixture of less than one step in an epoch: nothing to keep
+        assert drop_last and "would drop all" in str(error)
+        return
     (directory / "mix.json").write_text(json.dumps(mixture.to_dict()))
     assert validate_plan(path, mixture=directory / "mix.json") == []
     per_step, epoch_of_step = per_step_tokens(path, num_sources)
     assert_phases_hold(per_step, epoch_of_step, mixture, max_tokens=1024)
+    counted = recount(path, np.concatenate(lengths))
+    assert_repetition_in_order(counted)
+    assert_planned_tokens_add_up(counted)
+    if warmup:
+        assert_warmup_caps_hold(counted)
 
 
 def a_then_b(tmp_path: Path, switch: float, **options) -> tuple[Path, Mixture, int]:

@@ -15,11 +15,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from _mixture_recount import assert_planned_tokens_add_up, assert_warmup_caps_hold, recount
+from _mixture_recount import assert_repetition_in_order as assert_counted_repetition_in_order
 from _plan_views import WithMetadata
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batchplan import PlanConfig
+from batchplan.errors import DatasetError
 from batchplan.formats.opening import open_plan
 from batchplan.kernels.interleave import compose_steps
 from batchplan.mixture import Mixture, MixtureSource
@@ -216,10 +219,14 @@ def test_demo_mixture_repeats_in_order_and_uses_what_was_planned(demo_plan):
     budget=st.floats(0.2, 3.0),
     seed=st.integers(0, 2**16),
     mode=st.sampled_from(["pack", "pad"]),
+    drop_last=st.booleans(),
+    warmup=st.booleans(),
 )
 def test_hypothesis_mixtures_hold_shares_repeat_in_order_and_keep_every_single_dataset_guarantee(
-    tmp_path, num_sources, world_size, budget, seed, mode
+    tmp_path, num_sources, world_size, budget, seed, mode, drop_last, warmup
 ):
+    """Drawn with and without ``drop_last`` and a sequence-length warmup over a quarter of
+    epoch 0 (`_mixture_recount` counts the dropped uses and checks the warmup's caps)."""
     rng = np.random.default_rng(seed)
     lengths = [np.clip(rng.lognormal(rng.uniform(3, 6), 0.8, rng.integers(20, 3000)), 1, 1024).astype(np.int32)
                for _ in range(num_sources)]  # fmt: skip
@@ -228,16 +235,24 @@ def test_hypothesis_mixtures_hold_shares_repeat_in_order_and_keep_every_single_d
     directory = Path(tempfile.mkdtemp(dir=tmp_path))
     paths = write_sources(directory, lengths)
     mixture = mixture_of(paths, weights, tokens)
-    config = PlanConfig(max_tokens=1024, world_size=world_size, mode=mode, seed=seed, epochs=int(rng.integers(1, 3)))
+    epochs = int(rng.integers(1, 3))
+    warm = dict(seqlen_warmup_min=64, seqlen_warmup_tokens=max(1, tokens // epochs // 4)) if warmup else {}
+    config = PlanConfig(max_tokens=1024, world_size=world_size, mode=mode, seed=seed, epochs=epochs,
+                        drop_last=drop_last, **warm)  # fmt: skip
     path = directory / "plan.arrow"
-    build_mixture_plan_file(mixture, path, config)
+    try:
+        build_mixture_plan_file(mixture, path, config)
+    except DatasetError as error:  # a mixture of less than one step in an epoch: nothing to keep
+        assert drop_last and "would drop all" in str(error)
+        return
     (directory / "mix.json").write_text(json.dumps(mixture.to_dict()))
     assert validate_plan(path, mixture=directory / "mix.json") == []
-    uses = read_uses(path)
-    assert_repetition_in_order(uses)
-    assert_no_drift(uses, max_tokens=1024)
-    for index, source in enumerate(uses.meta["mixture"]["sources"]):
-        assert uses.per_step[:, index].sum() == source["planned_tokens"]
+    counted = recount(path, np.concatenate(lengths))
+    assert_counted_repetition_in_order(counted)
+    assert_no_drift(counted, max_tokens=1024)
+    assert_planned_tokens_add_up(counted)
+    if warmup:
+        assert_warmup_caps_hold(counted)
 
 
 def test_mixture_rebuild_is_byte_identical(tmp_path):

@@ -195,11 +195,19 @@ def epoch_metadata(entries: Entries, epoch: EpochPlan) -> dict[str, Any]:
         "rows_per_rank": epoch.rows_per_rank,
         "tokens": int(epoch.step_tokens.sum()),
         "packing": None if epoch.packing is None else epoch.packing.as_dict(),
-        "drop_last": np.unique(entries.samples_of(epoch.dropped_entries)).tolist(),
+        "drop_last": _dropped_samples(entries, epoch).tolist(),
     }
     if entries.start is not None:  # spans: a split sample may lose only some of its pieces
         part["drop_last_spans"] = _dropped_spans(entries, entries.start, epoch.dropped_entries)
     return part
+
+
+def _dropped_samples(entries: Entries, epoch: EpochPlan) -> NDArray[np.integer]:
+    """The samples drop_last leaves out of ``epoch``, sorted: each once, or in a mixture's
+    epoch (whose entries are uses) once per dropped entry, so a sample whose two uses are
+    dropped is listed twice."""
+    samples = entries.samples_of(epoch.dropped_entries)
+    return np.sort(samples) if epoch.source is not None else np.unique(samples)
 
 
 def merge_metadata(header: dict[str, Any], parts: list[dict[str, Any]]) -> dict[str, Any]:

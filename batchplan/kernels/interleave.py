@@ -27,7 +27,7 @@ from numba import njit
 
 from batchplan.kernels.steps import ramp_target
 
-__all__ = ["compose_steps"]
+__all__ = ["compose_segments", "compose_steps"]
 
 _PASSES = 4
 
@@ -59,6 +59,22 @@ def compose_steps(source_offsets, tokens, phase_starts, phase_weights, shares, w
         out: int64, ``source_offsets[-1]`` long.
         step_offsets: int64, at least ``len(out) + 1`` long.
     """
+    limits = source_offsets[1:].copy().reshape((1, source_offsets.shape[0] - 1))
+    return compose_segments(source_offsets, limits, np.zeros(1), tokens, phase_starts, phase_weights, shares,
+                            world_size, max_tokens, sizing, out, step_offsets)
+
+
+@njit(cache=True, nogil=True)
+def compose_segments(source_offsets, limits, joins, tokens, phase_starts, phase_weights, shares, world_size,
+                     max_tokens, sizing, out, step_offsets):
+    """`compose_steps` over queues in segments: ``limits`` (int64, (segments, sources),
+    non-decreasing down each column, the last row ``source_offsets[1:]``): segment ``g`` of
+    source ``s`` ends at ``limits[g, s]``. A step takes micro-batches of the segments so far
+    only. The next segment joins where what they have left would be the last step (it fits
+    in the step), so a micro-batch of segment ``g`` is taken in a step that begins after
+    every token of segments ``0..g-1`` but what fits in one step; or, once the run's tokens
+    reach ``joins[g]`` (float64, per segment), where a source has too little left in them
+    for its share of the step."""
     num_sources = shares.shape[0]
     total = out.shape[0]
     cursor = source_offsets[:-1].copy()
@@ -68,43 +84,35 @@ def compose_steps(source_offsets, tokens, phase_starts, phase_weights, shares, w
     remaining = 0.0
     for i in range(total):
         remaining += tokens[i]
-    position, steps = 0, 0
+    cumulative = np.zeros(total + 1 if limits.shape[0] > 1 else 1, dtype=np.float64)
+    for i in range(cumulative.shape[0] - 1):
+        cumulative[i + 1] = cumulative[i] + tokens[i]
+    position, steps, phase, segment = 0, 0, -1, 0
     step_offsets[0] = 0
-    phase, num_phases = -1, phase_starts.shape[0]
     clock = shares.copy()
     while position < total:
-        begins = phase
-        while begins + 1 < num_phases and done >= phase_starts[begins + 1]:
-            begins += 1
-        if begins != phase:  # a phase begins with this step: clocks from here
-            taken[:] = 0.0
-            if begins + 1 < num_phases and phase_starts[begins + 1] < done + remaining:
-                clock[:] = phase_weights[begins]
-            elif phase >= 0:  # the epoch's last phase: due on what is left of each source
-                for source in range(num_sources):
-                    clock[source] = 0.0
-                    for i in range(cursor[source], source_offsets[source + 1]):
-                        clock[source] += tokens[i]
-                    clock[source] /= max(remaining, 1.0)
-            phase = begins
-        left = total - position
-        mean = remaining / left
+        phase = _enter_phase(phase, done, remaining, phase_starts, phase_weights, tokens, cursor, source_offsets,
+                             taken, clock)
         due = (phase_starts, phase_weights, phase, done)
-        seats = world_size * _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, due, clock,
-                                          taken, world_size, max_tokens, left, remaining, count)
+        while True:  # the step's seats, and the segments it takes from (module docstring)
+            ends = limits[segment]
+            left, ahead = total - position, remaining
+            if limits.shape[0] > 1:
+                left, ahead = _available(cursor, ends, cumulative)
+            seats = world_size * _step_rounds(rounds, done, sizing, tokens, cursor, ends, due, clock, taken,
+                                              world_size, max_tokens, left, ahead, count)
+            if segment + 1 == limits.shape[0]:
+                break
+            if seats < left and not (done >= joins[segment + 1] and _short(
+                    seats, seats * ahead / left, tokens, cursor, ends, cumulative, due, max_tokens)):
+                break
+            segment += 1
         if seats >= left:  # the epoch's last step takes what is left
             for source in range(num_sources):
-                count[source] = source_offsets[source + 1] - cursor[source]
+                count[source] = ends[source] - cursor[source]
         else:
-            _compose(seats, mean, tokens, cursor, source_offsets, due, clock, taken, max_tokens, count)
-        step_tokens = 0.0
-        for source in range(num_sources):
-            for i in range(count[source]):
-                out[position] = cursor[source] + i
-                taken[source] += tokens[cursor[source] + i]
-                step_tokens += tokens[cursor[source] + i]
-                position += 1
-            cursor[source] += count[source]
+            _compose(seats, ahead / left, tokens, cursor, ends, due, clock, taken, max_tokens, count)
+        position, step_tokens = _take(count, cursor, tokens, taken, out, position)
         done += step_tokens
         remaining -= step_tokens
         steps += 1
@@ -113,9 +121,78 @@ def compose_steps(source_offsets, tokens, phase_starts, phase_weights, shares, w
 
 
 @njit(cache=True, nogil=True)
-def _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, due, shares, taken, world_size,
-                 max_tokens, left, remaining, count):
-    """Rounds of the next step: fixed, or those whose composed tokens come nearest the goal."""
+def _short(seats, step_tokens, tokens, cursor, ends, cumulative, due, max_tokens):
+    """Whether the queues before their ``ends`` fall short of a step of ``seats`` micro-batches
+    and about ``step_tokens`` tokens: a source holds less than it is due, or together they
+    hold fewer micro-batches within the sources' windows."""
+    room = 0
+    for source in range(cursor.shape[0]):
+        target = _due(due, source, step_tokens)
+        if cumulative[ends[source]] - cumulative[cursor[source]] < target:
+            return True
+        held, at = 0.0, cursor[source]
+        while at < ends[source] and at - cursor[source] < seats and held + tokens[at] <= target + max_tokens:
+            held += tokens[at]
+            at += 1
+        room += at - cursor[source]
+    return room < seats
+
+
+@njit(cache=True, nogil=True)
+def _available(cursor, ends, cumulative):
+    """The micro-batches the queues hold before ``ends`` (from each ``cursor``), and their tokens."""
+    left, ahead = 0, 0.0
+    for source in range(cursor.shape[0]):
+        left += ends[source] - cursor[source]
+        ahead += cumulative[ends[source]] - cumulative[cursor[source]]
+    return left, ahead
+
+
+@njit(cache=True, nogil=True)
+def _take(count, cursor, tokens, taken, out, position):
+    """Write a step's micro-batches to ``out`` from ``position`` on: ``count`` of each source
+    from its ``cursor`` on (moved past them), adding their tokens to ``taken``; returns the
+    position after them and the step's tokens."""
+    step_tokens = 0.0
+    for source in range(count.shape[0]):
+        for i in range(count[source]):
+            out[position] = cursor[source] + i
+            taken[source] += tokens[cursor[source] + i]
+            step_tokens += tokens[cursor[source] + i]
+            position += 1
+        cursor[source] += count[source]
+    return position, step_tokens
+
+
+@njit(cache=True, nogil=True)
+def _enter_phase(phase, done, remaining, phase_starts, phase_weights, tokens, cursor, source_offsets, taken, clock):
+    """The phase of the step after ``done`` tokens of the run (``phase``: the last step's, -1
+    before the first); where a phase begins, the clocks restart (``taken`` from 0) and are due
+    on the phase's weights while another phase begins within the epoch (``remaining`` tokens
+    left), else on what is left of each source, so that all run out together."""
+    num_phases = phase_starts.shape[0]
+    begins = phase
+    while begins + 1 < num_phases and done >= phase_starts[begins + 1]:
+        begins += 1
+    if begins == phase:
+        return phase
+    taken[:] = 0.0
+    if begins + 1 < num_phases and phase_starts[begins + 1] < done + remaining:
+        clock[:] = phase_weights[begins]
+    elif phase >= 0:  # the epoch's last phase: due on what is left of each source
+        for source in range(clock.shape[0]):
+            clock[source] = 0.0
+            for i in range(cursor[source], source_offsets[source + 1]):
+                clock[source] += tokens[i]
+            clock[source] /= max(remaining, 1.0)
+    return begins
+
+
+@njit(cache=True, nogil=True)
+def _step_rounds(rounds, done, sizing, tokens, cursor, ends, due, shares, taken, world_size, max_tokens, left,
+                 remaining, count):
+    """Rounds of the next step: fixed, or those whose composed tokens come nearest the goal
+    (``left`` micro-batches of ``remaining`` tokens to take, each source's before its ``ends``)."""
     if rounds > 0:
         return rounds
     max_rounds = int(sizing[5])
@@ -133,7 +210,7 @@ def _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, due, shar
             off = abs(remaining - goal)
         else:
             mean = remaining / left
-            composed = _compose(seats, mean, tokens, cursor, source_offsets, due, shares, taken, max_tokens, count)
+            composed = _compose(seats, mean, tokens, cursor, ends, due, shares, taken, max_tokens, count)
             off = abs(composed - goal)
         if off < best_off:
             best, best_off = candidate, off
@@ -143,15 +220,16 @@ def _step_rounds(rounds, done, sizing, tokens, cursor, source_offsets, due, shar
 
 
 @njit(cache=True, nogil=True)
-def _compose(seats, mean, tokens, cursor, source_offsets, due, shares, taken, max_tokens, count):
-    """Counts per source (``count``) for a step of ``seats`` micro-batches (``mean``: the
-    tokens of a micro-batch left, on average; ``due``: `_due`'s phases, the step's phase and
-    the run's tokens before it); returns the step's tokens."""
+def _compose(seats, mean, tokens, cursor, ends, due, shares, taken, max_tokens, count):
+    """Counts per source (``count``) for a step of ``seats`` micro-batches, each source's from
+    its ``cursor`` and before its ``ends`` (``mean``: the tokens of a micro-batch left, on
+    average; ``due``: `_due`'s phases, the step's phase and the run's tokens before it);
+    returns the step's tokens."""
     num_sources = shares.shape[0]
     prefix = np.zeros((num_sources, seats + 1), dtype=np.float64)
     avail = np.zeros(num_sources, dtype=np.int64)
     for source in range(num_sources):
-        avail[source] = min(seats, source_offsets[source + 1] - cursor[source])
+        avail[source] = min(seats, ends[source] - cursor[source])
         for n in range(avail[source]):
             prefix[source, n + 1] = prefix[source, n] + tokens[cursor[source] + n]
     estimate = seats * mean

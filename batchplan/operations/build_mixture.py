@@ -42,25 +42,37 @@ def build_mixture_plan_file(
         ConfigError: a bad mixture or option, or an unusable output path.
         DatasetError: a source cannot be read or breaks a rule.
     """
-    from batchplan.formats.mixture_file import read_mixture, read_mixture_lengths
-    from batchplan.formats.plan_writer import write_plan
-    from batchplan.kernels.startup import start_numba
-    from batchplan.operations.build import check_layout, check_output, stage, write_directory
-    from batchplan.plan import Plan
-    from batchplan.planning.epochs import PreparedEntries, plan_epochs
-    from batchplan.planning.memory import check_build_memory, estimate_build_memory
-    from batchplan.planning.mixture_epochs import prepare_mixture_entries
+    from batchplan.formats.mixture_file import read_mixture
+    from batchplan.operations.build import check_layout, check_output, write_directory
+    from batchplan.planning.epochs import PreparedEntries
 
     if not isinstance(mixture, Mixture):
         mixture = read_mixture(mixture)
     layout, wanted = check_layout(layout, only_epochs, config)
     output = Path(output)
     check_output(output, [path for source in mixture.sources for path in source.paths], layout)
-    advance = stage(progress, "reading sources", len(mixture.sources))
     columns = {"length_column": length_column, "tokens_column": tokens_column, "loss_tokens_column": loss_tokens_column}
-    lengths = read_mixture_lengths(
-        mixture, length_column=length_column, tokens_column=tokens_column, loss_tokens_column=loss_tokens_column
-    )
+    prepared, num_samples, fingerprint, described = _prepare(mixture, config, columns, progress)
+    prepared_epochs = PreparedEntries.of_mixture(num_samples, prepared)
+    if layout == "directory":
+        from batchplan.formats.plan_writer import header_metadata
+
+        header = header_metadata(config, num_samples, prepared.entries, None, fingerprint, described)
+        return write_directory(output, config, prepared_epochs, header, wanted, progress)
+    return _write_file(output, config, prepared_epochs, fingerprint, described, progress)
+
+
+def _prepare(mixture: Mixture, config: PlanConfig, columns: dict[str, Any], progress):
+    """Read every source's lengths and lay out the run's entries (memory checked): ``(the
+    entries, the mixture's samples, its lengths' fingerprint, the plan's mixture metadata)``."""
+    from batchplan.formats.mixture_file import read_mixture_lengths
+    from batchplan.kernels.startup import start_numba
+    from batchplan.operations.build import stage
+    from batchplan.planning.memory import check_build_memory, estimate_build_memory
+    from batchplan.planning.mixture_entries import prepare_mixture_entries
+
+    advance = stage(progress, "reading sources", len(mixture.sources))
+    lengths = read_mixture_lengths(mixture, **columns)
     advance(len(mixture.sources))
     start_numba()
     threads = num_threads()
@@ -72,19 +84,23 @@ def build_mixture_plan_file(
     del lengths
     used = prepared.entries.length
     check_build_memory(estimate_build_memory(used.shape[0], config, num_threads=threads, lengths=used))
-    prepared_epochs = PreparedEntries.of_mixture(num_samples, prepared)
-    described = mixture_metadata(mixture, sources, prepared.selections, columns)
-    if layout == "directory":
-        from batchplan.formats.plan_writer import header_metadata
+    return prepared, num_samples, fingerprint, mixture_metadata(mixture, sources, prepared.selections, columns)
 
-        header = header_metadata(config, num_samples, prepared.entries, None, fingerprint, described)
-        return write_directory(output, config, prepared_epochs, header, wanted, progress)
+
+def _write_file(output: Path, config: PlanConfig, prepared, fingerprint: str, described, progress) -> dict[str, Any]:
+    """Plan every epoch of ``prepared`` (`batchplan.planning.epochs.PreparedEntries`) and write
+    the plan file; return its metadata."""
+    from batchplan.formats.plan_writer import write_plan
+    from batchplan.operations.build import stage
+    from batchplan.plan import Plan
+    from batchplan.planning.epochs import plan_epochs
+
     advance = stage(progress, "planning epochs", config.epochs)
     epochs = []
-    for epoch in plan_epochs(prepared_epochs, config):
+    for epoch in plan_epochs(prepared, config):
         epochs.append(epoch)
         advance(1)
-    plan = Plan(config=config, num_samples=num_samples, entries=prepared.entries, epochs=tuple(epochs))
+    plan = Plan(config=config, num_samples=prepared.num_samples, entries=prepared.entries, epochs=tuple(epochs))
     advance = stage(progress, "writing plan", config.epochs * config.world_size)
     return write_plan(plan, output, lengths_fingerprint=fingerprint, mixture=described, on_batch=lambda _: advance(1))
 

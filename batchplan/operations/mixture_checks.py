@@ -18,13 +18,19 @@ plan's ``mixture`` metadata lists; the source of a micro-batch is found from its
   source ends whatever the order).
 - ``mixture_repetition``: within a source no sample is used a (k+1)-th time in a step before
   the step in which the last of its kept samples is used a k-th time (uses of a split sample
-  are counted once, by the piece that starts at token 0); each source's planned tokens
-  are the metadata's.
+  are counted once, by the piece that starts at token 0). A use ``drop_last`` drops counts
+  after its epoch's last step (the plan lists each dropped entry's sample: `dropped_uses`).
+- ``mixture_planned``: each source's tokens in the plan and those ``drop_last`` drops add up
+  to the metadata's ``planned_tokens`` (a plan built or re-planned; a resharded plan's
+  metadata is its parent's). Without the sources' lengths, a plan without spans whose
+  epochs drop samples is not checked.
 
 Memory: every use's (step, sample) once, 16 bytes per use; time: a sort of the uses.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -33,13 +39,14 @@ from batchplan.formats.bitmap import decode_bitmap
 from batchplan.formats.opened_plan import OpenedPlan
 from batchplan.operations.epoch_checks import Violation
 
-__all__ = ["check_mixture"]
+__all__ = ["check_mixture", "dropped_uses"]
 
 _SHARE_FLOOR = 0.005  # 0.5 percentage points
 
 
-def check_mixture(plan: OpenedPlan) -> list[Violation]:
-    """Every violated mixture guarantee of ``plan`` (none for a plan without a mixture)."""
+def check_mixture(plan: OpenedPlan, lengths: NDArray[np.integer] | None = None) -> list[Violation]:
+    """Every violated mixture guarantee of ``plan`` (none for a plan without a mixture);
+    ``lengths``: every sample's, for the planned tokens that drop_last drops."""
     mixture = plan.metadata.get("mixture")
     if mixture is None:
         return []
@@ -49,19 +56,21 @@ def check_mixture(plan: OpenedPlan) -> list[Violation]:
     starts = np.array([phase["from_tokens"] for phase in phases], dtype=np.int64)
     phase_weights = np.array([phase["weights"] for phase in phases], dtype=np.float64)
     found: list[Violation] = []
-    use_steps: list[np.ndarray] = []  # the step and sample of each use of a sample, rank by rank
-    use_samples: list[np.ndarray] = []
+    uses = _Uses()
+    trained = np.zeros(len(sources), dtype=np.int64)
     step_base = int(plan.metadata.get("first_step", 0))
     for epoch in range(plan.num_epochs):
         steps = plan.metadata["steps_per_epoch"][epoch]
         per_step = np.zeros((steps, len(sources)), dtype=np.int64)
         before = np.zeros(steps, dtype=np.int64)
         for rank in range(plan.world_size):
-            found += _read_rank(plan, epoch, rank, bounds, step_base, per_step, before, use_steps, use_samples)
+            found += _read_rank(plan, epoch, rank, bounds, step_base, per_step, before, uses)
         step_phase = np.searchsorted(starts, before, side="right") - 1
         due = _due(before, per_step.sum(axis=1), starts, phase_weights)
         found += _check_shares(per_step, due, step_phase, plan.metadata["max_tokens"], epoch, step_base)
+        trained += per_step.sum(axis=0)
         step_base += steps
+        uses.add_dropped(dropped_uses(plan.metadata, epoch), after_step=step_base - 1)
     if found:
         return found
     dropped = plan.metadata.get("dropped", {})
@@ -69,8 +78,64 @@ def check_mixture(plan: OpenedPlan) -> list[Violation]:
     prior = _uses_before(plan, sources)
     if prior is not None:
         prior[never] = 0  # a dropped sample is never used
-    found += _check_repetition(np.concatenate(use_steps), np.concatenate(use_samples), bounds, sources, never, prior)
-    return found
+    found += _check_repetition(*uses.joined(), bounds, sources, never, prior)
+    return found + _check_planned(plan, sources, bounds, trained, lengths)
+
+
+class _Uses:
+    """Every use's sample and when it comes, rank after rank and epoch after epoch: a use in
+    step ``s`` at ``2 s``, a use drop_last drops after step ``s`` (its epoch's last) at ``2 s + 1``."""
+
+    def __init__(self) -> None:
+        self.when: list[NDArray[np.int64]] = []
+        self.samples: list[NDArray[np.int64]] = []
+
+    def add(self, steps: NDArray[np.int64], samples: NDArray[np.int64]) -> None:
+        self.when.append(2 * steps.astype(np.int64, copy=False))
+        self.samples.append(samples.astype(np.int64, copy=False))
+
+    def add_dropped(self, samples: NDArray[np.int64], after_step: int) -> None:
+        self.when.append(np.full(samples.shape[0], 2 * after_step + 1, dtype=np.int64))
+        self.samples.append(samples.astype(np.int64, copy=False))
+
+    def joined(self) -> tuple[NDArray[np.int64], NDArray[np.int64]]:
+        return np.concatenate(self.when), np.concatenate(self.samples)
+
+
+def dropped_uses(metadata: dict[str, Any], epoch: int) -> NDArray[np.int64]:
+    """The samples of the uses drop_last drops in a mixture's ``epoch``, a sample once per use
+    (with spans, the dropped pieces that start at token 0)."""
+    dropped = metadata.get("dropped", {})
+    if metadata.get("has_spans"):
+        spans = np.asarray(dropped.get("drop_last_spans", {}).get(str(epoch), []), dtype=np.int64).reshape(-1, 3)
+        return spans[spans[:, 1] == 0, 0]
+    return np.asarray(dropped.get("drop_last", {}).get(str(epoch), []), dtype=np.int64)
+
+
+def _check_planned(plan: OpenedPlan, sources, bounds, trained: NDArray[np.int64], lengths) -> list[Violation]:
+    """``mixture_planned`` (the module docstring)."""
+    meta = plan.metadata
+    if "resharded_from" in meta and "replanned" not in meta["mixture"]:
+        return []  # a resharded plan keeps its parent's sources' numbers
+    dropped = np.zeros(len(sources), dtype=np.int64)
+    for epoch in range(plan.num_epochs):
+        if meta.get("has_spans"):
+            spans = meta.get("dropped", {}).get("drop_last_spans", {}).get(str(epoch), [])
+            spans = np.asarray(spans, dtype=np.int64).reshape(-1, 3)
+            samples, tokens = spans[:, 0], spans[:, 2]
+        else:
+            samples = dropped_uses(meta, epoch)
+            if samples.size and lengths is None:
+                return []  # the dropped samples' tokens are the dataset's
+            tokens = np.zeros(0, dtype=np.int64) if not samples.size else np.asarray(lengths)[samples].astype(np.int64)
+        np.add.at(dropped, np.searchsorted(bounds, samples, side="right") - 1, tokens)
+    for index, source in enumerate(sources):
+        if trained[index] + dropped[index] != source["planned_tokens"]:
+            return [Violation("mixture_planned", (
+                f"source {source['name']!r}: the plan trains {int(trained[index]):,} of its tokens and drop_last drops "
+                f"{int(dropped[index]):,}, but its planned tokens are {source['planned_tokens']:,}"
+            ))]  # fmt: skip
+    return []
 
 
 def _uses_before(plan: OpenedPlan, sources) -> NDArray[np.int64] | None:
@@ -85,8 +150,8 @@ def _uses_before(plan: OpenedPlan, sources) -> NDArray[np.int64] | None:
     return uses
 
 
-def _read_rank(plan, epoch, rank, bounds, step_base, per_step, before, use_steps, use_samples) -> list[Violation]:
-    """Adds the rank's tokens per (step, source) to ``per_step`` and its uses to the lists;
+def _read_rank(plan, epoch, rank, bounds, step_base, per_step, before, uses: _Uses) -> list[Violation]:
+    """Adds the rank's tokens per (step, source) to ``per_step`` and its uses to ``uses``;
     sets ``before`` to each step's ``tokens_before_step``."""
     rows = plan.rank_rows(epoch, rank, checked=False)  # validate checks the whole plan's checksum
     offsets, samples = rows.offsets("samples"), rows.entries("samples").astype(np.int64)
@@ -107,8 +172,7 @@ def _read_rank(plan, epoch, rank, bounds, step_base, per_step, before, use_steps
     before[step] = rows.numbers("tokens_before_step")
     starts = rows.entries("starts") if rows.has_spans else None
     use = np.ones(samples.shape[0], dtype=bool) if starts is None else starts == 0
-    use_steps.append((step[row] + step_base)[use])
-    use_samples.append(samples[use])
+    uses.add((step[row] + step_base)[use], samples[use])
     return []
 
 
@@ -163,9 +227,9 @@ def _check_shares(per_step: NDArray[np.int64], due, step_phase, max_tokens: int,
 
 def _check_repetition(steps, samples, bounds, sources, never: NDArray[np.int64], prior) -> list[Violation]:
     """Per source: the last step of every kept sample's k-th use comes before the first of any
-    (k+1)-th use (the same step is allowed: its micro-batches run side by side); ``never``:
-    the samples the plan drops (empty, oversize); ``prior``: each sample's uses before the
-    plan's first step (None: none)."""
+    (k+1)-th use (the same step is allowed: its micro-batches run side by side); ``steps``:
+    when each use comes (`_Uses`); ``never``: the samples the plan drops (empty, oversize);
+    ``prior``: each sample's uses before the plan's first step (None: none)."""
     order = np.lexsort((samples, steps))  # by step, then sample: uses in plan order
     steps, samples = steps[order], samples[order]
     found = []
@@ -202,8 +266,13 @@ def _check_repetition(steps, samples, bounds, sources, never: NDArray[np.int64],
             first_next = used_steps[nth == k + 1].min()
             if first_next < last_kth:
                 found.append(Violation("mixture_repetition", (
-                    f"source {source['name']!r}: a sample is used a {k + 2}th time in step {first_next:,}, before "
-                    f"every sample was used {k + 1} times (the last in step {last_kth:,})"
+                    f"source {source['name']!r}: a sample is used a {k + 2}th time {_when(first_next)}, before every "
+                    f"sample was used {k + 1} times (the last {_when(last_kth)})"
                 )))
                 break
     return found
+
+
+def _when(at: int) -> str:
+    """A use's time (`_Uses`) in words."""
+    return f"in step {at // 2:,}" if at % 2 == 0 else f"in the step drop_last drops after step {at // 2:,}"

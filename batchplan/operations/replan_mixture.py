@@ -100,54 +100,21 @@ def replan_mixture(
 
     Raises:
         ConfigError: ``plan`` is not a mixture's plan; ``mixture`` is sized by epochs, or its
-            tokens do not reach past ``from_step``; ``from_step`` is not a step of the plan.
+            tokens do not reach past ``from_step``; ``from_step`` is not a step of the plan, or
+            lies inside a sequence-length warmup.
         DatasetError: a kept source's rows differ from the parent's; a source cannot be read.
     """
-    from batchplan.kernels.startup import start_numba
-    from batchplan.planning.mixture_epochs import plan_mixture_epoch, prepare_mixture_entries
-
-    described = plan.metadata.get("mixture")
-    if described is None:
-        raise ConfigError(
-            f"{plan.path} was built from one dataset, not a mixture; re-planning with another mixture takes the "
-            "plan of a mixture"
-        )
-    if mixture.tokens is None:  # sized by epochs
-        raise ConfigError(
-            "re-planning takes a mixture with tokens (the whole run's) and weights; a mixture sized by epochs has "
-            "no run to continue"
-        )
+    described = _parent_mixture(plan, mixture)
     epoch, position, tokens_before = locate_step(plan, from_step)
-    if mixture.tokens <= tokens_before:
-        raise ConfigError(
-            f"the new mixture's tokens ({mixture.tokens:,}) do not reach past the {tokens_before:,} tokens trained "
-            f"before step {from_step:,}; give the whole run's tokens"
-        )
     config = _config(plan, world_size, micro_batches, tokens_per_step)
+    _check_reach(mixture, config, tokens_before, from_step)
     consumed = mixture_consumed(
         plan, _before(plan, epoch, from_step), epoch, from_step, [read_epoch(plan, k) for k in range(epoch)]
     )
     sources = sources_in_plan(described["sources"], mixture, where=f" than when {plan.path} was built")
-    lengths, loss_tokens = sources.lengths()
-    rest = _rest_mixture(mixture, sources, tokens_before)
-    start_numba()
-    rest_config = dataclasses.replace(config, epochs=plan.num_epochs - epoch)
-    prepared = prepare_mixture_entries(
-        rest, lengths, sources.offsets(), rest_config, loss_tokens=loss_tokens, threads=threads,
-        resume=_resume(consumed["mixture"], described["sources"], sources, plan.num_samples),
-    )  # fmt: skip
-    # Epochs before the resumed one hold nothing; phases at run tokens (the rest's begin at from_step).
-    prepared = dataclasses.replace(
-        prepared,
-        epoch_chunks=np.concatenate([np.zeros(epoch, dtype=np.int64), prepared.epoch_chunks]),
-        phase_starts=prepared.phase_starts + tokens_before,
-    )
-    epochs = [empty_epoch(k, config, np.zeros(0, np.int64), mixture=True) for k in range(epoch)]
-    done = tokens_before
-    for k in range(epoch, plan.num_epochs):
-        planned = plan_mixture_epoch(prepared, config, k, tokens_before=done, threads=threads)
-        epochs.append(planned)
-        done += int(planned.step_tokens.sum())
+    resume = _resume(consumed["mixture"], described["sources"], sources, plan.num_samples)
+    prepared = _prepare_rest(mixture, sources, config, resume, plan.num_epochs, epoch, tokens_before, threads)
+    epochs = _plan_rest(prepared, config, plan.num_epochs, epoch, tokens_before, threads)
     consumed["mixture"]["uses_base"] += [0] * (len(sources.names) - len(described["sources"]))
     lineage = {
         "first_step": from_step,
@@ -159,6 +126,74 @@ def replan_mixture(
     new_plan = Plan(config=config, num_samples=sources.num_samples, entries=prepared.entries, epochs=tuple(epochs))
     metadata = _mixture_metadata(mixture, described, sources, prepared.selections, from_step, tokens_before)
     return ReshardedPlan(new_plan, lineage, None, sources.fingerprint(), metadata)
+
+
+def _parent_mixture(plan: OpenedPlan, mixture: Mixture) -> dict[str, Any]:
+    """The parent's ``mixture`` metadata, once ``plan`` and ``mixture`` are known to re-plan."""
+    described = plan.metadata.get("mixture")
+    if described is None:
+        raise ConfigError(
+            f"{plan.path} was built from one dataset, not a mixture; re-planning with another mixture takes the "
+            "plan of a mixture"
+        )
+    if mixture.tokens is None:  # sized by epochs
+        raise ConfigError(
+            "re-planning takes a mixture with tokens (the whole run's) and weights; a mixture sized by epochs has "
+            "no run to continue"
+        )
+    return described
+
+
+def _check_reach(mixture: Mixture, config: PlanConfig, tokens_before: int, from_step: int) -> None:
+    """The new mixture reaches past ``from_step``, which lies after a sequence-length warmup."""
+    assert mixture.tokens is not None  # `_parent_mixture` refuses a mixture sized by epochs
+    if mixture.tokens <= tokens_before:
+        raise ConfigError(
+            f"the new mixture's tokens ({mixture.tokens:,}) do not reach past the {tokens_before:,} tokens trained "
+            f"before step {from_step:,}; give the whole run's tokens"
+        )
+    warmup = config.seqlen_warmup_tokens
+    if warmup is not None and tokens_before < warmup:
+        raise ConfigError(
+            f"step {from_step:,} lies inside the plan's sequence-length warmup ({tokens_before:,} of its {warmup:,} "
+            "tokens trained): re-plan from a step after it, whose tokens before it reach the warmup's"
+        )
+
+
+def _prepare_rest(mixture, sources, config: PlanConfig, resume, num_epochs: int, epoch: int, tokens_before: int,
+                  threads: int):  # fmt: skip
+    """The entries of the run from ``tokens_before`` on (epochs ``epoch..num_epochs - 1``;
+    the ones before hold nothing), phases at run tokens, and no warmup: the run is past it
+    (`_check_reach`)."""
+    from batchplan.kernels.startup import start_numba
+    from batchplan.planning.mixture_entries import prepare_mixture_entries
+
+    lengths, loss_tokens = sources.lengths()
+    rest = _rest_mixture(mixture, sources, tokens_before)
+    start_numba()
+    rest_config = dataclasses.replace(config, epochs=num_epochs - epoch, seqlen_warmup_min=None,
+                                      seqlen_warmup_tokens=None)  # fmt: skip
+    prepared = prepare_mixture_entries(rest, lengths, sources.offsets(), rest_config, loss_tokens=loss_tokens,
+                                       threads=threads, resume=resume)  # fmt: skip
+    # Epochs before the resumed one hold nothing; phases at run tokens (the rest's begin at from_step).
+    return dataclasses.replace(
+        prepared,
+        epoch_chunks=np.concatenate([np.zeros(epoch, dtype=np.int64), prepared.epoch_chunks]),
+        phase_starts=prepared.phase_starts + tokens_before,
+    )
+
+
+def _plan_rest(prepared, config: PlanConfig, num_epochs: int, epoch: int, tokens_before: int, threads: int):
+    """Every epoch of the new plan: empty before ``epoch``, then each planned in order."""
+    from batchplan.planning.mixture_epochs import plan_mixture_epoch
+
+    epochs = [empty_epoch(k, config, np.zeros(0, np.int64), mixture=True) for k in range(epoch)]
+    done = tokens_before
+    for k in range(epoch, num_epochs):
+        planned = plan_mixture_epoch(prepared, config, k, tokens_before=done, threads=threads)
+        epochs.append(planned)
+        done += int(planned.step_tokens.sum())
+    return epochs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,8 @@ to the new ranks, and what the new plan records of the run before its first step
 A parent step of ``n`` micro-batches becomes one step of ``ceil(n / W2)`` micro-batches per
 rank: its micro-batches, then empty ones, placed on ranks largest cost first
 (`batchplan.kernels.balance.assign_step`, as a build places a mixture's composed step). The
-steps' tokens, per-source tokens and uses are the parent's, step by step.
+steps' tokens, per-source tokens and uses are the parent's, step by step, and what its
+epochs' ``drop_last`` dropped stays dropped (listed again, a sample once per dropped use).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from batchplan.config import PlanConfig
 from batchplan.errors import PlanFormatError
 from batchplan.formats.bitmap import decode_bitmap, encode_bitmap
 from batchplan.formats.opened_plan import OpenedPlan
+from batchplan.operations.mixture_checks import dropped_uses
 from batchplan.operations.parent_rows import ParentRows, always_dropped
 from batchplan.plan import Entries, EpochPlan, index_dtype
 from batchplan.planning.micro_batches import MicroBatches
@@ -83,6 +85,8 @@ def mixture_consumed(
     for rows in [*earlier, before]:
         counted = rows.sample if rows.start is None else rows.sample[rows.start == 0]  # a split sample: once
         uses += np.bincount(counted, minlength=plan.num_samples)
+    for earlier_epoch in range(epoch):  # what drop_last dropped at their ends was used up too
+        uses += np.bincount(dropped_uses(plan.metadata, earlier_epoch), minlength=plan.num_samples)
     base, more = _uses_as_base_and_bitmap(plan, uses, sources, from_step)
     record = {"steps": steps, "source_tokens": tokens.tolist(), "uses_base": base, "uses_more": encode_bitmap(more)}
     return {"epoch": epoch, "samples": encode_bitmap(used), "spans": [], "mixture": record}

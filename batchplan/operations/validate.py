@@ -74,7 +74,7 @@ def check_plan(
             return found
         found += _check_dropped_reasons(plan, lengths)
     lineage, problems = _read_lineage(plan)
-    found += problems + _check_mixture(plan)
+    found += problems + _check_mixture(plan, lengths)
     step_base, tokens_base = lineage.first_step, lineage.tokens_before
     for epoch in range(plan.num_epochs):
         try:
@@ -193,10 +193,10 @@ def _read_lineage(plan: OpenedPlan) -> tuple[_Lineage, list[Violation]]:
     return lineage, []
 
 
-def _check_mixture(plan: OpenedPlan) -> list[Violation]:
+def _check_mixture(plan: OpenedPlan, lengths) -> list[Violation]:
     """`check_mixture`'s violations; rows it cannot read are an ``integrity`` one, as in the epochs' checks."""
     try:
-        return check_mixture(plan)
+        return check_mixture(plan, lengths)
     except PlanFormatError as error:
         return [Violation("integrity", f"a mixture's rows are unreadable ({error})")]
 

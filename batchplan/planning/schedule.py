@@ -58,9 +58,11 @@ def schedule_epoch(
             empty micro-batches added here cost 0. Default: from the entries' lengths.
         steps: the steps' bounds over ``batches`` in their order, made by the caller (a
             mixture's composed steps, with ``order``); the last step also takes
-            what completes its last round. Default: cut here (`steps.cut_steps`).
-        order: the order of every micro-batch, all kept (a mixture's composed steps; with
-            ``steps``); default: the first ``ordered`` in their order, the rest shuffled.
+            what completes its last round; with ``drop_last``, the micro-batches past the
+            last step are dropped (the caller decides the epoch's end). Default: cut here
+            (`steps.cut_steps`).
+        order: the order of every micro-batch (a mixture's composed steps; with ``steps``);
+            default: the first ``ordered`` in their order, the rest shuffled.
         sources: a mixture's ``(bounds, source)``: member space ``bounds[k]:bounds[k + 1]``
             (as formed) holds source ``source[k]``; each row gets the source of its first
             member (-1 when empty) as the plan's ``source``.
@@ -73,7 +75,7 @@ def schedule_epoch(
     sizing = StepSizing.of(config, tokens_before or 0, batches)
     if order is not None:
         ordered = int(order.shape[0])
-    room, schedule, num_full, dropped = _shuffle(batches, config, epoch, ordered, threads, order)
+    room, schedule, num_full, dropped = _shuffle(batches, config, epoch, ordered, threads, order, steps)
     coefficient = config.cost_coefficient
     compute = None if coefficient is None else _costs_of(batches, config, coefficient, costs)
     # What is needed of the entries' lengths is known now (tokens, longest): let them go.
@@ -87,7 +89,7 @@ def schedule_epoch(
     # Each scheduled micro-batch's values, gathered once and written where balancing puts them.
     at = Scheduled.take(schedule, batches, compute, config, kept, num_full, epoch, threads)
     del room, schedule, compute  # taken
-    if config.drop_last and config.has_rampup:
+    if config.drop_last and config.has_rampup and steps is None:
         # The ramp makes step boundaries depend on the order: decide on the final steps.
         step_offsets = cut_steps(at.tokens[:num_full], config, sizing)
         keep, step_offsets, dropped = drop_last_ramp_step(batches, at, step_offsets, config, epoch, sizing)
@@ -102,7 +104,8 @@ def schedule_epoch(
     return _assemble(config, epoch, batches, rows, dropped, threads, sources)
 
 
-def _shuffle(batches: MicroBatches, config: PlanConfig, epoch: int, ordered: int, threads: int, order=None):
+def _shuffle(batches: MicroBatches, config: PlanConfig, epoch: int, ordered: int, threads: int, order=None,
+             steps=None):
     """The micro-batches after the first ``ordered`` shuffled (or all in ``order``), and the
     epoch's end completed or dropped (`epoch_end`): ``(room, schedule, whole rounds'
     micro-batches, dropped entries)``; the schedule is written in ``room``, which has room to
@@ -113,7 +116,9 @@ def _shuffle(batches: MicroBatches, config: PlanConfig, epoch: int, ordered: int
     permute(epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER), schedule[ordered:], first=ordered, threads=threads)
     dropped = None  # under drop_last with a ramp-up: decided on the final steps
     if config.drop_last:
-        if not config.has_rampup:
+        if steps is not None:  # the caller's steps end the epoch: what lies past them is dropped
+            schedule, dropped = schedule[: int(steps[-1])], batches.members_of(schedule[int(steps[-1]) :])
+        elif not config.has_rampup:
             schedule, dropped = drop_last_step(batches, schedule, config, epoch)
         num_full = schedule.shape[0] - schedule.shape[0] % config.world_size
     else:

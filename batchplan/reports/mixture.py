@@ -3,9 +3,11 @@
 metadata), and its share of every step's tokens (from the rows' ``source`` column): the mean
 share over the regular steps (all but each epoch's last), and the worst miss, the largest
 ``|share - weight|`` over them, in percentage points, with the bound a step is held to
-there, ``max(0.5 pp, max_tokens / the step's tokens)``. With phases, a step's weight is its
-phase's (a step in which later phases begin: each phase's weight of its tokens in that
-phase, `step_weights`), and `summarize_phases` gives each phase's first step and tokens.
+there, ``max(0.5 pp, max_tokens / the step's tokens)``; and the tokens ``drop_last`` drops of
+it (its planned tokens less the plan's: `batchplan validate` checks that they add up). With
+phases, a step's weight is its phase's (a step in which later phases begin: each phase's
+weight of its tokens in that phase, `step_weights`), and `summarize_phases` gives each
+phase's first step and tokens.
 
 Read one (epoch, rank) record batch at a time; memory holds the tokens of every (step,
 source), 8 bytes each (`step_source_tokens`, which the figure draws too).
@@ -112,6 +114,8 @@ def summarize_sources(plan: OpenedPlan, per_step: NDArray[np.int64] | None = Non
         return None
     sources = mixture["sources"]
     per_step = _source_tokens(plan, mixture) if per_step is None else per_step
+    # A resharded plan keeps its parent's sources' numbers: its planned tokens are not its own.
+    own_numbers = "resharded_from" not in plan.metadata or "replanned" in mixture
     weights = step_weights(plan, per_step)
     regular = np.ones(per_step.shape[0], dtype=bool)  # each epoch's last step is not held to its shares
     regular[np.cumsum(plan.metadata["steps_per_epoch"]) - 1] = False
@@ -130,6 +134,7 @@ def summarize_sources(plan: OpenedPlan, per_step: NDArray[np.int64] | None = Non
             "passes": source["passes"],
             "mean_share": None, "worst_miss": None, "worst_miss_bound": None,
         }  # fmt: skip
+        row["dropped_tokens"] = source["planned_tokens"] - row["tokens"] if own_numbers else None
         if shares.shape[0]:
             at = int(misses[:, index].argmax())
             row["mean_share"] = float(shares[:, index].mean())  # against the run's share when phases change it
