@@ -237,7 +237,7 @@ def _draw_uses(mixture, lengths, offsets, config: PlanConfig, loss_tokens, threa
         draw_sources(mixture, sized, offsets, seed=config.seed, threads=threads, resume=resume, out=out,
                      along=carried),
         out, lengths if carried is None else None, along, None if loss_tokens is None else np.asarray(loss_tokens),
-        config.epochs, run_fractions(mixture, config.epochs), lambda used: used,
+        config.epochs, run_fractions(mixture, config.epochs), lambda used: sizing_lengths(used, config),
     )  # fmt: skip
 
 
