@@ -160,6 +160,12 @@ def test_permute_spreads_every_item_evenly():
     assert np.all(np.abs(hits / 1600 - 1 / 8) < 0.03)
 
 
+def test_a_window_holds_a_tenth_of_a_large_epoch_and_at_least_2_to_the_26():
+    assert bins.members_at_once(10**7) == bins.members_at_once(0) == 1 << 26
+    assert bins.members_at_once(10**9) == 100_000_000
+    assert bins.members_at_once(10 * (1 << 26) + 1) == (1 << 26) + 1  # never more than 10 passes
+
+
 @pytest.mark.parametrize("window", [1, 50, 10**9])
 def test_members_laid_out_a_window_at_a_time_are_the_members(monkeypatch, tmp_path, window):
     """A packed epoch keeps each slot's place and lays its members out a window at a time
@@ -169,6 +175,7 @@ def test_members_laid_out_a_window_at_a_time_are_the_members(monkeypatch, tmp_pa
     config = PlanConfig(max_tokens=1024, world_size=4, epochs=2, oversize="split")
     want = build_plan(lengths, config)
     monkeypatch.setattr(bins, "MEMBERS_AT_ONCE", window)
+    monkeypatch.setattr(bins, "MAX_PASSES", 10**12)  # windows of exactly `window`
     got = build_plan(lengths, config)
     for epoch, expected in zip(got.epochs, want.epochs):
         assert isinstance(epoch.member_store, bins.PendingMembers)

@@ -78,7 +78,8 @@ def test_parted_bins_hold_and_lay_out_what_the_parts_laid_out_one_after_another_
     want_offsets, want = reference.gather(order, counts)
     assert (offsets.tolist(), gathered.tolist()) == (want_offsets.tolist(), want.tolist())
     window = data.draw(st.integers(1, max(1, total)), label="window")
-    with mock.patch.object(bins_module, "MEMBERS_AT_ONCE", window):
+    windows = mock.patch.object(bins_module, "MEMBERS_AT_ONCE", window)
+    with windows, mock.patch.object(bins_module, "MAX_PASSES", total + 1):
         laid = parted.lay_out(parted.destinations(order, counts))
         step = data.draw(st.integers(1, max(1, total)), label="read step")
         pieces = [laid.between(first, first + step) for first in range(0, laid.count, step)]

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchplan.kernels.slot_runs import MAX_RUN, decode_runs
+from batchplan.planning import bins
 from batchplan.planning.bins import SlotRuns
 
 
@@ -31,27 +32,29 @@ slot_bins = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9)), max_size=
 )
 
 
-@given(slot_bin=slot_bins, parts=st.integers(1, 4))
-def test_runs_are_those_of_each_part_and_decode_to_the_bins(slot_bin, parts):
-    from batchplan.planning import bins
-
+@given(slot_bin=slot_bins, parts=st.integers(1, 9), threads=st.integers(1, 3))
+def test_runs_are_those_of_each_part_and_decode_to_the_bins(slot_bin, parts, threads):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bins, "threads_for", lambda items, threads: threads)  # parts even for few slots
-        runs = SlotRuns.encode(slot_bin, parts)
-    got = list(zip(runs.run_bin.tolist(), runs.run_length.tolist()))
+        patch.setattr(bins, "SLOT_RUN_PARTS", parts)
+        runs = SlotRuns.encode(slot_bin, threads)
+    got = [(int(value), int(length)) for bins_, lengths in runs.parts for value, length in zip(bins_, lengths)]
     assert got == reference_runs(slot_bin.tolist(), parts)
-    assert runs.part_runs.shape[0] == parts + 1
+    assert len(runs.parts) == parts
     decoded = runs.decode()
     assert decoded.tolist() == slot_bin.tolist()
     assert decoded.dtype == slot_bin.dtype
+    assert runs.parts == [None] * parts  # each part's runs freed once decoded
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
 def test_a_run_longer_than_a_uint16_is_cut(dtype):
     slot_bin = np.concatenate([np.full(MAX_RUN + 10, 7), np.full(3, 2), np.full(MAX_RUN, 7)]).astype(dtype)
-    runs = SlotRuns.encode(slot_bin, 1)
-    assert runs.run_length.tolist() == [MAX_RUN, 10, 3, MAX_RUN]
-    assert runs.run_bin.tolist() == [7, 7, 2, 7]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bins, "SLOT_RUN_PARTS", 1)
+        runs = SlotRuns.encode(slot_bin, 1)
+    run_bin, run_length = runs.parts[0]
+    assert run_length.tolist() == [MAX_RUN, 10, 3, MAX_RUN]
+    assert run_bin.tolist() == [7, 7, 2, 7]
     assert np.array_equal(runs.decode(), slot_bin)
 
 
@@ -59,5 +62,5 @@ def test_runs_holding_more_than_the_share_write_nothing_past_it():
     """Decoding checks each run against its share's end: runs of another array are refused."""
     out = np.full(5, -9, dtype=np.int32)
     run_bin, run_length = np.array([1, 2], dtype=np.int32), np.array([3, 3], dtype=np.uint16)
-    assert decode_runs(run_bin, run_length, np.array([0, 2]), out[:4], 0, 1) == -1
+    assert decode_runs(run_bin, run_length, out[:4], 0, 1) == -1
     assert out[4] == -9

@@ -9,9 +9,9 @@ encoding and decoding are one sequential pass each, where packing the histogram 
 get the bins back costs as much as packing it.
 
 The slots are split into ``parts`` shares (`batchplan.kernels.split.share`), each encoded on
-its own (a run never crosses a share's end, nor holds more than `MAX_RUN` slots), so that
-threads encode and decode the parts at once; decoding with the same ``parts`` gives the bins
-back exactly.
+its own into arrays of its own (a run never crosses a share's end, nor holds more than
+`MAX_RUN` slots): threads encode and decode the parts at once, and a part's runs are freed as
+soon as it is decoded; decoding with the same ``parts`` gives the bins back exactly.
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ def count_runs(slot_bin, part, parts):
 
 
 @njit(cache=True, nogil=True)
-def encode_runs(slot_bin, part_runs, run_bin, run_length, part, parts):
-    """This part's runs, written from ``part_runs[part]`` on: each run's bin and its slots."""
+def encode_runs(slot_bin, run_bin, run_length, part, parts):
+    """This part's runs, written from the start of ``run_bin`` and ``run_length`` (its own
+    arrays, `count_runs` long): each run's bin and its slots."""
     low, high = share(slot_bin.shape[0], part, parts)
-    run = part_runs[part] - 1
+    run = -1
     length = 0
     for slot in range(low, high):
         if length == 0 or length == MAX_RUN or slot_bin[slot] != slot_bin[slot - 1]:
@@ -59,13 +60,12 @@ def encode_runs(slot_bin, part_runs, run_bin, run_length, part, parts):
 
 
 @njit(cache=True, nogil=True)
-def decode_runs(run_bin, run_length, part_runs, slot_bin, part, parts):
-    """This part's share of ``slot_bin`` from its runs (``part_runs[part]:part_runs[part + 1]``);
-    returns the slots written: its share's size when the runs are its own, -1 (nothing
-    written past the share) when they hold more slots."""
+def decode_runs(run_bin, run_length, slot_bin, part, parts):
+    """This part's share of ``slot_bin`` from its runs; returns the slots written: its share's
+    size when the runs are its own, -1 (nothing written past the share) when they hold more."""
     slot, high = share(slot_bin.shape[0], part, parts)
     first = slot
-    for run in range(part_runs[part], part_runs[part + 1]):
+    for run in range(run_bin.shape[0]):
         value = run_bin[run]
         if slot + run_length[run] > high:
             return -1

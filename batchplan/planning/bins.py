@@ -15,7 +15,9 @@ and a window of members.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
@@ -29,7 +31,7 @@ from batchplan.plan import Members, index_dtype
 from batchplan.planning.buffers import new_buffer
 from batchplan.planning.destinations import Destinations, check_written
 from batchplan.planning.randomness import KeyStream, unshuffle_by_group
-from batchplan.planning.threads import run_in_parts, threads_for
+from batchplan.planning.threads import run_in_parts
 
 __all__ = [
     "MEMBERS_AT_ONCE", "PARK_FROM_ENTRIES", "PackedBins", "PendingMembers", "Placed", "SlotRuns", "bin_destinations_of",
@@ -227,35 +229,56 @@ class PackedBins:
 
 
 class SlotRuns:
-    """The bin of each slot, run-length encoded in ``parts`` shares (`batchplan.kernels.slot_runs`):
-    each run's bin (the bins' dtype) and its slots (uint16)."""
+    """The bin of each slot, run-length encoded (`batchplan.kernels.slot_runs`) in `SLOT_RUN_PARTS`
+    parts, each with arrays of its own: each run's bin (the bins' dtype) and its slots (uint16).
+    Decoding frees each part's runs once it is decoded, so that the bins and their runs are
+    never all held at once (the peak of laying a large epoch out holds the bins)."""
 
-    def __init__(self, run_bin: NDArray, run_length: NDArray[np.uint16], part_runs: NDArray[np.int64], count: int):
-        self.run_bin, self.run_length, self.part_runs, self.count = run_bin, run_length, part_runs, count
+    def __init__(self, parts: list[tuple[NDArray, NDArray[np.uint16]] | None], count: int, dtype, threads: int):
+        self.parts, self.count, self.dtype, self.threads = parts, count, np.dtype(dtype), threads
 
     @classmethod
     def encode(cls, slot_bin: NDArray[np.integer], threads: int) -> SlotRuns:
-        parts = threads_for(slot_bin.shape[0], threads)
-        part_runs = np.zeros(parts + 1, dtype=np.int64)
-        np.cumsum(run_in_parts(count_runs, parts, slot_bin), out=part_runs[1:])
-        run_bin = np.empty(int(part_runs[-1]), dtype=slot_bin.dtype)
-        run_length = np.empty(int(part_runs[-1]), dtype=np.uint16)
-        run_in_parts(encode_runs, parts, slot_bin, part_runs, run_bin, run_length)
-        return cls(run_bin, run_length, part_runs, int(slot_bin.shape[0]))
+        num_parts = SLOT_RUN_PARTS
+
+        def encode_part(part: int) -> tuple[NDArray, NDArray[np.uint16]]:
+            count = count_runs(slot_bin, part, num_parts)
+            run_bin, run_length = np.empty(count, dtype=slot_bin.dtype), np.empty(count, dtype=np.uint16)
+            encode_runs(slot_bin, run_bin, run_length, part, num_parts)
+            return run_bin, run_length
+
+        parts: list[tuple[NDArray, NDArray[np.uint16]] | None] = list(_each_part(encode_part, num_parts, threads))
+        return cls(parts, int(slot_bin.shape[0]), slot_bin.dtype, threads)
 
     def decode(self) -> NDArray[np.integer]:
-        """The bin of each slot, in a new array, on as many threads as encoded it."""
-        slot_bin = new_buffer(self.count, self.run_bin.dtype)
-        parts = self.part_runs.shape[0] - 1
-        written = run_in_parts(decode_runs, parts, self.run_bin, self.run_length, self.part_runs, slot_bin)
+        """The bin of each slot, in a new array (the runs are used up)."""
+        slot_bin = new_buffer(self.count, self.dtype)
+        num_parts = len(self.parts)
+
+        def decode_part(part: int) -> int:
+            runs = self.parts[part]
+            if runs is None:
+                raise ValueError("the runs were decoded already")
+            self.parts[part] = None
+            return decode_runs(*runs, slot_bin, part, num_parts)
+
+        written = list(_each_part(decode_part, num_parts, self.threads))
         if sum(written) != self.count or min(written) < 0:
             raise AssertionError(f"runs decoded into {sum(written):,} of {self.count:,} slots")
         return slot_bin
 
 
+def _each_part(work: Callable[[int], Any], num_parts: int, threads: int) -> Iterator[Any]:
+    """``work(part)`` for each part, in order, on up to ``threads`` threads."""
+    if threads <= 1:
+        return map(work, range(num_parts))
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return iter(list(pool.map(work, range(num_parts))))
+
+
 class PendingMembers(Members):
     """An epoch's members in row order, laid out a window at a time from each slot's place
-    (`PackedBins.lay_out`): a window of at most `MEMBERS_AT_ONCE` (or the range asked, if
+    (`PackedBins.lay_out`): a window of `members_at_once` (or the range asked, if
     longer) is laid out by one pass over the entries and kept until a range outside it, or
     the last member, is asked for. A writer asking for ranks in order makes one pass per
     window; the peak holds the places and one window, not every member. `all` lays every
@@ -283,7 +306,7 @@ class PendingMembers(Members):
             raise ValueError(f"members {start:,}:{stop:,} asked of {self._count:,}")
         first, window = self._window
         if not (first <= start and stop <= first + window.shape[0]):
-            self._window = first, window = start, self._lay_out(start, max(stop, start + MEMBERS_AT_ONCE))
+            self._window = first, window = start, self._lay_out(start, max(stop, start + members_at_once(self._count)))
         if stop == self._count:  # read to the end: the window is let go (a reader may hold this view)
             self._window = (0, window[:0])
         return window[start - first : stop - first]
@@ -322,9 +345,22 @@ class Placed:
 # and decode it, is what runs out.
 PARK_FROM_ENTRIES = 1 << 27
 
-# Members laid out per pass of `PendingMembers`: 2^26 (256 MiB of int32): 10^7 members in one
-# pass (as fast as all at once), 10^8 in 2, 10^9 in 15 (each pass reads every length and place).
+# Members laid out per pass of `PendingMembers`: at least 2^26 (256 MiB of int32; 10^7 members in
+# one pass, as fast as all at once; 10^8 in 2), and a tenth of the epoch's members where that is
+# more (10^9 in 10 passes, not 15): each pass reads every length and place, so passes are what
+# writing an epoch of 10^9 costs. The window is the peak of writing, 0.4 bytes per member at
+# 10^9 (10^9 builds in 7.43 GiB with an eighth, 7.2 with 2^26).
 MEMBERS_AT_ONCE = 1 << 26
+MAX_PASSES = 10
+
+# Parts a parked epoch's runs are kept in (`SlotRuns`): each freed once decoded, so decoding
+# holds the bins and an eighth of the runs (~0.09 bytes per slot), not all of them (0.7).
+SLOT_RUN_PARTS = 8
+
+
+def members_at_once(count: int) -> int:
+    """Members `PendingMembers` lays out per pass, for an epoch of ``count`` members."""
+    return max(MEMBERS_AT_ONCE, -(-count // MAX_PASSES))
 
 
 def scatter_to_places(lengths, cursors, places, values, out, first: int, base: int = 0) -> int:
