@@ -6,8 +6,15 @@ Python and torch, on CPU), from the wheels as the package index ships them:
     mkdir -p /tmp/peers && cd /tmp/peers && pip download --no-deps verl openrlhf
     unzip -q -o verl-*.whl -d verl && unzip -q -o openrlhf-*.whl -d openrlhf && cd -
     .venv/bin/python -m bench.online --peers /tmp/peers            # every case, table
-    .venv/bin/python -m bench.online --speed                       # 65,536 sequences on 512 ranks
-    .venv/bin/python -m bench.online --cold                        # first call in a fresh process
+    .venv/bin/python -m bench.online --peers /tmp/peers --grpo-seeds 5   # and 4 more GRPO batches
+    .venv/bin/python -m bench.online --speed --repeats 15          # 65,536 sequences on 512 ranks, warm
+    .venv/bin/python -m bench.online --cold --repeats 5            # first call in a fresh process
+
+``--speed`` times one warm call on one core, each run with the load average before it.
+``--cold`` times fresh processes, interleaved: ``python + numpy`` (any numpy program's floor),
+numba's own start (its import and first-call set-up, one tiny cached kernel),
+``import numpy, batchplan; plan_batch(...)`` on 4,096 sequences for 8 ranks, and the same
+after numba's start (what batchplan adds to it) (`cold`).
 
 What each planner does with one global batch (what their trainers run, the ranks' all-reduces
 played in one process):
@@ -67,13 +74,18 @@ def grpo_batch(prompts: int, generations: int, seed: int = 0):
     return np.repeat(prompt, generations) + response, np.repeat(np.arange(prompts), generations)
 
 
-def cases() -> dict[str, tuple]:
-    """name -> (lengths, world_size, max_tokens, groups)."""
+def cases(grpo_seeds: int = 1) -> dict[str, tuple]:
+    """name -> (lengths, world_size, max_tokens, groups); GRPO batches drawn with seeds
+    ``0..grpo_seeds - 1`` (the first without a seed in its name)."""
     rng = np.random.default_rng(31)
-    grpo, groups = grpo_batch(512, 8)
+    out = {}
+    for seed in range(grpo_seeds):
+        grpo, groups = grpo_batch(512, 8, seed=seed)
+        drawn = f" (seed {seed})" if seed else ""
+        out[f"grpo 512x8{drawn}, 8 ranks"] = (grpo, 8, 16384, groups)
+        out[f"grpo 512x8{drawn}, 64 ranks"] = (grpo, 64, 16384, groups)
     return {
-        "grpo 512x8, 8 ranks": (grpo, 8, 16384, groups),
-        "grpo 512x8, 64 ranks": (grpo, 64, 16384, groups),
+        **out,
         # verl #6176: shares needing different counts (a few at the cap, many short)
         "unequal counts": (np.concatenate([np.full(8, 8192), rng.integers(1, 128, 1016)]), 8, 8192, None),
         # verl #6735: balancing on L^2 puts many short sequences beside a long one's cost
@@ -273,51 +285,103 @@ def planners_for(peers: Path | None) -> dict:
 
 
 def speed(repeats: int, sequences: int = 65536, world_size: int = 512, max_tokens: int = 16384) -> dict:
-    """Warm ``plan_batch`` on one core: GRPO-like lengths, best of ``repeats``."""
+    """Warm ``plan_batch`` on one core: GRPO-like lengths, every run with the load average before it."""
     from batchplan import plan_batch
 
     lengths, _ = grpo_batch(sequences // 8, 8, seed=1)
-    plan_batch(lengths[:100], 4, max_tokens)  # loads the kernels
-    times = []
+    plan = plan_batch(lengths, world_size, max_tokens, attention_coefficient=COEFFICIENT)  # loads the kernel
+    runs = []
     for _ in range(repeats):
+        load = load_average()
         start = time.perf_counter()
         plan = plan_batch(lengths, world_size, max_tokens, attention_coefficient=COEFFICIENT)
-        times.append(time.perf_counter() - start)
-    return {"sequences": sequences, "world_size": world_size, "max_tokens": max_tokens,
-            "best_ms": min(times) * 1e3, "median_ms": float(np.median(times)) * 1e3, "num_micro": plan.num_micro,
-            "balance": plan.balance}  # fmt: skip
+        runs.append({"ms": (time.perf_counter() - start) * 1e3, "load": load})
+    times = [run["ms"] for run in runs]
+    return {"sequences": sequences, "world_size": world_size, "max_tokens": max_tokens, "best_ms": min(times),
+            "median_ms": float(np.median(times)), "num_micro": plan.num_micro, "balance": plan.balance,
+            "runs": runs}  # fmt: skip
 
 
-COLD = """
-import time
-start = time.perf_counter()
-import numpy as np
-import batchplan
-lengths = np.random.default_rng(0).integers(1, 8192, 4096)
-plan = batchplan.plan_batch(lengths, 8, 16384, hidden_size=4096)
-print(time.perf_counter() - start)
-"""
+def load_average() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+# What each fresh process of `cold` runs: ``{start}``, ``{mark}`` and ``{end}`` read the clock
+# (its script's first line, a point between, the end of its work); it prints every reading.
+CHILDREN = {
+    # the floor of any Python program using numpy
+    "python + numpy": "{start}\nimport numpy\n{end}",
+    # numba's own start: its import, its typing and target set-up on the first call of a
+    # kernel, and one tiny kernel from the cache (what any numba program pays once)
+    "python + numpy + numba's start": (
+        "{start}\nimport numpy\nfrom batchplan.kernels.startup import start_numba\nstart_numba()\n{end}"
+    ),
+    # the first plan: what an RL worker spawned for a step pays
+    "plan_batch, first call": (
+        "{start}\nimport numpy as np\nimport batchplan\nlengths = np.random.default_rng(0).integers(1, 8192, 4096)\n"
+        "plan = batchplan.plan_batch(lengths, 8, 16384, hidden_size=4096)\n{end}"
+    ),
+    # numba's start, then the first plan: the reading between them splits batchplan's own part
+    # (its modules, its kernel loaded, numpy.ma that numba imports on a first array, the plan)
+    "numba's start, then plan_batch": (
+        "{start}\nimport numpy as np\nfrom batchplan.kernels.startup import start_numba\nstart_numba()\n{mark}\n"
+        "import batchplan\nlengths = np.random.default_rng(0).integers(1, 8192, 4096)\n"
+        "plan = batchplan.plan_batch(lengths, 8, 16384, hidden_size=4096)\n{end}"
+    ),
+}
+START = "import time\nstamps = [time.time()]"
+MARK = "stamps.append(time.time())"
+END = "stamps.append(time.time())\nprint(*stamps, flush=True)"
 
 
 def cold(repeats: int) -> dict:
-    """Seconds of a fresh process from its first line to the first result, imports included
-    (and the interpreter's start, measured outside): with numba's cache empty (compiles) and
-    filled (loads the kernels)."""
-    out = {"empty_cache": [], "warm_cache": [], "warm_cache_process_s": []}
+    """Fresh processes, interleaved (each kind once per round), spans of each, best and median:
+    ``to_result_s``, from the parent's spawn to the end of the work (interpreter start,
+    imports, work); ``script_s``, the script's own (imports, work); ``process_s``, spawn to
+    exit (the interpreter's teardown too, ~0.3 s with numba loaded: nothing a worker that goes
+    on training waits for); ``after_mark_s``, from the child's middle reading to its end.
+
+    The first round is untimed apart from the plan's, which compiles: numba's cache starts
+    empty, in a temporary folder, as does Python's bytecode cache (``PYTHONPYCACHEPREFIX``;
+    an installed package ships its bytecode). Later rounds find both filled."""
+    out: dict = {"empty_cache_s": None, "rounds": []}
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "NUMBA_CACHE_DIR": cache, "OMP_NUM_THREADS": "1"}
-        for key in ["empty_cache"] + ["warm_cache"] * repeats:
-            start = time.perf_counter()
-            done = subprocess.run([sys.executable, "-c", COLD], env=env, capture_output=True, text=True, check=True)
-            out[key].append(float(done.stdout.split()[-1]))
-            if key == "warm_cache":
-                out["warm_cache_process_s"].append(time.perf_counter() - start)
+        env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
+        env.update(NUMBA_CACHE_DIR=f"{cache}/numba", PYTHONPYCACHEPREFIX=f"{cache}/bytecode", OMP_NUM_THREADS="1",
+                   NUMBA_NUM_THREADS="1", PYTHONPATH=str(REPO))  # fmt: skip
+        for round_ in range(repeats + 1):
+            row = {"load": load_average()}
+            for name, code in CHILDREN.items():
+                row[name] = run_child(code, env)
+            if round_ == 0:
+                out["empty_cache_s"] = row["plan_batch, first call"]
+            else:
+                out["rounds"].append(row)
+    out["summary"] = {
+        name: {key: {"best": min(row[name][key] for row in out["rounds"]),
+                     "median": float(np.median([row[name][key] for row in out["rounds"]]))}
+               for key in out["rounds"][0][name]}
+        for name in CHILDREN
+    }  # fmt: skip
     return out
+
+
+def run_child(code: str, env: dict) -> dict:
+    """One fresh process of `cold`: its spans, in seconds."""
+    spawned = time.time()
+    done = subprocess.run([sys.executable, "-c", code.format(start=START, mark=MARK, end=END)], env=env,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    exited = time.time()
+    stamps = [float(x) for x in done.stdout.split()]
+    spans = {"to_result_s": stamps[-1] - spawned, "script_s": stamps[-1] - stamps[0], "process_s": exited - spawned}
+    if len(stamps) > 2:
+        spans["after_mark_s"] = stamps[-1] - stamps[-2]
+    return spans
 
 
 def print_table(rows: list[dict]) -> None:
     header = ("case", "planner", "over cap", "equal counts", "micro", "dropped", "repeated", "empty",
-              "max/mean", "bound", "lockstep", "groups split", "ms")  # fmt: skip
+              "max/mean", "max/mean - 1 (ppb)", "bound", "lockstep", "groups split", "ms")  # fmt: skip
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
     for row in rows:
@@ -326,7 +390,8 @@ def print_table(rows: list[dict]) -> None:
             continue
         print(f"{row['case']} | {row['planner']} | {row['over_cap']} | {'yes' if row['equal_counts'] else 'NO'} | "
               f"{row['micro_batches']} | {row['dropped']} | {row['repeated']} | {row['empty']} | "
-              f"{row['max_over_mean']:.6f} | {row['bound']:.6f} | {row['lockstep_over_mean']:.4f} | "
+              f"{row['max_over_mean']:.6f} | {(row['max_over_mean'] - 1) * 1e9:,.2f} | {row['bound']:.6f} | "
+              f"{row['lockstep_over_mean']:.4f} | "
               f"{row['groups_split']} | {row['seconds'] * 1e3:.1f}")  # fmt: skip
 
 
@@ -336,17 +401,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--speed", action="store_true", help="65,536 sequences on 512 ranks, warm")
     parser.add_argument("--cold", action="store_true", help="first call in a fresh process")
+    parser.add_argument("--grpo-seeds", type=int, default=1, help="GRPO batches drawn (seeds 0, 1, ...)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")
-    report = {"load_before": Path("/proc/loadavg").read_text().split()[:3]}
+    report: dict = {"load_before": Path("/proc/loadavg").read_text().split()[:3]}
     if args.speed:
         report["speed"] = speed(args.repeats)
     elif args.cold:
         report["cold"] = cold(args.repeats)
     else:
         planners = planners_for(args.peers)
-        report["rows"] = [row for name, case in cases().items() for row in run_case(name, case, planners, args.repeats)]
+        batches = cases(args.grpo_seeds).items()
+        report["rows"] = [row for name, case in batches for row in run_case(name, case, planners, args.repeats)]
     report["load_after"] = Path("/proc/loadavg").read_text().split()[:3]
     if args.json:
         print(json.dumps(report, indent=2, default=str))

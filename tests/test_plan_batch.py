@@ -8,6 +8,7 @@ against slow references first.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import re
 from pathlib import Path
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 import batchplan
 from batchplan.errors import ConfigError, DatasetError
 from batchplan.kernels.balance import place_decreasing
+from batchplan.kernels.batch import split_batch
 from batchplan.kernels.even_counts import even_out_counts
 from batchplan.kernels.exchange import exchange_items
 from batchplan.kernels.pack import pack_runs
@@ -72,7 +74,7 @@ def place_by_scan(costs, per_rank, world_size):
 
 @given(st.lists(st.sampled_from([0.0, 1.0, 2.0, 2.5, 7.0, 100.0]), max_size=80), st.integers(1, 40), st.booleans())
 def test_place_decreasing_matches_a_linear_scan(costs, world_size, limited):
-    """Both of its ways: the scan up to SCAN_UP_TO ranks, the heap above."""
+    """Both of its ways: the scan up to SCAN_UP_TO ranks, the winner tree above."""
     per_rank = max(-(-len(costs) // world_size), 1) if limited else max(len(costs), 1)
     array = np.array(costs, dtype=np.float64)
     order = np.argsort(-array, kind="stable")
@@ -321,6 +323,19 @@ def test_micro_batches_sets_the_count_and_too_few_is_an_error_naming_the_need():
         plan_batch(lengths, 2, 40, micro_batches=1)
 
 
+def test_read_only_strided_and_int32_lengths_plan_as_a_plain_array():
+    """Whatever array comes in, the kernel sees one type (one compiled specialisation)."""
+    lengths = np.random.default_rng(5).integers(1, 50, 40)
+    plain = plan_batch(lengths, 3, 64, seed=1)
+    read_only = lengths.copy()
+    read_only.flags.writeable = False
+    strided = np.repeat(lengths, 2)[::2]
+    for other in (read_only, strided, lengths.astype(np.int32)):
+        plan = plan_batch(other, 3, 64, seed=1)
+        assert np.array_equal(plan.samples, plain.samples) and np.array_equal(plan.offsets, plain.offsets)
+    assert len(split_batch.signatures) == 1
+
+
 def test_hidden_size_prices_attention_as_the_offline_cost_model():
     plan = plan_batch(np.array([4096]), 1, 8192, hidden_size=4096)
     assert plan.costs[0, 0] == pytest.approx(4096 + 4096**2 / (12 * 4096))
@@ -405,80 +420,184 @@ def test_importing_batchplan_and_naming_plan_batch_loads_no_numba():
     assert loaded_after("import batchplan\nbatchplan.__all__") == set()
 
 
-def exchange_by_hand(costs, rank, world_size, rounds, tries, slack, good_enough):
+def difference_by_hand(values):
+    """Karmarkar-Karp with a heap of (-value, position): each value's side (0 or 1)."""
+    heap = [(-v, k) for k, v in enumerate(values)]
+    heapq.heapify(heap)
+    partner, merged = {}, []
+    while len(heap) > 1:
+        largest, u = heapq.heappop(heap)
+        second, v = heapq.heappop(heap)
+        partner[v] = u
+        merged.append(v)
+        heapq.heappush(heap, (largest - second, u))
+    side = [0] * len(values)
+    for v in reversed(merged):
+        side[v] = 1 - side[partner[v]]
+    return side
+
+
+def exchange_by_hand(costs, order, rank, world_size, rounds, pool, tries, good_enough):
     """The slow form of `exchange_items`: lists per rank, the same choices and ties."""
-    members = [[i for i in range(len(costs)) if rank[i] == r] for r in range(world_size)]
-    capacity = [len(m) + slack for m in members]
-    load = [sum(costs[i] for i in m) for m in members]
+    members = [[] for _ in range(world_size)]
+    load = [0.0] * world_size
+    for item in order:
+        members[rank[item]].append(item)
+        load[rank[item]] += costs[item]
+    room = max(len(m) for m in members)
+    capacity = [len(m) + room for m in members]
+
+    def split(a, b, pool):
+        pooled, kept = [], {a: load[a], b: load[b]}
+        for r in (a, b):
+            for item in members[r][len(members[r]) - min(pool, len(members[r])) :]:
+                pooled.append((r, item))
+                kept[r] -= costs[item]
+        values = [costs[item] for _, item in pooled] + [abs(kept[a] - kept[b])]
+        side = difference_by_hand(values)
+        side_a = side[-1] if kept[a] >= kept[b] else 1 - side[-1]
+        new = dict(kept)
+        for (_, item), s in zip(pooled, side):
+            new[a if s == side_a else b] += costs[item]
+        stays = {r: len(members[r]) - sum(1 for owner, _ in pooled if owner == r) for r in (a, b)}
+        to = {a: [], b: []}  # each rank's new items by decreasing cost, ties in pool order
+        for k in sorted(range(len(pooled)), key=lambda k: (-values[k], k)):
+            to[a if side[k] == side_a else b].append(pooled[k][1])
+        if max(new[a], new[b]) >= load[a] or any(stays[r] + len(to[r]) > capacity[r] for r in (a, b)):
+            return False
+        for r in (a, b):
+            members[r] = members[r][: stays[r]] + to[r]
+            for item in to[r]:
+                rank[item] = r
+            load[r] = new[r]
+        return True
+
+    def with_partners(a, pool):
+        by_load = sorted((r for r in range(world_size) if r != a), key=lambda r: (load[r], r))[:tries]
+        return any(load[b] < load[a] and split(a, b, pool) for b in by_load)
+
+    level = min(max(pool, 1), max(capacity))
     for _ in range(rounds):
         a = max(range(world_size), key=lambda r: (load[r], -r))
-        if load[a] <= good_enough:
+        if load[a] <= good_enough or all(load[r] == load[a] for r in range(world_size)):
             break
-        done = False
-        tried = 0
-        for b in sorted(range(world_size), key=lambda r: load[r]):
-            if tried == tries or load[b] >= load[a]:
-                break
-            if b == a:
-                continue
-            tried += 1
-            gap = load[a] - load[b]
-            sorted_b = sorted(range(len(members[b])), key=lambda j: costs[members[b][j]])
-            values = [costs[members[b][j]] for j in sorted_b]
-            best, miss = None, gap / 2
-            for i, item in enumerate(members[a]):
-                x = costs[item]
-                if x <= 0:
-                    continue
-                if len(members[b]) < capacity[b] and x < gap and abs(x - gap / 2) < miss:
-                    best, miss = (i, None), abs(x - gap / 2)
-                k = int(np.searchsorted(values, x - gap / 2))
-                for j in (k - 1, k):
-                    if 0 <= j < len(values) and 0 < x - values[j] < gap and abs(x - values[j] - gap / 2) < miss:
-                        best, miss = (i, sorted_b[j]), abs(x - values[j] - gap / 2)
-            if best is not None:
-                i, j = best
-                item = members[a][i]
-                if j is None:
-                    members[a][i] = members[a][-1]
-                    members[a].pop()
-                    members[b].append(item)
-                    shift = costs[item]
-                else:
-                    other = members[b][j]
-                    members[a][i], members[b][j] = other, item
-                    rank[other] = a
-                    shift = costs[item] - costs[other]
-                rank[item] = b
-                load[a] -= shift
-                load[b] += shift
-                done = True
-                break
-        if not done:
+        helped = with_partners(a, level)
+        while not helped and level < max(capacity):
+            level = min(2 * level, max(capacity))
+            helped = with_partners(a, level)
+        if not helped:
             break
     return rank
 
 
-@given(st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 40.0]), max_size=30), st.integers(1, 5),
-       st.integers(0, 30), st.integers(1, 3), st.integers(0, 2), st.sampled_from([0.0, 1.01, 1.2]))  # fmt: skip
-def test_exchange_items_matches_the_slow_form(costs, world_size, seed, tries, slack, within):
+@given(st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 40.0, 0.375, 2.625]), max_size=30),
+       st.integers(1, 5), st.integers(0, 30), st.integers(0, 4), st.integers(1, 3),
+       st.sampled_from([0.0, 1.01, 1.2]))  # fmt: skip
+def test_exchange_items_matches_the_slow_form(costs, world_size, seed, pool, tries, within):
     rank = np.random.default_rng(seed).integers(0, world_size, len(costs))
+    order = np.argsort(-np.array(costs), kind="stable")
     good_enough = sum(costs) / world_size * within
-    want = exchange_by_hand(costs, list(rank), world_size, 4 * world_size, tries, slack, good_enough)
+    want = exchange_by_hand(costs, order, list(rank), world_size, 4 * world_size, pool, tries, good_enough)
     got = rank.copy()
-    exchange_items(np.array(costs, dtype=np.float64), got, np.int64(world_size), np.int64(4 * world_size),
-                   np.int64(tries), np.int64(slack), good_enough)  # fmt: skip
+    exchange_items(np.array(costs, dtype=np.float64), order, got, np.int64(world_size), np.int64(4 * world_size),
+                   np.int64(pool), np.int64(tries), good_enough)  # fmt: skip
     assert list(got) == want
 
 
-@given(st.lists(st.floats(0, 100), max_size=30), st.integers(1, 5), st.integers(0, 30))
-def test_exchange_items_never_raises_the_busiest_load(costs, world_size, seed):
+@given(st.lists(st.floats(0, 100), max_size=30), st.integers(1, 5), st.integers(0, 30), st.integers(0, 6))
+def test_exchange_items_never_raises_the_busiest_load(costs, world_size, seed, pool):
     rank = np.random.default_rng(seed).integers(0, world_size, len(costs))
     before = np.bincount(rank, weights=costs, minlength=world_size).max(initial=0)
-    exchange_items(
-        np.array(costs, dtype=np.float64), rank, np.int64(world_size), np.int64(20), np.int64(4), np.int64(4), 0.0
-    )
+    order = np.argsort(-np.array(costs), kind="stable")
+    load = exchange_items(np.array(costs, dtype=np.float64), order, rank, np.int64(world_size), np.int64(20),
+                          np.int64(pool), np.int64(4), 0.0)  # fmt: skip
+    assert np.allclose(load, np.bincount(rank, weights=costs, minlength=world_size))
     assert np.bincount(rank, weights=costs, minlength=world_size).max(initial=0) <= before + 1e-9
+
+
+def ranks_by_hand(item_costs, order, world_size, exchange):
+    """Longest processing time first, then the exchanges, towards `split_batch`'s target."""
+    rounds, pool, tries, good_enough = exchange
+    rank = np.empty(len(item_costs), dtype=np.int64)
+    micro = np.empty(len(item_costs), dtype=np.int64)
+    costs = np.array(item_costs, dtype=np.float64)
+    place_decreasing(costs, order, np.int64(max(len(costs), 1)), np.int64(world_size), rank, micro)
+    total = 0.0
+    for cost in item_costs:
+        total += cost
+    mean = total / world_size
+    whole = all(cost == np.floor(cost) for cost in item_costs)
+    target = max(mean * (1.0 + good_enough), float(np.ceil(mean)) if whole else 0.0)
+    exchange_items(costs, order, rank, np.int64(world_size), np.int64(rounds * world_size), np.int64(pool),
+                   np.int64(tries), target)  # fmt: skip
+    return rank
+
+
+def split_by_hand(lengths, loss, item_offsets, shuffled, coefficient, by_tokens, world_size, max_tokens, exchange):
+    """The slow form of `split_batch` (fewest micro-batches): its stages' kernels, each checked
+    against its own slow form above, joined in plain Python (sums, orders, units, lay-out)."""
+    cost = [x + coefficient * float(x) ** 2 for x in lengths]
+    spans = [range(item_offsets[k], item_offsets[k + 1]) for k in range(len(item_offsets) - 1)]
+    item_tokens = [sum(lengths[e] for e in span) for span in spans]
+    item_costs = [0.0] * len(spans)
+    for k, span in enumerate(spans):
+        for e in span:
+            item_costs[k] += cost[e]
+    key = item_tokens if by_tokens else item_costs
+    order = np.array(sorted(shuffled, key=lambda k: -key[k]), dtype=np.int64)  # equal keys as shuffled
+    rank = ranks_by_hand(item_costs, order, world_size, exchange)
+    units = []  # (rank, entries), items in shuffled order
+    for k in shuffled:
+        whole = item_tokens[k] <= max_tokens
+        units += [(rank[k], spans[k])] if whole else [(rank[k], range(e, e + 1)) for e in spans[k]]
+    units.sort(key=lambda unit: (unit[0], -sum(lengths[e] for e in unit[1])))  # stable
+    unit_costs = [0.0] * len(units)
+    for u, (_, entries) in enumerate(units):
+        for e in entries:
+            unit_costs[u] += cost[e]
+    runs = np.searchsorted([r for r, _ in units], np.arange(world_size + 1)).astype(np.int64)
+    unit_lengths = np.array([sum(lengths[e] for e in entries) for _, entries in units], dtype=np.int64)
+    members, bin_offsets, _, run_bins = pack_runs(unit_lengths, runs, np.int64(max_tokens))
+    num_micro = int(np.diff(run_bins).max(initial=0))
+    out, out_offsets = even_out_counts(members, bin_offsets, run_bins, np.array(unit_costs), np.int64(num_micro))
+    micro_batches = [[e for u in out[out_offsets[k] : out_offsets[k + 1]] for e in units[u][1]]
+                     for k in range(world_size * num_micro)]  # fmt: skip
+    return micro_batches, item_costs, cost
+
+
+@st.composite
+def kernel_batches(draw):
+    """`split_batch`'s input: items of 1-3 entries (some items above the cap), in a random order."""
+    max_tokens = draw(st.integers(1, 30))
+    sizes = draw(st.lists(st.integers(1, 3), max_size=40))
+    lengths = draw(st.lists(st.integers(1, max_tokens), min_size=sum(sizes), max_size=sum(sizes)))
+    shuffled = draw(st.permutations(range(len(sizes))))
+    return {
+        "lengths": np.array(lengths, dtype=np.int64),
+        "item_offsets": np.concatenate(([0], np.cumsum(sizes))).astype(np.int64),
+        "shuffled": np.array(shuffled, dtype=np.int64),
+        "coefficient": draw(st.sampled_from([0.0, 1 / 16, 1.0])),
+        "by_tokens": draw(st.booleans()),
+        "world_size": draw(st.integers(1, 6)),
+        "max_tokens": max_tokens,
+        "exchange": (draw(st.integers(0, 4)), draw(st.integers(0, 4)), draw(st.integers(1, 3)), 0.0),
+    }
+
+
+@given(kernel_batches())
+def test_split_batch_matches_the_slow_form(batch):
+    loss = batch["lengths"] // 2
+    entries, offsets, tokens, loss_out, costs, needed, item_costs = split_batch(
+        batch["lengths"], loss, batch["item_offsets"], batch["shuffled"], batch["coefficient"], batch["by_tokens"],
+        np.int64(batch["world_size"]), np.int64(batch["max_tokens"]), np.int64(0), batch["exchange"],
+    )  # fmt: skip
+    want, want_item_costs, cost = split_by_hand(**{**batch, "loss": loss})
+    got = [list(entries[offsets[k] : offsets[k + 1]]) for k in range(len(offsets) - 1)]
+    assert got == want and needed * batch["world_size"] == len(want)
+    assert list(item_costs) == want_item_costs
+    assert list(tokens) == [sum(batch["lengths"][e] for e in micro) for micro in want]
+    assert list(loss_out) == [sum(loss[e] for e in micro) for micro in want]
+    assert list(costs) == [sum((cost[e] for e in micro), 0.0) for micro in want]
 
 
 # ---------------------------------------------------------------- docs/online.md

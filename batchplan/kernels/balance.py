@@ -6,8 +6,8 @@ each window of micro-batches by cost, so that consecutive groups of ``world_size
 ("rounds") hold similar costs, and shuffles the rounds. `assign_step` places each step's
 micro-batches on ranks: longest-processing-time first under a cardinality constraint,
 by decreasing cost onto the least-loaded rank that still has room (every rank gets
-exactly ``count / world_size``), found in a heap: O(n log n). `place_decreasing` is that
-placement alone; `batchplan.planning.batch` places a batch's samples on ranks with it.
+exactly ``count / world_size``), found in a winner tree: O(n log n). `place_decreasing` is that
+placement alone; `batchplan.kernels.batch` places a batch's samples on ranks with it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from batchplan.kernels.order import order_by_merging
 __all__ = ["SCAN_UP_TO", "assign_step", "place_decreasing"]
 
 # Up to this many ranks, `place_decreasing` scans them for the least loaded instead of
-# keeping a heap (fewer steps per item at this size; the same choices).
+# keeping a winner tree (fewer steps per item at this size; the same choices).
 SCAN_UP_TO = 16
 
 
@@ -42,8 +42,8 @@ def assign_step(costs, per_rank, world_size, rank_out, micro_out, order, spare):
 def place_decreasing(costs, order, per_rank, world_size, rank_out, micro_out):
     """Longest processing time first: ``costs[order[k]]`` (``order`` by decreasing cost) goes,
     k after k, to the least-loaded rank that holds fewer than ``per_rank`` (ties: the lowest
-    rank); its rank and position there go to ``rank_out`` and ``micro_out``. A min-heap of
-    (load, rank) over the ranks with room finds it in O(log world_size); up to
+    rank); its rank and position there go to ``rank_out`` and ``micro_out``. A winner tree
+    over the ranks with room finds it in O(log world_size), one comparison per level; up to
     `SCAN_UP_TO` ranks a scan of them is faster (the same choice). Returns each rank's load.
 
     The rank that ends with the most load took its last item ``p`` when it was the least
@@ -63,37 +63,41 @@ def place_decreasing(costs, order, per_rank, world_size, rank_out, micro_out):
             taken[best] += 1
             load[best] += costs[item]
         return load
-    heap = np.arange(world_size, dtype=np.int64)  # every load 0: rank order is a heap
-    open_ranks = world_size
+    # A winner tree over the ranks (leaves at size + rank): each node holds the least-loaded
+    # open rank below it and its load (a full rank: inf, and no rank); the top is the choice.
+    size = 1
+    while size < world_size:
+        size <<= 1
+    winner = np.empty(2 * size, dtype=np.int64)
+    key = np.empty(2 * size, dtype=np.float64)
+    for leaf in range(size):  # a loop, not np.full: one numba overload less to compile
+        winner[size + leaf] = leaf if leaf < world_size else -1
+        key[size + leaf] = 0.0 if leaf < world_size else np.inf
+    for node in range(size - 1, 0, -1):
+        _play(winner, key, node)
     for item in order:
-        best = heap[0]
+        best = winner[1]
         rank_out[item] = best
         micro_out[item] = taken[best]
         taken[best] += 1
         load[best] += costs[item]
-        if taken[best] == per_rank:  # full: off the heap
-            open_ranks -= 1
-            heap[0] = heap[open_ranks]
-        _sift_down(heap, open_ranks, load)
+        node = size + best
+        if taken[best] == per_rank:  # full: out of the tree
+            winner[node], key[node] = -1, np.inf
+        else:
+            key[node] = load[best]
+        node >>= 1
+        while node >= 1:
+            _play(winner, key, node)
+            node >>= 1
     return load
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _before(load, a, b):
-    return load[a] < load[b] or (load[a] == load[b] and a < b)
-
-
-@njit(cache=True, nogil=True)
-def _sift_down(heap, count, load):
-    """Restore the heap order of ``heap[:count]`` (by load, then rank) after its top changed."""
-    node = 0
-    while True:
-        child = 2 * node + 1
-        if child >= count:
-            return
-        if child + 1 < count and _before(load, heap[child + 1], heap[child]):
-            child += 1
-        if not _before(load, heap[child], heap[node]):
-            return
-        heap[node], heap[child] = heap[child], heap[node]
-        node = child
+def _play(winner, key, node):
+    """Node ``node`` takes the lesser of its children's loads (a tie: the left, the lower ranks)."""
+    left, right = 2 * node, 2 * node + 1
+    if key[right] < key[left]:
+        winner[node], key[node] = winner[right], key[right]
+    else:
+        winner[node], key[node] = winner[left], key[left]

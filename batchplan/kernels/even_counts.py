@@ -6,7 +6,8 @@ fewer splits its costliest bin that holds two or more items into two (items long
 each to the cheaper half: the halves' costs differ by at most one item's), until it has
 ``num_micro`` or every bin holds one item; then it runs empty micro-batches. A split never
 raises a bin's tokens, so the cap holds. Each rank's micro-batches are then ordered by
-decreasing cost (empty ones last): under FSDP the ranks wait for each other at every
+decreasing cost (empty ones last; `batchplan.kernels.order.order_by_merging`, not numba's
+argsort, which compiles for seconds): under FSDP the ranks wait for each other at every
 micro-batch, and ranks of balanced totals then run similar costs side by side.
 O(items + splits x num_micro) per rank.
 """
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+
+from batchplan.kernels.order import order_by_merging
 
 __all__ = ["even_out_counts"]
 
@@ -41,6 +44,8 @@ def even_out_counts(members, bin_offsets, run_bins, item_costs, num_micro):
     ends = np.empty(num_micro, dtype=np.int64)
     costs = np.empty(num_micro, dtype=np.float64)
     spare = np.empty(members.shape[0], dtype=np.int64)
+    order = np.empty(num_micro, dtype=np.int64)
+    spare_order = np.empty(num_micro, dtype=np.int64)
     for rank in range(num_ranks):
         first_bin, last_bin = run_bins[rank], run_bins[rank + 1]
         count = last_bin - first_bin
@@ -59,7 +64,7 @@ def even_out_counts(members, bin_offsets, run_bins, item_costs, num_micro):
             costs[widest] = _cost(members, starts[widest], middle, item_costs)
             costs[count] = _cost(members, middle, ends[count], item_costs)
             count += 1
-        order = np.argsort(-costs[:count], kind="mergesort")  # stable: depends only on the input order
+        order_by_merging(costs[:count], order, spare_order)  # stable: depends only on the input order
         cursor = base
         slot = rank * num_micro
         for k in range(num_micro):
