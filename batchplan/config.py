@@ -249,9 +249,7 @@ class PlanConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ConfigError(
-                f"unknown config keys {unknown}: the plan was made by a newer batchplan; upgrade it"
-            )
+            raise ConfigError(f"unknown config keys {unknown}: the plan was made by a newer batchplan; upgrade it")
         return cls(**values)
 
     def fingerprint(self) -> str:

@@ -247,9 +247,7 @@ class Mixture:
 
     def _check_sized_by(self, key: str, other: str, mode: str) -> None:
         """Every source has ``key`` and none has ``other``; not every ``key`` is 0."""
-        fix = (
-            "give the mixture tokens and each source a weight, or each source epochs and no tokens"
-        )
+        fix = "give the mixture tokens and each source a weight, or each source epochs and no tokens"
         for source in self.sources:
             if getattr(source, other) is not None:
                 raise ConfigError(f"source {source.name!r}: {other} is given in a mixture {mode}; {fix}")
@@ -339,7 +337,7 @@ def parse_tokens(value: object, *, key: str = "tokens") -> int:
             count = int(number) if math.isfinite(number) and number == int(number) else None
     if count is None or count < 1:
         raise ConfigError(
-            f"{key} must be a whole number of tokens >= 1 (e.g. 2000000000, 2.0e9, \"2G\" or \"2_000M\"), "
+            f'{key} must be a whole number of tokens >= 1 (e.g. 2000000000, 2.0e9, "2G" or "2_000M"), '
             f"got {value!r}; fix the mixture's {key}"
         )
     return count

@@ -181,8 +181,9 @@ class PackingBound:
     def __add__(self, other: PackingBound) -> PackingBound:
         """Two packings side by side (a warmup's stages): their counts and bounds add up."""
         kind = self.kind if self.kind == other.kind else "mixed"
-        return PackingBound(self.micro_batches + other.micro_batches, self.tokens + other.tokens,
-                            self.bound + other.bound, kind)  # fmt: skip
+        return PackingBound(
+            self.micro_batches + other.micro_batches, self.tokens + other.tokens, self.bound + other.bound, kind
+        )
 
     def fill(self, max_tokens: int) -> float:
         """Tokens / (micro-batches x max_tokens) of the packing."""

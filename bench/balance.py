@@ -68,8 +68,13 @@ STRATEGIES = {  # name: (balance, balance_window or None for the default, label)
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=ROOT / "data" / "sharegpt_dialogues_cl100k.parquet")
-    parser.add_argument("--lognormal", type=float, nargs=2, metavar=("MEDIAN", "SIGMA"),
-                        help="lognormal lengths (10,000 samples) instead of --data")  # fmt: skip
+    parser.add_argument(
+        "--lognormal",
+        type=float,
+        nargs=2,
+        metavar=("MEDIAN", "SIGMA"),
+        help="lognormal lengths (10,000 samples) instead of --data",
+    )
     parser.add_argument("--samples", type=int, default=600, help="seeded uniform subsample of the lengths (0: all)")
     parser.add_argument("--max-tokens", type=int, default=4096, help="token cap of a micro-batch")
     parser.add_argument("--seed", type=int, default=0, help="plan seed; also picks the subsample and token ids")
@@ -80,8 +85,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes over all packs")
     parser.add_argument("--warmup", type=int, default=8, help="untimed micro-batches before the passes")
-    parser.add_argument("--reference-max-tokens", type=int, default=8192,
-                        help="cost-model-only prediction on all lengths at a real model's setting")  # fmt: skip
+    parser.add_argument(
+        "--reference-max-tokens",
+        type=int,
+        default=8192,
+        help="cost-model-only prediction on all lengths at a real model's setting",
+    )
     parser.add_argument("--reference-hidden-size", type=int, default=4096)
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     return parser.parse_args()
@@ -107,8 +116,15 @@ def load_lengths(args: argparse.Namespace) -> tuple[NDArray[np.int64], NDArray[n
 def make_plan(lengths: NDArray[np.int64], max_tokens: int, seed: int, name: str, hidden_size: int | None) -> Plan:
     balance, window, _ = STRATEGIES[name]
     extra = {} if window is None else {"balance_window": window}
-    config = PlanConfig(max_tokens=max_tokens, world_size=WORLD_SIZE, seed=seed, oversize="split",
-                        balance=balance, hidden_size=hidden_size, **extra)  # fmt: skip
+    config = PlanConfig(
+        max_tokens=max_tokens,
+        world_size=WORLD_SIZE,
+        seed=seed,
+        oversize="split",
+        balance=balance,
+        hidden_size=hidden_size,
+        **extra,
+    )
     return build_plan(lengths, config)
 
 
@@ -293,8 +309,14 @@ def main() -> None:
     packs, _ = index_packs(plans)
     print(f"{len(packs):,} packs, {plans['random'].num_steps} steps; timing ...", file=sys.stderr, flush=True)
     torch.manual_seed(args.seed)
-    model = TinyGPT(args.vocab, d_model=args.d_model, num_heads=args.heads, num_layers=args.layers,
-                    max_positions=args.max_tokens, attention="documents")  # fmt: skip
+    model = TinyGPT(
+        args.vocab,
+        d_model=args.d_model,
+        num_heads=args.heads,
+        num_layers=args.layers,
+        max_positions=args.max_tokens,
+        attention="documents",
+    )
     started = time.perf_counter()
     batches = collate_packs(packs, entry_lengths, args.vocab, args.seed)
     times = time_packs(model, batches, args.repeats, args.warmup, args.seed)
@@ -338,8 +360,11 @@ def describe_run(args, source: str, lengths, plan: Plan, features: dict, times, 
         "packs": len(features["tokens"]),
         "single_sample_packs": int((features["samples"] == 1).sum()),
         "steps": plan.num_steps,
-        "pack_ms": {"min": 1e3 * float(median.min()), "median": 1e3 * float(np.median(median)),
-                    "max": 1e3 * float(median.max())},  # fmt: skip
+        "pack_ms": {
+            "min": 1e3 * float(median.min()),
+            "median": 1e3 * float(np.median(median)),
+            "max": 1e3 * float(median.max()),
+        },
         "timing_s": timing_s,
         "repeat_spread_median": float(spread),
         "identical_pack_noise": dict(zip(("relative_std", "packs"), identical_pack_noise(features, median))),
@@ -347,52 +372,76 @@ def describe_run(args, source: str, lengths, plan: Plan, features: dict, times, 
 
 
 def command_line(args: argparse.Namespace) -> str:
-    source = (f"--lognormal {args.lognormal[0]:g} {args.lognormal[1]:g}" if args.lognormal
-              else f"--data {os.path.relpath(args.data, ROOT)}")  # fmt: skip
-    return (f".venv/bin/python -m bench.balance {source} --samples {args.samples} --max-tokens {args.max_tokens} "
-            f"--seed {args.seed} --d-model {args.d_model} --heads {args.heads} --layers {args.layers} "
-            f"--vocab {args.vocab} --threads {args.threads} --repeats {args.repeats} --warmup {args.warmup} "
-            f"--reference-max-tokens {args.reference_max_tokens} "
-            f"--reference-hidden-size {args.reference_hidden_size}")  # fmt: skip
+    source = (
+        f"--lognormal {args.lognormal[0]:g} {args.lognormal[1]:g}"
+        if args.lognormal
+        else f"--data {os.path.relpath(args.data, ROOT)}"
+    )
+    return (
+        f".venv/bin/python -m bench.balance {source} --samples {args.samples} --max-tokens {args.max_tokens} "
+        f"--seed {args.seed} --d-model {args.d_model} --heads {args.heads} --layers {args.layers} "
+        f"--vocab {args.vocab} --threads {args.threads} --repeats {args.repeats} --warmup {args.warmup} "
+        f"--reference-max-tokens {args.reference_max_tokens} "
+        f"--reference-hidden-size {args.reference_hidden_size}"
+    )
 
 
 def print_report(report: dict) -> None:
     model, ms = report["model"], report["pack_ms"]
     print(f"\ncommand: {report['command']}")
     print(f"machine: {report['machine']}, torch {report['torch']}, {report['threads']} thread(s)")
-    print(f"lengths: {report['source']}, {report['total_tokens']:,} tokens; max_tokens {report['max_tokens']:,}, "
-          f"oversize split, world size {report['world_size']}, 1 micro-batch per rank per step")
-    print(f"model: TinyGPT d_model {model['d_model']}, {model['heads']} head(s), {model['layers']} layer(s), vocab "
-          f"{model['vocab']}, float32, per-sample causal SDPA; forward + backward per pack")
-    print(f"plan: {report['micro_batches']:,} micro-batches in {report['steps']} steps, {report['packs']:,} distinct "
-          f"packs ({report['single_sample_packs']} of one sample); pack time {ms['min']:.0f} / {ms['median']:.0f} / "
-          f"{ms['max']:.0f} ms (min / median / max); median (max - min) / median over passes "
-          f"{report['repeat_spread_median']:.1%}; timing took {report['timing_s']:.0f} s")
+    print(
+        f"lengths: {report['source']}, {report['total_tokens']:,} tokens; max_tokens {report['max_tokens']:,}, "
+        f"oversize split, world size {report['world_size']}, 1 micro-batch per rank per step"
+    )
+    print(
+        f"model: TinyGPT d_model {model['d_model']}, {model['heads']} head(s), {model['layers']} layer(s), vocab "
+        f"{model['vocab']}, float32, per-sample causal SDPA; forward + backward per pack"
+    )
+    print(
+        f"plan: {report['micro_batches']:,} micro-batches in {report['steps']} steps, {report['packs']:,} distinct "
+        f"packs ({report['single_sample_packs']} of one sample); pack time {ms['min']:.0f} / {ms['median']:.0f} / "
+        f"{ms['max']:.0f} ms (min / median / max); median (max - min) / median over passes "
+        f"{report['repeat_spread_median']:.1%}; timing took {report['timing_s']:.0f} s"
+    )
     noise = report["identical_pack_noise"]
     if noise["relative_std"] is not None:
-        print(f"noise: packs of identical lengths ({noise['packs']}) differ by {noise['relative_std']:.1%} (relative "
-              "std of the median time): timing noise, which no cost model can explain")
+        print(
+            f"noise: packs of identical lengths ({noise['packs']}) differ by {noise['relative_std']:.1%} (relative "
+            "std of the median time): timing noise, which no cost model can explain"
+        )
     print_fit(report["fit"], model["d_model"], report["max_tokens"])
     print_table(report["plans"])
     ref = report["reference"]
-    print(f"\ncost model only, all {ref['samples']:,} samples, max_tokens {ref['max_tokens']:,}, hidden_size "
-          f"{ref['hidden_size']:,} (attention share {ref['attention_share_at_cap']:.2f}): step time vs. (2): "
-          + ", ".join(f"{STRATEGIES[n][2][:3]} {v:.3f}" for n, v in ref["vs_tokens"].items())
-          + "; idle: " + ", ".join(f"{STRATEGIES[n][2][:3]} {v:.1%}" for n, v in ref["idle"].items()))  # fmt: skip
+    print(
+        f"\ncost model only, all {ref['samples']:,} samples, max_tokens {ref['max_tokens']:,}, hidden_size "
+        f"{ref['hidden_size']:,} (attention share {ref['attention_share_at_cap']:.2f}): step time vs. (2): "
+        + ", ".join(f"{STRATEGIES[n][2][:3]} {v:.3f}" for n, v in ref["vs_tokens"].items())
+        + "; idle: "
+        + ", ".join(f"{STRATEGIES[n][2][:3]} {v:.1%}" for n, v in ref["idle"].items())
+    )
 
 
 def print_fit(fit_: dict, d_model: int, max_tokens: int) -> None:
     ext = fit_["extended"]
-    print(f"\nfit  time = a tokens + b sum L^2:  a = {fit_['a_s_per_token'] * 1e6:.3f} us/token, "
-          f"b = {fit_['b_s_per_token2'] * 1e9:.4f} ns/token^2, R^2 = {fit_['r2']:.4f}")
-    print(f"     b/a = {fit_['coefficient_fit']:.3e} per token (FLOP model 1/(12 x {d_model}) = "
-          f"{fit_['coefficient_flop_model']:.3e}: x{fit_['coefficient_fit'] / fit_['coefficient_flop_model']:.2f}); "
-          f"planner hidden_size = round(a / (12 b)) = {fit_['hidden_size_fit']}")
-    print(f"     attention share of a {max_tokens:,}-token sample (b/a x {max_tokens:,}): "
-          f"{fit_['coefficient_fit'] * max_tokens:.2f}")
-    print(f"     diagnostic: time = {ext['intercept_s'] * 1e3:.2f} ms + {ext['a_s_per_token'] * 1e6:.3f} us/token + "
-          f"{ext['b_s_per_token2'] * 1e9:.4f} ns/token^2 + {ext['s_per_sample'] * 1e3:.3f} ms/sample, "
-          f"R^2 = {ext['r2']:.4f}")
+    print(
+        f"\nfit  time = a tokens + b sum L^2:  a = {fit_['a_s_per_token'] * 1e6:.3f} us/token, "
+        f"b = {fit_['b_s_per_token2'] * 1e9:.4f} ns/token^2, R^2 = {fit_['r2']:.4f}"
+    )
+    print(
+        f"     b/a = {fit_['coefficient_fit']:.3e} per token (FLOP model 1/(12 x {d_model}) = "
+        f"{fit_['coefficient_flop_model']:.3e}: x{fit_['coefficient_fit'] / fit_['coefficient_flop_model']:.2f}); "
+        f"planner hidden_size = round(a / (12 b)) = {fit_['hidden_size_fit']}"
+    )
+    print(
+        f"     attention share of a {max_tokens:,}-token sample (b/a x {max_tokens:,}): "
+        f"{fit_['coefficient_fit'] * max_tokens:.2f}"
+    )
+    print(
+        f"     diagnostic: time = {ext['intercept_s'] * 1e3:.2f} ms + {ext['a_s_per_token'] * 1e6:.3f} us/token + "
+        f"{ext['b_s_per_token2'] * 1e9:.4f} ns/token^2 + {ext['s_per_sample'] * 1e3:.3f} ms/sample, "
+        f"R^2 = {ext['r2']:.4f}"
+    )
 
 
 def print_table(plans: dict) -> None:
@@ -404,17 +453,21 @@ def print_table(plans: dict) -> None:
     def idle(times: dict) -> float:  # share of rank time spent waiting for the slowest rank
         return 1.0 - times["ideal"] / times["step_sum"]
 
-    print("\n| plan | hidden_size | step time, measured | vs. (2) | min of passes vs. (2) | per pass vs. (2) "
-          "| fitted vs. (2) | FLOP model vs. (2) | idle, measured | idle, fitted |")  # fmt: skip
+    print(
+        "\n| plan | hidden_size | step time, measured | vs. (2) | min of passes vs. (2) | per pass vs. (2) "
+        "| fitted vs. (2) | FLOP model vs. (2) | idle, measured | idle, fitted |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, entry in plans.items():
         label = STRATEGIES[name][2] + ("" if entry["balance_window"] == 1 else f", window {entry['balance_window']}")
         measured = entry["measured"]
         per_pass = np.array(entry["measured_per_pass"]) / np.array(base["measured_per_pass"])
-        print(f"| {label} | {entry['hidden_size'] or '-'} | {measured['step_sum']:.2f} s | {ratio(entry, 'measured')} "
-              f"| {ratio(entry, 'measured_min')} | {per_pass.min():.3f}–{per_pass.max():.3f} "
-              f"| {ratio(entry, 'fitted')} | {ratio(entry, 'flop_model')} "
-              f"| {idle(measured):.1%} | {idle(entry['fitted']):.1%} |")  # fmt: skip
+        print(
+            f"| {label} | {entry['hidden_size'] or '-'} | {measured['step_sum']:.2f} s | {ratio(entry, 'measured')} "
+            f"| {ratio(entry, 'measured_min')} | {per_pass.min():.3f}–{per_pass.max():.3f} "
+            f"| {ratio(entry, 'fitted')} | {ratio(entry, 'flop_model')} "
+            f"| {idle(measured):.1%} | {idle(entry['fitted']):.1%} |"
+        )
 
 
 if __name__ == "__main__":

@@ -74,10 +74,18 @@ def run_case(name: str, lengths: np.ndarray, max_tokens: int) -> dict:
     bound = max(bound, packing.bound, key=lambda b: b.bins)  # the packer's may be an LP's
     new = packing.offsets.shape[0] - 1
     return {
-        "case": name, "samples": int(lengths.shape[0]), "cap": max_tokens, "bound": bound.bins,
-        "kind": bound.kind, "bfd": best_fit, "new": int(new), "ok": new <= slack(bound.bins),
-        "bound_s": round(bound_s, 3), "bfd_s": round(best_fit_s, 3), "new_s": round(new_s, 3),
-    }  # fmt: skip
+        "case": name,
+        "samples": int(lengths.shape[0]),
+        "cap": max_tokens,
+        "bound": bound.bins,
+        "kind": bound.kind,
+        "bfd": best_fit,
+        "new": int(new),
+        "ok": new <= slack(bound.bins),
+        "bound_s": round(bound_s, 3),
+        "bfd_s": round(best_fit_s, 3),
+        "new_s": round(new_s, 3),
+    }
 
 
 def cases(folders: list[Path], caps: tuple[int, ...], docmix: bool):

@@ -59,8 +59,9 @@ def run_in_child(function: str, *args: str | int) -> None:
     process, and a build it starts afterwards would count them in its peak (`run_measured`)."""
     module, name = function.split(":")
     code = f"import json, sys; from {module} import {name}; {name}(*json.loads(sys.argv[1]))"
-    subprocess.run([sys.executable, "-c", code, json.dumps([str(a) if isinstance(a, Path) else a for a in args])],
-                   check=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, "-c", code, json.dumps([str(a) if isinstance(a, Path) else a for a in args])], check=True
+    )
 
 
 def run_measured(command: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
@@ -92,8 +93,9 @@ print(time.perf_counter() - start)
 
 def permutation_in_child(num_samples: int) -> float:
     """Seconds of `numpy.random.default_rng(0).permutation(num_samples)` in a new process."""
-    found = subprocess.run([sys.executable, "-c", _PERMUTATION, str(num_samples)], check=True,
-                           capture_output=True, text=True)  # fmt: skip
+    found = subprocess.run(
+        [sys.executable, "-c", _PERMUTATION, str(num_samples)], check=True, capture_output=True, text=True
+    )
     return float(found.stdout)
 
 
@@ -114,9 +116,25 @@ def time_permutation(num_samples: int, repeats: int = 3, pause: float = 0.0) -> 
 
 def build_command(dataset: Path, output: Path, args) -> list[str]:
     """The `batchplan build` command line of a case."""
-    return ["-m", "batchplan_cli.main", "build", str(dataset), "-o", str(output),
-            "--max-tokens", str(args.max_tokens), "--mode", args.mode, "--world-size", str(args.world_size),
-            "--epochs", str(args.epochs), "--oversize", "truncate", "-q"]  # fmt: skip
+    return [
+        "-m",
+        "batchplan_cli.main",
+        "build",
+        str(dataset),
+        "-o",
+        str(output),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--mode",
+        args.mode,
+        "--world-size",
+        str(args.world_size),
+        "--epochs",
+        str(args.epochs),
+        "--oversize",
+        "truncate",
+        "-q",
+    ]
 
 
 def run_build(dataset: Path, output: Path, args) -> tuple[float, float]:
@@ -179,10 +197,12 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=1, help="timed builds (best is reported)")
     parser.add_argument(
-        "--pause", type=float, default=0.0,
+        "--pause",
+        type=float,
+        default=0.0,
         help="sleep this many seconds before each timed build and permutation (then run in a new "
         "process): memory the previous run freed is not at hand (see docs/benchmarks.md)",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     if args.pause < 0:
         parser.error("--pause must be >= 0 seconds")
@@ -207,14 +227,23 @@ def main() -> None:
         pandas = build_imports_pandas(tiny, tmp / "tiny.arrow", args)  # not timed, nor in the peak
         permutation = time_permutation(num_samples, pause=args.pause)
         row = {
-            "case": name, "samples": num_samples, "mode": args.mode, "max_tokens": args.max_tokens,
-            "world_size": args.world_size, "epochs": args.epochs, "pause_s": args.pause, "build_s": round(wall, 3),
-            "permutation_s": round(permutation, 3), "ratio": round(wall / permutation, 2),
-            "startup_s": round(startup, 3), "imports_pandas": pandas,
+            "case": name,
+            "samples": num_samples,
+            "mode": args.mode,
+            "max_tokens": args.max_tokens,
+            "world_size": args.world_size,
+            "epochs": args.epochs,
+            "pause_s": args.pause,
+            "build_s": round(wall, 3),
+            "permutation_s": round(permutation, 3),
+            "ratio": round(wall / permutation, 2),
+            "startup_s": round(startup, 3),
+            "imports_pandas": pandas,
             "ratio_after_startup": round((wall - startup) / permutation, 2),
-            "peak_rss_gib": round(peak, 2), "fill": round(fill_of(plan), 5),
+            "peak_rss_gib": round(peak, 2),
+            "fill": round(fill_of(plan), 5),
             "plan_mib": round(plan.stat().st_size / 2**20, 1),
-        }  # fmt: skip
+        }
     print_row(row, args.json)
 
 

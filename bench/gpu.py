@@ -66,12 +66,24 @@ from batchplan.runtime import (
 ROOT = Path(__file__).resolve().parent.parent
 WORLD_SIZE = 8
 SIZES = {  # option: (GPU default, --tiny default)
-    "layers": (12, 2), "width": (1024, 64), "heads": (16, 4), "kv_heads": (16, 4), "mlp": (2816, 176),
-    "vocab": (32000, 512), "max_tokens": (16384, 1024), "max_length": (4096, 256), "seconds": (40.0, 2.0),
-    "rounds": (4, 2), "warmup": (3, 1), "warmup_limit": (180.0, 60.0), "deadline": (420.0, 120.0),
-    "balance_samples": (2000, 8), "balance_passes": (3, 2), "balance_seconds": (75.0, 3.0),
+    "layers": (12, 2),
+    "width": (1024, 64),
+    "heads": (16, 4),
+    "kv_heads": (16, 4),
+    "mlp": (2816, 176),
+    "vocab": (32000, 512),
+    "max_tokens": (16384, 1024),
+    "max_length": (4096, 256),
+    "seconds": (40.0, 2.0),
+    "rounds": (4, 2),
+    "warmup": (3, 1),
+    "warmup_limit": (180.0, 60.0),
+    "deadline": (420.0, 120.0),
+    "balance_samples": (2000, 8),
+    "balance_passes": (3, 2),
+    "balance_seconds": (75.0, 3.0),
     "methods": ("baseline,pad,pack-varlen,pack-flex", "baseline,pad,pack-varlen,pack-mask"),
-}  # fmt: skip
+}
 PADDED = "SDPA + padding mask (transformers 'sdpa')"
 METHODS = {  # name: (transformers attention implementation, input kind, kernel; varlen's: see varlen_kernel)
     "baseline": ("sdpa", "padded", PADDED),
@@ -443,12 +455,17 @@ def describe(args: argparse.Namespace) -> dict:
     sizes = ("layers", "width", "heads", "kv_heads", "mlp", "vocab")
     device = torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else f"{os.cpu_count()} CPUs"
     return {
-        "command": shlex.join(["python", "-m", "bench.gpu", *sys.argv[1:]]), "device": device,
+        "command": shlex.join(["python", "-m", "bench.gpu", *sys.argv[1:]]),
+        "device": device,
         "versions": f"torch {torch.__version__}, transformers {transformers.__version__}",
         "model": {name: getattr(args, name) for name in sizes} | {"dtype": str(args.dtype).removeprefix("torch.")},
-        "max_tokens": args.max_tokens, "max_length": args.max_length, "methods": {}, "balance": {},
-        "baseline_batch_size": args.max_tokens // args.max_length, "stopped": None,
-    }  # fmt: skip
+        "max_tokens": args.max_tokens,
+        "max_length": args.max_length,
+        "methods": {},
+        "balance": {},
+        "baseline_batch_size": args.max_tokens // args.max_length,
+        "stopped": None,
+    }
 
 
 def run_all(args: argparse.Namespace, report: dict, end: float) -> None:
@@ -477,13 +494,15 @@ def run_all(args: argparse.Namespace, report: dict, end: float) -> None:
 def print_report(report: dict) -> None:
     m, methods, b = report["model"], report["methods"], report["balance"]
     base = (methods.get("baseline") or {}).get("tokens_per_s")
-    print(f"\ncommand: {report['command']}\ndevice: {report['device']}; {report['versions']}\nmodel: "
-          f"LlamaForCausalLM, random init, {m['layers']} layers, width {m['width']}, {m['heads']} heads "
-          f"({m['kv_heads']} key/value), MLP {m['mlp']}, vocab {m['vocab']}, {m.get('parameters', 0) / 1e6:.1f} M "
-          f"parameters, {m['dtype']}, AdamW\ndata: {report.get('data')}; max_tokens {report['max_tokens']:,} per "
-          f"micro-batch, samples truncated to {report['max_length']:,}; baseline: {report['baseline_batch_size']} "
-          "samples per batch\n\n| method | attention kernel | real tokens/s | vs. baseline | real / computed tokens "
-          "| peak memory GiB | micro-batches |\n|---|---|---:|---:|---:|---:|---:|")  # fmt: skip
+    print(
+        f"\ncommand: {report['command']}\ndevice: {report['device']}; {report['versions']}\nmodel: "
+        f"LlamaForCausalLM, random init, {m['layers']} layers, width {m['width']}, {m['heads']} heads "
+        f"({m['kv_heads']} key/value), MLP {m['mlp']}, vocab {m['vocab']}, {m.get('parameters', 0) / 1e6:.1f} M "
+        f"parameters, {m['dtype']}, AdamW\ndata: {report.get('data')}; max_tokens {report['max_tokens']:,} per "
+        f"micro-batch, samples truncated to {report['max_length']:,}; baseline: {report['baseline_batch_size']} "
+        "samples per batch\n\n| method | attention kernel | real tokens/s | vs. baseline | real / computed tokens "
+        "| peak memory GiB | micro-batches |\n|---|---|---:|---:|---:|---:|---:|"
+    )
     for name, r in methods.items():
         cells = [name, r["kernel"], f"failed: {r['error']}" if r["error"] else "not timed", "", "", "", ""]
         if not r["error"] and r["tokens_per_s"]:
@@ -494,15 +513,17 @@ def print_report(report: dict) -> None:
         print("| " + " | ".join(map(str, cells)) + " |")
     if "r2_cost_model" in b:
         ms, free, step, idle = b["pack_ms"], b["free_fit"], b["step_time_s"], b["idle"]
-        print(f"\nbalance: {b['samples']:,} samples, split at max_tokens, {WORLD_SIZE} ranks, 1 micro-batch per rank "
-              f"per step ({b['steps']['tokens']} / {b['steps']['compute']} steps); {b['packs']} packs, "
-              f"{b['packs_timed']} timed, {b['passes_complete']} full passes, {b['method']}: forward + backward "
-              f"{ms['min']:.1f} / {ms['median']:.1f} / {ms['max']:.1f} ms (min / median / max)\n  time ~ cost model "
-              f"(tokens + L^2 / (12 x width)): R^2 = {b['r2_cost_model']:.4f}; free fit a tokens + b sum L^2: R^2 = "
-              f"{free['r2']:.4f}, b/a = {free['coefficient']:.3g} (model {free['coefficient_model']:.3g})\n  step "
-              f"time, measured: balance=tokens {step['tokens']:.3f} s ({idle['tokens']:.1%} idle), balance=compute "
-              f"{step['compute']:.3f} s ({idle['compute']:.1%} idle): compute / tokens = {b['compute_vs_tokens']:.3f}"
-              f" (the cost model predicts {b['compute_vs_tokens_cost_model']:.3f})")  # fmt: skip
+        print(
+            f"\nbalance: {b['samples']:,} samples, split at max_tokens, {WORLD_SIZE} ranks, 1 micro-batch per rank "
+            f"per step ({b['steps']['tokens']} / {b['steps']['compute']} steps); {b['packs']} packs, "
+            f"{b['packs_timed']} timed, {b['passes_complete']} full passes, {b['method']}: forward + backward "
+            f"{ms['min']:.1f} / {ms['median']:.1f} / {ms['max']:.1f} ms (min / median / max)\n  time ~ cost model "
+            f"(tokens + L^2 / (12 x width)): R^2 = {b['r2_cost_model']:.4f}; free fit a tokens + b sum L^2: R^2 = "
+            f"{free['r2']:.4f}, b/a = {free['coefficient']:.3g} (model {free['coefficient_model']:.3g})\n  step "
+            f"time, measured: balance=tokens {step['tokens']:.3f} s ({idle['tokens']:.1%} idle), balance=compute "
+            f"{step['compute']:.3f} s ({idle['compute']:.1%} idle): compute / tokens = {b['compute_vs_tokens']:.3f}"
+            f" (the cost model predicts {b['compute_vs_tokens_cost_model']:.3f})"
+        )
     else:
         print(f"\nbalance: {b.get('note', 'not measured')}")
     if report["stopped"]:

@@ -48,8 +48,16 @@ from bench.build import run_measured
 UNDER_WEIGHT = 3  # an under-estimate (a build let through that runs out of memory) counts 3 times
 TIE_BREAK = 0.01  # weight of the mean error beside the worst
 # The fitted constants and what each multiplies (x = entries, r = micro-batches per epoch).
-CONSTANTS = ("BASE_BYTES", "ENTRY_FIXED", "ENTRY_HELD", "ENTRY_WORK", "ROW_HELD", "SPAN_FIXED", "SPAN_HELD",
-             "COST_WORK")  # fmt: skip
+CONSTANTS = (
+    "BASE_BYTES",
+    "ENTRY_FIXED",
+    "ENTRY_HELD",
+    "ENTRY_WORK",
+    "ROW_HELD",
+    "SPAN_FIXED",
+    "SPAN_HELD",
+    "COST_WORK",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,44 +77,90 @@ class Case:
         return self.max_tokens * (4 if self.oversize == "split" else 1)
 
     def config(self) -> PlanConfig:
-        return PlanConfig(max_tokens=self.max_tokens, mode=self.mode, world_size=self.world_size,
-                          epochs=self.epochs, oversize=self.oversize,
-                          hidden_size=4096 if self.hidden else None)  # fmt: skip
+        return PlanConfig(
+            max_tokens=self.max_tokens,
+            mode=self.mode,
+            world_size=self.world_size,
+            epochs=self.epochs,
+            oversize=self.oversize,
+            hidden_size=4096 if self.hidden else None,
+        )
 
 
 VARIANTS = [  # around the base case, one or two terms at a time
-    {}, {"epochs": 2}, {"epochs": 4}, {"epochs": 2, "threads": 2}, {"epochs": 4, "threads": 2},
-    {"threads": 2}, {"mode": "pad"}, {"mode": "pad", "epochs": 2, "threads": 2},
-    {"max_tokens": 512}, {"max_tokens": 2048}, {"max_tokens": 512, "oversize": "split"},
-    {"max_tokens": 2048, "oversize": "split"}, {"oversize": "split"},
+    {},
+    {"epochs": 2},
+    {"epochs": 4},
+    {"epochs": 2, "threads": 2},
+    {"epochs": 4, "threads": 2},
+    {"threads": 2},
+    {"mode": "pad"},
+    {"mode": "pad", "epochs": 2, "threads": 2},
+    {"max_tokens": 512},
+    {"max_tokens": 2048},
+    {"max_tokens": 512, "oversize": "split"},
+    {"max_tokens": 2048, "oversize": "split"},
+    {"oversize": "split"},
     {"max_tokens": 512, "oversize": "split", "epochs": 2, "threads": 2},
     {"mode": "pad", "max_tokens": 2048, "oversize": "split", "epochs": 2, "threads": 2},
-    {"hidden": True, "epochs": 2, "threads": 2}, {"world_size": 1024},
+    {"hidden": True, "epochs": 2, "threads": 2},
+    {"world_size": 1024},
     {"layout": "directory", "epochs": 2, "world_size": 1024},
     {"layout": "directory", "epochs": 4, "threads": 2, "world_size": 1024},
-]  # fmt: skip
+]
 
 
 def grid(quick: bool) -> list[Case]:
     """The cases, grouped by lengths file (each written once)."""
     if quick:
-        small = [{}, {"mode": "pad"}, {"max_tokens": 512, "oversize": "split"}, {"epochs": 2, "threads": 2},
-                 {"hidden": True, "epochs": 2, "threads": 2}]  # fmt: skip
-        large = [{}, {"epochs": 4, "threads": 2}, {"max_tokens": 2048, "oversize": "split"},
-                 {"layout": "directory", "epochs": 2, "world_size": 1024}]  # fmt: skip
+        small = [
+            {},
+            {"mode": "pad"},
+            {"max_tokens": 512, "oversize": "split"},
+            {"epochs": 2, "threads": 2},
+            {"hidden": True, "epochs": 2, "threads": 2},
+        ]
+        large = [
+            {},
+            {"epochs": 4, "threads": 2},
+            {"max_tokens": 2048, "oversize": "split"},
+            {"layout": "directory", "epochs": 2, "world_size": 1024},
+        ]
         return [Case(10**5)] + [Case(10**6, **v) for v in small] + [Case(10**7, **v) for v in large]
     cases = [Case(10**5), Case(10**5, mode="pad"), Case(10**5, max_tokens=512, oversize="split")]
     cases += [Case(10**6, **v) for v in VARIANTS[::2]]
     cases += [Case(samples, **v) for samples in (10**7, 3 * 10**7) for v in VARIANTS]
-    cases += [Case(10**8), Case(10**8, mode="pad"),
-              Case(10**8, layout="directory", epochs=2, threads=2, world_size=1024)]  # fmt: skip
+    cases += [
+        Case(10**8),
+        Case(10**8, mode="pad"),
+        Case(10**8, layout="directory", epochs=2, threads=2, world_size=1024),
+    ]
     return sorted(cases, key=lambda c: (c.samples, c.clip))
 
 
 def command(case: Case, dataset: Path, output: Path) -> list[str]:
-    line = [sys.executable, "-m", "batchplan_cli.main", "build", str(dataset), "-o", str(output),
-            "--max-tokens", str(case.max_tokens), "--mode", case.mode, "--world-size", str(case.world_size),
-            "--epochs", str(case.epochs), "--oversize", case.oversize, "--layout", case.layout, "-q"]  # fmt: skip
+    line = [
+        sys.executable,
+        "-m",
+        "batchplan_cli.main",
+        "build",
+        str(dataset),
+        "-o",
+        str(output),
+        "--max-tokens",
+        str(case.max_tokens),
+        "--mode",
+        case.mode,
+        "--world-size",
+        str(case.world_size),
+        "--epochs",
+        str(case.epochs),
+        "--oversize",
+        case.oversize,
+        "--layout",
+        case.layout,
+        "-q",
+    ]
     return line + (["--hidden-size", "4096"] if case.hidden else [])
 
 
@@ -121,8 +175,7 @@ def peak_gib(case: Case, dataset: Path, output: Path) -> float:
 
 def model_inputs(case: Case, lengths: np.ndarray) -> memory.MemoryEstimate:
     """The estimate's inputs, as `batchplan.operations.build` computes them."""
-    estimate = memory.estimate_build_memory(lengths.shape[0], case.config(), num_threads=case.threads,
-                                            lengths=lengths)  # fmt: skip
+    estimate = memory.estimate_build_memory(lengths.shape[0], case.config(), num_threads=case.threads, lengths=lengths)
     if case.layout == "directory":  # a directory holds the epochs in planning
         estimate = estimate.with_epochs(min(case.epochs, case.threads), case.threads)
     return estimate
@@ -169,8 +222,16 @@ def features(row: dict) -> tuple[list[float], float]:
     """What each constant multiplies in ``row``'s estimate (BASE_BYTES in MiB), and the kernel bytes."""
     entries, epochs, at_once = row["num_entries"], row["epochs"], row["at_once"]
     spans, cost = float(row["has_spans"]), float(row["has_cost"])
-    x = [2**20, entries, entries * epochs, entries * at_once, row["rows_per_epoch"] * epochs,
-         entries * spans, entries * epochs * spans, entries * at_once * cost]  # fmt: skip
+    x = [
+        2**20,
+        entries,
+        entries * epochs,
+        entries * at_once,
+        row["rows_per_epoch"] * epochs,
+        entries * spans,
+        entries * epochs * spans,
+        entries * at_once * cost,
+    ]
     return [float(v) for v in x], float(at_once * row["kernel_bytes"])
 
 
@@ -209,15 +270,24 @@ def estimate_gib(row: dict, constants: list[int]) -> float:
 
 
 def describe(case: dict) -> str:
-    extra = ["split" if case["oversize"] == "split" else "", "hidden" if case["hidden"] else "",
-             f"dir(held {case['epochs']})" if case["layout"] == "directory" else ""]  # fmt: skip
-    return (f"{case['samples']:.0e} {case['mode']} {case['max_tokens']:>5} E{case['plan_epochs']}"
-            f" T{case['threads']} W{case['world_size']:<4} {' '.join(e for e in extra if e)}")
+    extra = [
+        "split" if case["oversize"] == "split" else "",
+        "hidden" if case["hidden"] else "",
+        f"dir(held {case['epochs']})" if case["layout"] == "directory" else "",
+    ]
+    return (
+        f"{case['samples']:.0e} {case['mode']} {case['max_tokens']:>5} E{case['plan_epochs']}"
+        f" T{case['threads']} W{case['world_size']:<4} {' '.join(e for e in extra if e)}"
+    )
 
 
 def report(rows: list[dict], constants: list[int]) -> None:
-    print("constants: " + ", ".join(f"{name}={value}" + (" MiB" if name == "BASE_BYTES" else "")
-                                     for name, value in zip(CONSTANTS, constants)))  # fmt: skip
+    print(
+        "constants: "
+        + ", ".join(
+            f"{name}={value}" + (" MiB" if name == "BASE_BYTES" else "") for name, value in zip(CONSTANTS, constants)
+        )
+    )
     print(f"{'build':<44} {'measured':>9} {'estimate':>9} {'error':>7}")
     errors = []
     for row in rows:
@@ -225,9 +295,11 @@ def report(rows: list[dict], constants: list[int]) -> None:
         errors.append(estimate / row["peak_gib"] - 1)
         print(f"{describe(row):<44} {row['peak_gib']:>8.3f}G {estimate:>8.3f}G {errors[-1]:>+7.1%}")
     worst_under, worst_over = min(errors), max(errors)
-    print(f"worst under-estimate {worst_under:+.1%} ({describe(rows[errors.index(worst_under)]).strip()}); "
-          f"worst over-estimate {worst_over:+.1%} ({describe(rows[errors.index(worst_over)]).strip()}); "
-          f"{len(rows)} builds")  # fmt: skip
+    print(
+        f"worst under-estimate {worst_under:+.1%} ({describe(rows[errors.index(worst_under)]).strip()}); "
+        f"worst over-estimate {worst_over:+.1%} ({describe(rows[errors.index(worst_over)]).strip()}); "
+        f"{len(rows)} builds"
+    )
 
 
 def main() -> None:
@@ -240,8 +312,11 @@ def main() -> None:
     if args.refit:
         rows = [json.loads(line) for line in args.refit.read_text().splitlines() if line.startswith("{")]
     else:
-        log = (lambda row: print(json.dumps(row), flush=True)) if args.json else (
-            lambda row: print(f"{describe(row):<44} {row['peak_gib']:.3f} GiB", file=sys.stderr, flush=True))
+        log = (
+            (lambda row: print(json.dumps(row), flush=True))
+            if args.json
+            else (lambda row: print(f"{describe(row):<44} {row['peak_gib']:.3f} GiB", file=sys.stderr, flush=True))
+        )
         with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
             rows = measure(grid(args.quick), Path(tmp), log)
         own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -102,17 +102,45 @@ def mixture_only_case(args) -> dict:
         samples = int(float(args.samples))
         run_in_child("bench.mixture:write_sources", tmp, samples, args.sources, args.max_tokens)
         mixture, plan, report = Path(tmp) / "mixture.json", Path(tmp) / "plan", Path(tmp) / "stages.json"
-        command = [sys.executable, "-m", "batchplan_cli.main", "build", "--mixture", str(mixture), "-o", str(plan),
-                   "--layout", "directory", "--epochs", str(args.epochs), *build_args(args)]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "batchplan_cli.main",
+            "build",
+            "--mixture",
+            str(mixture),
+            "-o",
+            str(plan),
+            "--layout",
+            "directory",
+            "--epochs",
+            str(args.epochs),
+            *build_args(args),
+        ]
         if args.stages:
-            command = [sys.executable, "-c", "import sys; from bench.mixture import build_in_stages; "
-                       "build_in_stages(*sys.argv[1:])", str(mixture), str(plan), str(report), str(args.epochs),
-                       str(args.max_tokens), str(args.world_size)]  # fmt: skip
+            command = [
+                sys.executable,
+                "-c",
+                "import sys; from bench.mixture import build_in_stages; build_in_stages(*sys.argv[1:])",
+                str(mixture),
+                str(plan),
+                str(report),
+                str(args.epochs),
+                str(args.max_tokens),
+                str(args.world_size),
+            ]
         load = os.getloadavg()[0]
         seconds, peak = run_measured(command)
         stages = json.loads(report.read_text()) if args.stages else None
-    return {"samples": samples, "sources": args.sources, "epochs": args.epochs, "seconds": seconds,
-            "peak_gib": peak, "load": load, "stages": stages}  # fmt: skip
+    return {
+        "samples": samples,
+        "sources": args.sources,
+        "epochs": args.epochs,
+        "seconds": seconds,
+        "peak_gib": peak,
+        "load": load,
+        "stages": stages,
+    }
 
 
 # The build's stages: (module, function or Class.method) each; the innermost running one is
@@ -177,8 +205,7 @@ def build_in_stages(mixture: str, output: str, report: str, epochs: str, max_tok
 
 
 def build_args(args) -> list[str]:
-    return ["--max-tokens", str(args.max_tokens), "--world-size", str(args.world_size), "--oversize", "truncate",
-            "-q"]  # fmt: skip
+    return ["--max-tokens", str(args.max_tokens), "--world-size", str(args.world_size), "--oversize", "truncate", "-q"]
 
 
 def time_case(args) -> dict:
@@ -202,10 +229,14 @@ def time_case(args) -> dict:
     time_ratios = [m["seconds"] / s["seconds"] for m, s in zip(runs["mixture"], runs["one dataset"])]
     peak_ratios = [m["peak_gib"] / s["peak_gib"] for m, s in zip(runs["mixture"], runs["one dataset"])]
     return {
-        "samples": int(float(args.samples)), "sources": args.sources, "runs": runs,
-        "time_ratio_median": statistics.median(time_ratios), "time_ratios": time_ratios,
-        "peak_ratio_median": statistics.median(peak_ratios), "peak_ratios": peak_ratios,
-    }  # fmt: skip
+        "samples": int(float(args.samples)),
+        "sources": args.sources,
+        "runs": runs,
+        "time_ratio_median": statistics.median(time_ratios),
+        "time_ratios": time_ratios,
+        "peak_ratio_median": statistics.median(peak_ratios),
+        "peak_ratios": peak_ratios,
+    }
 
 
 def fill_case() -> dict:
@@ -238,8 +269,12 @@ def shares_case(count: int, seed: int) -> list[dict]:
     rows = []
     for _ in range(count):
         num_sources, cap = int(rng.integers(2, 12)), int(rng.choice([512, 2048, 8192]))
-        lengths = [np.clip(rng.lognormal(rng.uniform(3, 7), rng.uniform(0.3, 1.2), rng.integers(50, 20000)), 1, cap)
-                   .astype(np.int32) for _ in range(num_sources)]  # fmt: skip
+        lengths = [
+            np.clip(rng.lognormal(rng.uniform(3, 7), rng.uniform(0.3, 1.2), rng.integers(50, 20000)), 1, cap).astype(
+                np.int32
+            )
+            for _ in range(num_sources)
+        ]
         weights = 10 ** rng.uniform(-3, 0, num_sources)
         world_size, mode, kind = int(rng.choice([1, 2, 8, 16, 64])), str(rng.choice(["pack", "pad"])), rng.integers(3)
         options = {"max_tokens": cap, "world_size": world_size, "mode": mode, "epochs": int(rng.integers(1, 3))}
@@ -249,8 +284,10 @@ def shares_case(count: int, seed: int) -> list[dict]:
             options["tokens_per_step"] = int(world_size * cap * rng.integers(2, 6))
         tokens = int(sum(int(part.sum()) for part in lengths) * rng.uniform(0.5, 3))
         config = PlanConfig(**options)
-        mixture = Mixture(sources=tuple(MixtureSource(name=f"s{i}", paths=("x",), weight=float(w))
-                                        for i, w in enumerate(weights)), tokens=tokens)  # fmt: skip
+        mixture = Mixture(
+            sources=tuple(MixtureSource(name=f"s{i}", paths=("x",), weight=float(w)) for i, w in enumerate(weights)),
+            tokens=tokens,
+        )
         joined = np.concatenate(lengths)
         offsets = np.concatenate([[0], np.cumsum([part.shape[0] for part in lengths])])
         prepared = prepare_mixture_entries(mixture, joined, offsets, config)
@@ -270,8 +307,15 @@ def shares_case(count: int, seed: int) -> list[dict]:
             # cut are in whole documents): the lag the composition adds.
             miss = np.abs(per_step.sum(axis=0) - weight * totals.sum())
             composed = max(composed, float((lag - miss[None, :]).max() / max(totals.mean(), cap)))
-        rows.append({**options, "sources": num_sources, "worst_share_miss": worst, "worst_drift": drift,
-                     "worst_composed_drift": composed})  # fmt: skip
+        rows.append(
+            {
+                **options,
+                "sources": num_sources,
+                "worst_share_miss": worst,
+                "worst_drift": drift,
+                "worst_composed_drift": composed,
+            }
+        )
     return rows
 
 
@@ -292,34 +336,47 @@ def main() -> None:
     args = parser.parse_args()
     if args.mixture_only:
         result = mixture_only_case(args)
-        print(json.dumps(result, indent=1) if args.json else
-              f"{result['samples']:,} samples over {result['sources']} sources, {result['epochs']} epoch(s): "
-              f"{result['seconds']:.1f} s, peak {result['peak_gib']:.2f} GiB (load {result['load']:.2f})")  # fmt: skip
+        print(
+            json.dumps(result, indent=1)
+            if args.json
+            else f"{result['samples']:,} samples over {result['sources']} sources, {result['epochs']} epoch(s): "
+            f"{result['seconds']:.1f} s, peak {result['peak_gib']:.2f} GiB (load {result['load']:.2f})"
+        )
         for name, row in ({} if args.json else result["stages"] or {}).items():
             print(f"  {name:11s} {row['seconds']:7.1f} s  peak {row['peak_gib']:5.2f} GiB")
         return
     if args.shares:
         rows = shares_case(args.shares, args.seed)
-        for row in ([] if args.json else rows):
-            print(" ".join(f"{key}={value:.4f}" if isinstance(value, float) else f"{key}={value}"
-                           for key, value in row.items()))  # fmt: skip
+        for row in [] if args.json else rows:
+            print(
+                " ".join(
+                    f"{key}={value:.4f}" if isinstance(value, float) else f"{key}={value}" for key, value in row.items()
+                )
+            )
         keys = ("worst_share_miss", "worst_drift", "worst_composed_drift")
         worst = {key: max(row[key] for row in rows) for key in keys}
-        print(json.dumps({"mixtures": rows, **worst}, indent=1) if args.json else
-              f"{len(rows)} mixtures: worst share miss {worst['worst_share_miss']:.4f}, worst drift "
-              f"{worst['worst_drift']:.4f}, less the epoch's own miss {worst['worst_composed_drift']:.4f} "
-              "(<= 1 holds)")  # fmt: skip
+        print(
+            json.dumps({"mixtures": rows, **worst}, indent=1)
+            if args.json
+            else f"{len(rows)} mixtures: worst share miss {worst['worst_share_miss']:.4f}, worst drift "
+            f"{worst['worst_drift']:.4f}, less the epoch's own miss {worst['worst_composed_drift']:.4f} "
+            "(<= 1 holds)"
+        )
         return
     result = fill_case() if args.fill else time_case(args)
     if args.json:
         print(json.dumps(result, indent=1))
     elif args.fill:
         for name, row in result.items():
-            print(f"{name:12s} {row['micro_batches']:,} micro-batches (bound {row['bound']:,}, {row['kind']}), "
-                  f"fill {row['fill']:.3%}")  # fmt: skip
+            print(
+                f"{name:12s} {row['micro_batches']:,} micro-batches (bound {row['bound']:,}, {row['kind']}), "
+                f"fill {row['fill']:.3%}"
+            )
     else:
-        print(f"{result['samples']:,} samples over {result['sources']} sources: mixture / one dataset: time "
-              f"{result['time_ratio_median']:.2f}x (median of {args.pairs}), peak {result['peak_ratio_median']:.2f}x")
+        print(
+            f"{result['samples']:,} samples over {result['sources']} sources: mixture / one dataset: time "
+            f"{result['time_ratio_median']:.2f}x (median of {args.pairs}), peak {result['peak_ratio_median']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

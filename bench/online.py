@@ -210,8 +210,9 @@ def run_batchplan(lengths, world_size, max_tokens, groups=None):
 def judge(ranks, lengths, max_tokens, groups) -> dict:
     cost = lengths + lengths.astype(np.float64) ** 2 * COEFFICIENT
     counts = [len(rank) for rank in ranks]
-    seen = np.bincount(np.array([s for rank in ranks for micro in rank for s in micro], dtype=np.int64),
-                       minlength=len(lengths))  # fmt: skip
+    seen = np.bincount(
+        np.array([s for rank in ranks for micro in rank for s in micro], dtype=np.int64), minlength=len(lengths)
+    )
     over = sum(int(lengths[micro].sum()) > max_tokens for rank in ranks for micro in rank)
     rank_costs = np.array([sum(cost[micro].sum() for micro in rank) for rank in ranks])
     mean = rank_costs.sum() / len(ranks)
@@ -297,9 +298,16 @@ def speed(repeats: int, sequences: int = 65536, world_size: int = 512, max_token
         plan = plan_batch(lengths, world_size, max_tokens, attention_coefficient=COEFFICIENT)
         runs.append({"ms": (time.perf_counter() - start) * 1e3, "load": load})
     times = [run["ms"] for run in runs]
-    return {"sequences": sequences, "world_size": world_size, "max_tokens": max_tokens, "best_ms": min(times),
-            "median_ms": float(np.median(times)), "num_micro": plan.num_micro, "balance": plan.balance,
-            "runs": runs}  # fmt: skip
+    return {
+        "sequences": sequences,
+        "world_size": world_size,
+        "max_tokens": max_tokens,
+        "best_ms": min(times),
+        "median_ms": float(np.median(times)),
+        "num_micro": plan.num_micro,
+        "balance": plan.balance,
+        "runs": runs,
+    }
 
 
 def load_average() -> float:
@@ -347,8 +355,13 @@ def cold(repeats: int) -> dict:
     out: dict = {"empty_cache_s": None, "rounds": []}
     with tempfile.TemporaryDirectory() as cache:
         env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
-        env.update(NUMBA_CACHE_DIR=f"{cache}/numba", PYTHONPYCACHEPREFIX=f"{cache}/bytecode", OMP_NUM_THREADS="1",
-                   NUMBA_NUM_THREADS="1", PYTHONPATH=str(REPO))  # fmt: skip
+        env.update(
+            NUMBA_CACHE_DIR=f"{cache}/numba",
+            PYTHONPYCACHEPREFIX=f"{cache}/bytecode",
+            OMP_NUM_THREADS="1",
+            NUMBA_NUM_THREADS="1",
+            PYTHONPATH=str(REPO),
+        )
         for round_ in range(repeats + 1):
             row = {"load": load_average()}
             for name, code in CHILDREN.items():
@@ -358,19 +371,28 @@ def cold(repeats: int) -> dict:
             else:
                 out["rounds"].append(row)
     out["summary"] = {
-        name: {key: {"best": min(row[name][key] for row in out["rounds"]),
-                     "median": float(np.median([row[name][key] for row in out["rounds"]]))}
-               for key in out["rounds"][0][name]}
+        name: {
+            key: {
+                "best": min(row[name][key] for row in out["rounds"]),
+                "median": float(np.median([row[name][key] for row in out["rounds"]])),
+            }
+            for key in out["rounds"][0][name]
+        }
         for name in CHILDREN
-    }  # fmt: skip
+    }
     return out
 
 
 def run_child(code: str, env: dict) -> dict:
     """One fresh process of `cold`: its spans, in seconds."""
     spawned = time.time()
-    done = subprocess.run([sys.executable, "-c", code.format(start=START, mark=MARK, end=END)], env=env,
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code.format(start=START, mark=MARK, end=END)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     exited = time.time()
     stamps = [float(x) for x in done.stdout.split()]
     spans = {"to_result_s": stamps[-1] - spawned, "script_s": stamps[-1] - stamps[0], "process_s": exited - spawned}
@@ -380,19 +402,35 @@ def run_child(code: str, env: dict) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = ("case", "planner", "over cap", "equal counts", "micro", "dropped", "repeated", "empty",
-              "max/mean", "max/mean - 1 (ppb)", "bound", "lockstep", "groups split", "ms")  # fmt: skip
+    header = (
+        "case",
+        "planner",
+        "over cap",
+        "equal counts",
+        "micro",
+        "dropped",
+        "repeated",
+        "empty",
+        "max/mean",
+        "max/mean - 1 (ppb)",
+        "bound",
+        "lockstep",
+        "groups split",
+        "ms",
+    )
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
     for row in rows:
         if "over_cap" not in row:
             print(f"{row['case']} | {row['planner']} | fails: {row.get('error', '?')}" + " |" * (len(header) - 3))
             continue
-        print(f"{row['case']} | {row['planner']} | {row['over_cap']} | {'yes' if row['equal_counts'] else 'NO'} | "
-              f"{row['micro_batches']} | {row['dropped']} | {row['repeated']} | {row['empty']} | "
-              f"{row['max_over_mean']:.6f} | {(row['max_over_mean'] - 1) * 1e9:,.2f} | {row['bound']:.6f} | "
-              f"{row['lockstep_over_mean']:.4f} | "
-              f"{row['groups_split']} | {row['seconds'] * 1e3:.1f}")  # fmt: skip
+        print(
+            f"{row['case']} | {row['planner']} | {row['over_cap']} | {'yes' if row['equal_counts'] else 'NO'} | "
+            f"{row['micro_batches']} | {row['dropped']} | {row['repeated']} | {row['empty']} | "
+            f"{row['max_over_mean']:.6f} | {(row['max_over_mean'] - 1) * 1e9:,.2f} | {row['bound']:.6f} | "
+            f"{row['lockstep_over_mean']:.4f} | "
+            f"{row['groups_split']} | {row['seconds'] * 1e3:.1f}"
+        )
 
 
 def main() -> None:

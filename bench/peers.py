@@ -146,10 +146,16 @@ def setup_axolotl_sampler(lengths: np.ndarray, capacity: int):
 
     generator = torch.Generator().manual_seed(0)
     sampler = MultipackBatchSampler(
-        RandomSampler(range(lengths.shape[0]), generator=generator), batch_size=1, batch_max_len=capacity,
-        lengths=lengths, bin_size=AXOLOTL_BIN_SIZE, group_size=AXOLOTL_GROUP_SIZE, drop_last=False,
-        num_processes=_axolotl_cpus(), mp_start_method="fork",
-    )  # fmt: skip
+        RandomSampler(range(lengths.shape[0]), generator=generator),
+        batch_size=1,
+        batch_max_len=capacity,
+        lengths=lengths,
+        bin_size=AXOLOTL_BIN_SIZE,
+        group_size=AXOLOTL_GROUP_SIZE,
+        drop_last=False,
+        num_processes=_axolotl_cpus(),
+        mp_start_method="fork",
+    )
 
     def pack():
         sampler._batches = None  # generate_batches caches its result
@@ -165,8 +171,9 @@ def setup_axolotl_pack_group(lengths: np.ndarray, capacity: int):
     from axolotl.utils.samplers.multipack import pack_parallel
 
     def pack():
-        return pack_parallel(lengths, bin_capacity=capacity, group_size=AXOLOTL_GROUP_SIZE,
-                             bin_size=AXOLOTL_BIN_SIZE, num_processes=1)  # fmt: skip
+        return pack_parallel(
+            lengths, bin_capacity=capacity, group_size=AXOLOTL_GROUP_SIZE, bin_size=AXOLOTL_BIN_SIZE, num_processes=1
+        )
 
     return pack, _csr
 
@@ -276,8 +283,13 @@ def run_peer(key: str, lengths: np.ndarray, capacity: int, args) -> dict:
         if times[-1] > NO_REPEAT_SECONDS:
             break
     num_bins, tokens = check_bins(to_bins(result), lengths, capacity)
-    return {**row, "seconds": min(times), "runs": len(times), "bins": num_bins,
-            "efficiency": tokens / (num_bins * capacity)}  # fmt: skip
+    return {
+        **row,
+        "seconds": min(times),
+        "runs": len(times),
+        "bins": num_bins,
+        "efficiency": tokens / (num_bins * capacity),
+    }
 
 
 def load_lengths(args) -> tuple[np.ndarray, str, int]:
@@ -314,8 +326,9 @@ def main() -> None:
     parser.add_argument("--file", type=Path, help="a Parquet file with a length column instead")
     parser.add_argument("--length-column", default="length")
     parser.add_argument("--max-tokens", type=int, default=8192, help="bin capacity C")
-    parser.add_argument("--peers", default=",".join(PEERS),
-                        help="comma-separated keys or groups (batchplan, axolotl, trl, binpacking)")  # fmt: skip
+    parser.add_argument(
+        "--peers", default=",".join(PEERS), help="comma-separated keys or groups (batchplan, axolotl, trl, binpacking)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per peer (best is reported)")
     parser.add_argument("--binpacking-max", type=float, default=1e5, help="largest size binpacking runs at")
     parser.add_argument("--json", action="store_true")
@@ -344,22 +357,33 @@ def main() -> None:
         if "seconds" in row:
             row["ratio"] = round(row["seconds"] / reference, 2)
             row["seconds"] = round(row["seconds"], 5)
-    report = {"case": name, "samples": int(lengths.shape[0]), "empty_left_out": empty,
-              "max_tokens": args.max_tokens, "tokens": int(lengths.sum(dtype=np.int64)),
-              "cpus": os.cpu_count(), "versions": versions(), "peers": rows}  # fmt: skip
+    report = {
+        "case": name,
+        "samples": int(lengths.shape[0]),
+        "empty_left_out": empty,
+        "max_tokens": args.max_tokens,
+        "tokens": int(lengths.sum(dtype=np.int64)),
+        "cpus": os.cpu_count(),
+        "versions": versions(),
+        "peers": rows,
+    }
     if args.json:
         print(json.dumps(report))
         return
-    print(f"{name}: {report['samples']:,} samples, {report['tokens']:,} tokens, C = {args.max_tokens:,}"
-          + (f" ({empty:,} of length 0 left out)" if empty else ""))  # fmt: skip
+    print(
+        f"{name}: {report['samples']:,} samples, {report['tokens']:,} tokens, C = {args.max_tokens:,}"
+        + (f" ({empty:,} of length 0 left out)" if empty else "")
+    )
     print(" ".join(f"{k} {v}" for k, v in report["versions"].items()))
     print(f"{'peer':<42} {'seconds':>9} {'vs pack':>8} {'bins':>11} {'efficiency':>10}  runs")
     for row in rows:
         if "skipped" in row:
             print(f"{row['label']:<42} skipped: {row['skipped']}")
             continue
-        print(f"{row['label']:<42} {row['seconds']:>9.4f} {row['ratio']:>7.2f}x {row['bins']:>11,} "
-              f"{100 * row['efficiency']:>9.3f}%  {row['runs']}")  # fmt: skip
+        print(
+            f"{row['label']:<42} {row['seconds']:>9.4f} {row['ratio']:>7.2f}x {row['bins']:>11,} "
+            f"{100 * row['efficiency']:>9.3f}%  {row['runs']}"
+        )
 
 
 if __name__ == "__main__":

@@ -45,10 +45,16 @@ def main() -> None:
         best = min(best, time.perf_counter() - start)
     permutation = time_permutation(lengths.shape[0])
     row = {
-        "case": name, "samples": int(lengths.shape[0]), "mode": args.mode, "max_tokens": args.max_tokens,
-        "world_size": args.world_size, "threads": threads, "plan_epoch_s": round(best, 3),
-        "permutation_s": round(permutation, 3), "ratio": round(best / permutation, 2),
-    }  # fmt: skip
+        "case": name,
+        "samples": int(lengths.shape[0]),
+        "mode": args.mode,
+        "max_tokens": args.max_tokens,
+        "world_size": args.world_size,
+        "threads": threads,
+        "plan_epoch_s": round(best, 3),
+        "permutation_s": round(permutation, 3),
+        "ratio": round(best / permutation, 2),
+    }
     print_row(row, args.json)
 
 

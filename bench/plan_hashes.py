@@ -28,14 +28,40 @@ TESTS = Path(__file__).resolve().parent.parent / "tests"
 
 def _extra_cases(make_case):
     return [
-        make_case("lognormal", max_tokens=2048, mode="pack", world_size=8, seqlen_warmup_min=256,
-                  seqlen_warmup_tokens=2_000_000, epochs=2, oversize="split"),
-        make_case("lognormal", max_tokens=2048, mode="pack", world_size=8, micro_batches=2, rampup_start=8 * 2048,
-                  rampup_tokens=3_000_000, drop_last=True, epochs=2, oversize="split"),
-        make_case("sharegpt_dialogues", max_tokens=8192, mode="pack", world_size=16, hidden_size=4096,
-                  balance="compute", oversize="split", epochs=2),
+        make_case(
+            "lognormal",
+            max_tokens=2048,
+            mode="pack",
+            world_size=8,
+            seqlen_warmup_min=256,
+            seqlen_warmup_tokens=2_000_000,
+            epochs=2,
+            oversize="split",
+        ),
+        make_case(
+            "lognormal",
+            max_tokens=2048,
+            mode="pack",
+            world_size=8,
+            micro_batches=2,
+            rampup_start=8 * 2048,
+            rampup_tokens=3_000_000,
+            drop_last=True,
+            epochs=2,
+            oversize="split",
+        ),
+        make_case(
+            "sharegpt_dialogues",
+            max_tokens=8192,
+            mode="pack",
+            world_size=16,
+            hidden_size=4096,
+            balance="compute",
+            oversize="split",
+            epochs=2,
+        ),
         make_case("heavy_tail", True, max_tokens=1024, mode="pack", world_size=4, oversize="drop", micro_batches=3),
-    ]  # fmt: skip
+    ]
 
 
 def plan_hashes(rows: bool = False) -> dict[str, str]:
@@ -73,11 +99,18 @@ _MIXTURE_CASES = {
     "mixture-pack": dict(max_tokens=8192, world_size=4, micro_batches=2, oversize="split"),
     "mixture-pad": dict(max_tokens=8192, mode="pad", world_size=4, micro_batches=2, oversize="truncate"),
     "mixture-token-steps": dict(max_tokens=8192, world_size=8, tokens_per_step=300_000, epochs=2, oversize="split"),
-    "mixture-rampup": dict(max_tokens=8192, world_size=4, micro_batches=4, rampup_start=4 * 8192,
-                           rampup_tokens=20_000_000, oversize="split"),
-    "mixture-compute": dict(max_tokens=8192, world_size=3, micro_batches=1, hidden_size=4096, balance="compute",
-                            oversize="drop", epochs=3),
-}  # fmt: skip
+    "mixture-rampup": dict(
+        max_tokens=8192,
+        world_size=4,
+        micro_batches=4,
+        rampup_start=4 * 8192,
+        rampup_tokens=20_000_000,
+        oversize="split",
+    ),
+    "mixture-compute": dict(
+        max_tokens=8192, world_size=3, micro_batches=1, hidden_size=4096, balance="compute", oversize="drop", epochs=3
+    ),
+}
 
 
 def _mixture_hashes(tmp: Path, config_type) -> dict[str, str]:

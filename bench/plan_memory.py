@@ -110,14 +110,20 @@ def measure(args) -> dict:
     np.random.default_rng(0).permutation(num_samples)
     permutation = time.perf_counter() - start
     result = {
-        "samples": num_samples, "mode": args.mode, "max_tokens": args.max_tokens, "world_size": args.world_size,
-        "epochs": args.epochs, "lengths_gib": round(lengths.nbytes / 2**30, 3),
+        "samples": num_samples,
+        "mode": args.mode,
+        "max_tokens": args.max_tokens,
+        "world_size": args.world_size,
+        "epochs": args.epochs,
+        "lengths_gib": round(lengths.nbytes / 2**30, 3),
         "peak_before_plan_gib": round((before_kib * 1024 - base) / 2**30, 3),
-        "planner_peak_gib": round(peak / 2**30, 3), "planner_peak_bytes_per_sample": round(peak / num_samples, 2),
+        "planner_peak_gib": round(peak / 2**30, 3),
+        "planner_peak_bytes_per_sample": round(peak / num_samples, 2),
         "plan_held_bytes_per_sample": round(held / num_samples, 2),
-        "build_plan_s": None if tracer else round(seconds, 3), "permutation_s": round(permutation, 3),
+        "build_plan_s": None if tracer else round(seconds, 3),
+        "permutation_s": round(permutation, 3),
         "ratio": None if tracer else round(seconds / permutation, 2),
-    }  # fmt: skip
+    }
     if breakdown is not None:
         result["breakdown"] = breakdown
     return result
@@ -229,8 +235,10 @@ def print_breakdown(breakdown: dict, num_samples: int) -> None:
     per = float(num_samples)
     print(f"\npeak (polled) {breakdown['peak'] / per:.2f} B/sample, {breakdown['peak_during']}")
     for event in breakdown["events"]:
-        print(f"\n{event['s']:7.3f} s  {event['label']}: resident {event['resident'] / per:.2f} B/sample, "
-              f"numpy traced {event['traced'] / per:.2f} B/sample")  # fmt: skip
+        print(
+            f"\n{event['s']:7.3f} s  {event['label']}: resident {event['resident'] / per:.2f} B/sample, "
+            f"numpy traced {event['traced'] / per:.2f} B/sample"
+        )
         for site, size in event["sites"]:
             print(f"    {size / per:7.2f}  {site}")
     print("\nplan arrays (B/sample: the view, the block it keeps alive)")

@@ -60,8 +60,13 @@ def main() -> None:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1",
-                      AWS_EC2_METADATA_DISABLED="true", AWS_ENDPOINT_URL=f"http://{host}:{port}")  # fmt: skip
+    os.environ.update(
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+        AWS_ENDPOINT_URL=f"http://{host}:{port}",
+    )
     try:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
             local = Path(tmp)
@@ -69,8 +74,13 @@ def main() -> None:
             store, _ = pafs.FileSystem.from_uri("s3://bench?allow_bucket_creation=true")
             store.create_dir("bench")
             start = time.perf_counter()
-            pafs.copy_files(tmp, "bench/lengths", source_filesystem=pafs.LocalFileSystem(),
-                            destination_filesystem=store, use_threads=True)  # fmt: skip
+            pafs.copy_files(
+                tmp,
+                "bench/lengths",
+                source_filesystem=pafs.LocalFileSystem(),
+                destination_filesystem=store,
+                use_threads=True,
+            )
             upload = time.perf_counter() - start
             remote = best_seconds(lambda: read_lengths("s3://bench/lengths"), args.repeats)
             on_disk = best_seconds(lambda: read_lengths(local), args.repeats)
@@ -78,10 +88,15 @@ def main() -> None:
     finally:
         server.stop()
     row = {
-        "files": args.files, "samples": args.files * args.rows, "upload_s": round(upload, 2),
-        "s3_read_s": round(remote, 2), "local_read_s": round(on_disk, 3), "ratio": round(remote / on_disk, 1),
-        "s3_files_per_s": round(args.files / remote), "same_lengths": same,
-    }  # fmt: skip
+        "files": args.files,
+        "samples": args.files * args.rows,
+        "upload_s": round(upload, 2),
+        "s3_read_s": round(remote, 2),
+        "local_read_s": round(on_disk, 3),
+        "ratio": round(remote / on_disk, 1),
+        "s3_files_per_s": round(args.files / remote),
+        "same_lengths": same,
+    }
     print_row(row, args.json)
 
 

@@ -106,10 +106,12 @@ def main() -> None:
     sampler = PlanSampler(args.plan, rank=RANK, world_size=WORLD_SIZE)
 
     print("command: .venv/bin/python -m bench.sampler_overhead")
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
-          f"plan: {args.plan} ({args.plan.stat().st_size / 2**20:,.0f} MiB), {sampler.plan.num_samples:,} samples, "
-          f"world_size {WORLD_SIZE}, {sampler.num_steps:,} steps"
-          + (f"; built in {build_seconds:.0f} s" if build_seconds else ""))  # fmt: skip
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
+        f"plan: {args.plan} ({args.plan.stat().st_size / 2**20:,.0f} MiB), {sampler.plan.num_samples:,} samples, "
+        f"world_size {WORLD_SIZE}, {sampler.num_steps:,} steps"
+        + (f"; built in {build_seconds:.0f} s" if build_seconds else "")
+    )
     print()
     print("| measurement | value |")
     print("|---|---:|")

@@ -79,14 +79,32 @@ def write_lognormal(path: Path, num_samples: int, max_tokens: int) -> None:
 
 def build(dataset: Path, output: Path, max_tokens: int, world_size: int) -> tuple[float, float]:
     """Wall seconds and peak RSS (GiB, `bench.build.run_measured`) of one directory build."""
-    return run_measured([sys.executable, "-m", "batchplan_cli.main", "build", str(dataset), "-o", str(output),
-                         "--max-tokens", str(max_tokens), "--world-size", str(world_size), "--epochs", "1",
-                         "--layout", "directory", "-q"])  # fmt: skip
+    return run_measured(
+        [
+            sys.executable,
+            "-m",
+            "batchplan_cli.main",
+            "build",
+            str(dataset),
+            "-o",
+            str(output),
+            "--max-tokens",
+            str(max_tokens),
+            "--world-size",
+            str(world_size),
+            "--epochs",
+            "1",
+            "--layout",
+            "directory",
+            "-q",
+        ]
+    )
 
 
 def open_seconds(plan: Path, rank: int, world_size: int) -> dict:
-    found = subprocess.run([sys.executable, "-c", _OPEN, str(plan), str(rank), str(world_size)], check=True,
-                           capture_output=True, text=True)  # fmt: skip
+    found = subprocess.run(
+        [sys.executable, "-c", _OPEN, str(plan), str(rank), str(world_size)], check=True, capture_output=True, text=True
+    )
     return json.loads(found.stdout)
 
 
@@ -122,13 +140,18 @@ def interleaved(dataset: Path, plan: Path, samples: int, args) -> dict:
     ratios = [b / p for b, p in zip(builds, permutations)]
     build_s = statistics.median(builds)
     return {
-        "samples": samples, "world_size": args.world_size, "pairs": len(builds),
-        "build_s": round(build_s, 2), "permutation_s": round(statistics.median(permutations), 2),
-        "ratio": round(statistics.median(ratios), 2), "ratio_spread": f"{min(ratios):.2f}..{max(ratios):.2f}",
+        "samples": samples,
+        "world_size": args.world_size,
+        "pairs": len(builds),
+        "build_s": round(build_s, 2),
+        "permutation_s": round(statistics.median(permutations), 2),
+        "ratio": round(statistics.median(ratios), 2),
+        "ratio_spread": f"{min(ratios):.2f}..{max(ratios):.2f}",
         "ns_per_sample": round((build_s - args.startup_s) / samples * 1e9, 1),
-        "peak_rss_gib": round(max(peaks), 2), "max_load": round(max(loads), 2),
+        "peak_rss_gib": round(max(peaks), 2),
+        "max_load": round(max(loads), 2),
         "quiet": max(loads) < args.quiet_load,
-    }  # fmt: skip
+    }
 
 
 def startup_seconds(tmp: Path, max_tokens: int) -> float:
@@ -149,10 +172,17 @@ def opened(dataset: Path, plan_base: Path, samples: int, args) -> list[dict]:
         plan = plan_base.with_name(f"{plan_base.name}-{world_size}")
         wall, peak = build(dataset, plan, args.max_tokens, world_size)
         opens = [open_seconds(plan, rank, world_size) for rank in (0, world_size // 2, world_size - 1)]
-        rows.append({"samples": samples, "world_size": world_size, "build_s": round(wall, 2),
-                     "peak_rss_gib": round(peak, 2), "plan_mib": round(directory_mib(plan), 1),
-                     "open_ms": [round(o["seconds"] * 1000, 1) for o in opens],
-                     "files_read": opens[0]["plan_files"]})  # fmt: skip
+        rows.append(
+            {
+                "samples": samples,
+                "world_size": world_size,
+                "build_s": round(wall, 2),
+                "peak_rss_gib": round(peak, 2),
+                "plan_mib": round(directory_mib(plan), 1),
+                "open_ms": [round(o["seconds"] * 1000, 1) for o in opens],
+                "files_read": opens[0]["plan_files"],
+            }
+        )
         _remove(plan)
     return rows
 
@@ -164,8 +194,12 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=1024)
     parser.add_argument("--pairs", type=int, default=None, help="build/permutation pairs (default 3, 2 at 1e9)")
     parser.add_argument("--quiet-load", type=float, default=1.0, help="a row is quiet below this load average")
-    parser.add_argument("--settle", type=float, default=60.0,
-                        help="seconds to wait, before each run, for the load to fall below --quiet-load")  # fmt: skip
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=60.0,
+        help="seconds to wait, before each run, for the load to fall below --quiet-load",
+    )
     parser.add_argument("--open-world-sizes", type=int, nargs="*", default=[])
     parser.add_argument("--tmp", type=Path, default=None, help="where to write lengths and plans")
     parser.add_argument("--json", action="store_true")
@@ -173,14 +207,19 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         tmp = Path(tmp)
         args.startup_s = startup_seconds(tmp, args.max_tokens)
-        print(json.dumps({"startup_s": round(args.startup_s, 2)}) if args.json
-              else f"startup_s={args.startup_s:.2f}", flush=True)  # fmt: skip
+        print(
+            json.dumps({"startup_s": round(args.startup_s, 2)}) if args.json else f"startup_s={args.startup_s:.2f}",
+            flush=True,
+        )
         for samples in map(int, args.samples):
             dataset = tmp / f"lengths-{samples}.parquet"
             run_in_child("bench.scale:write_lognormal", dataset, samples, args.max_tokens)
             plan = tmp / f"plan-{samples}"
-            rows = opened(dataset, plan, samples, args) if args.open_world_sizes else [
-                interleaved(dataset, plan, samples, args)]  # fmt: skip
+            rows = (
+                opened(dataset, plan, samples, args)
+                if args.open_world_sizes
+                else [interleaved(dataset, plan, samples, args)]
+            )
             for row in rows:
                 print(json.dumps(row) if args.json else "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
             dataset.unlink()

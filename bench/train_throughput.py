@@ -103,8 +103,13 @@ class Run:
             self.seconds += time.perf_counter() - started
 
     def result(self) -> dict:
-        return {"tokens_per_s": self.real / self.seconds, "micro_batches": self.count, "real": self.real,
-                "padded": self.computed, "seconds": self.seconds}  # fmt: skip
+        return {
+            "tokens_per_s": self.real / self.seconds,
+            "micro_batches": self.count,
+            "real": self.real,
+            "padded": self.computed,
+            "seconds": self.seconds,
+        }
 
 
 def make_model(attention: str) -> TinyGPT:
@@ -120,6 +125,7 @@ def main() -> None:
     dataset = RandomTokens(lengths, VOCAB_SIZE)
     batch_size = args.max_tokens // args.max_length
     with tempfile.TemporaryDirectory() as directory:
+
         def plan(mode: str) -> Iterator[list[int]]:
             return plan_batches(lengths, mode, args.max_tokens, Path(directory))
 
@@ -162,12 +168,16 @@ def print_report(args, results: dict, batch_size: int, num_samples: int, total_t
         "pack-mask": "(c) plan, pack mode, block-diagonal SDPA mask",
     }
     base = results.get("baseline", {}).get("tokens_per_s")
-    print(f"\ncommand: .venv/bin/python -m bench.train_throughput --max-tokens {args.max_tokens} "
-          f"--max-length {args.max_length} --seconds {args.seconds:g} --rounds {args.rounds} "
-          f"--threads {args.threads}")  # fmt: skip
-    print(f"machine: {cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, "
-          f"torch {torch.__version__}, {args.threads} threads; data: {args.data.name}, {num_samples:,} samples, "
-          f"{total_tokens:,} tokens after truncation to {args.max_length}\n")  # fmt: skip
+    print(
+        f"\ncommand: .venv/bin/python -m bench.train_throughput --max-tokens {args.max_tokens} "
+        f"--max-length {args.max_length} --seconds {args.seconds:g} --rounds {args.rounds} "
+        f"--threads {args.threads}"
+    )
+    print(
+        f"machine: {cpu_name()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}, "
+        f"torch {torch.__version__}, {args.threads} threads; data: {args.data.name}, {num_samples:,} samples, "
+        f"{total_tokens:,} tokens after truncation to {args.max_length}\n"
+    )
     print("| method | real tokens/s | vs. baseline | real / computed tokens | micro-batches timed |")
     print("|---|---:|---:|---:|---:|")
     for name, result in results.items():

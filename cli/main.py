@@ -79,9 +79,7 @@ def build(
         Path | None,
         typer.Option(help="A mixture file (YAML or JSON: sources with weights or epochs) instead of DATASET."),
     ] = None,
-    mode: Annotated[
-        Mode, typer.Option(help="pack (concatenate samples) or pad (pad to the longest).")
-    ] = Mode.PACK,
+    mode: Annotated[Mode, typer.Option(help="pack (concatenate samples) or pad (pad to the longest).")] = Mode.PACK,
     world_size: Annotated[int, typer.Option(help="Data-parallel ranks.")] = 1,
     epochs: Annotated[int, typer.Option(help="Epochs to plan.")] = 1,
     seed: Annotated[int, typer.Option(help="Seed of every shuffle.")] = 0,
@@ -127,8 +125,10 @@ def build(
     ] = None,
     only_epochs: Annotated[
         str | None,
-        typer.Option(help="START:STOP: plan only these epochs (STOP excluded) into a plan directory; builds of the "
-                     "other ranges, anywhere, complete it."),
+        typer.Option(
+            help="START:STOP: plan only these epochs (STOP excluded) into a plan directory; builds of the "
+            "other ranges, anywhere, complete it."
+        ),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")] = False,
 ) -> None:
@@ -142,18 +142,34 @@ def build(
     rampup_start, rampup_tokens = parse_pair("--rampup", "START:TOKENS", rampup)
     warmup_min, warmup_tokens = parse_pair("--seqlen-warmup", "MIN:TOKENS", seqlen_warmup)
     config = PlanConfig(
-        max_tokens=max_tokens, mode=mode.value, world_size=world_size, epochs=epochs, seed=seed,
-        micro_batches=micro_batches, tokens_per_step=tokens_per_step, oversize=oversize.value,
-        drop_empty=drop_empty, drop_last=drop_last, batch_multiple=batch_multiple,
-        hidden_size=hidden_size, attention_coefficient=attention_coefficient,
+        max_tokens=max_tokens,
+        mode=mode.value,
+        world_size=world_size,
+        epochs=epochs,
+        seed=seed,
+        micro_batches=micro_batches,
+        tokens_per_step=tokens_per_step,
+        oversize=oversize.value,
+        drop_empty=drop_empty,
+        drop_last=drop_last,
+        batch_multiple=batch_multiple,
+        hidden_size=hidden_size,
+        attention_coefficient=attention_coefficient,
         balance=None if balance is None else balance.value,
-        balance_window=balance_window, rampup_start=rampup_start, rampup_tokens=rampup_tokens,
-        seqlen_warmup_min=warmup_min, seqlen_warmup_tokens=warmup_tokens,
+        balance_window=balance_window,
+        rampup_start=rampup_start,
+        rampup_tokens=rampup_tokens,
+        seqlen_warmup_min=warmup_min,
+        seqlen_warmup_tokens=warmup_tokens,
         shuffle_window=DEFAULT_SHUFFLE_WINDOW if shuffle_window is None else shuffle_window,
-    )  # fmt: skip
-    options: dict[str, Any] = {"length_column": length_column, "tokens_column": tokens_column,
-               "loss_tokens_column": loss_tokens_column, "layout": None if layout is None else layout.value,
-               "only_epochs": parse_epoch_range(only_epochs, epochs)}  # fmt: skip
+    )
+    options: dict[str, Any] = {
+        "length_column": length_column,
+        "tokens_column": tokens_column,
+        "loss_tokens_column": loss_tokens_column,
+        "layout": None if layout is None else layout.value,
+        "only_epochs": parse_epoch_range(only_epochs, epochs),
+    }
     if dataset and mixture is None:
         build_file = functools.partial(build_plan_file, dataset)
     elif mixture is not None and not dataset:
@@ -176,8 +192,10 @@ def _print_built(output: Path, written: dict) -> None:
     """The summary of the plan written, or which epochs a plan directory still misses."""
     if "missing_epochs" in written:
         missing = written["missing_epochs"]
-        print(f"wrote part of the plan directory {output}; epochs {', '.join(map(str, missing))} are still missing: "
-              "build them with the same command and --only-epochs (the last build writes the manifest)")  # fmt: skip
+        print(
+            f"wrote part of the plan directory {output}; epochs {', '.join(map(str, missing))} are still missing: "
+            "build them with the same command and --only-epochs (the last build writes the manifest)"
+        )
         return
     from batchplan.formats.opening import open_plan
     from batchplan.reports.summary import summarize_plan
@@ -256,10 +274,15 @@ def compare(
         require_matplotlib()
     lengths = read_lengths(dataset, length_column=length_column, tokens_column=tokens_column).lengths
     result = compare_strategies(
-        lengths, max_tokens=max_tokens, world_size=world_size, micro_batches=micro_batches,
+        lengths,
+        max_tokens=max_tokens,
+        world_size=world_size,
+        micro_batches=micro_batches,
         hidden_size=DEFAULT_HIDDEN_SIZE if hidden_size is None else hidden_size,
-        oversize=oversize.value, drop_empty=drop_empty, seed=seed,
-    )  # fmt: skip
+        oversize=oversize.value,
+        drop_empty=drop_empty,
+        seed=seed,
+    )
     if json_output:
         import json
 
@@ -337,18 +360,27 @@ def reshard(
         from batchplan.operations.replan_mixture import replan_mixture_file
 
         metadata = replan_mixture_file(
-            plan, output, mixture, from_step=from_step, world_size=world_size, micro_batches=micro_batches,
+            plan,
+            output,
+            mixture,
+            from_step=from_step,
+            world_size=world_size,
+            micro_batches=micro_batches,
             tokens_per_step=tokens_per_step,
-        )  # fmt: skip
+        )
     else:
         from batchplan.operations.reshard import reshard_plan_file
 
         if world_size is None:
             raise ConfigError("give --world-size (ranks of the continued run), --mixture (another mixture), or both")
         metadata = reshard_plan_file(
-            plan, output, world_size=world_size, from_step=from_step, micro_batches=micro_batches,
+            plan,
+            output,
+            world_size=world_size,
+            from_step=from_step,
+            micro_batches=micro_batches,
             tokens_per_step=tokens_per_step,
-        )  # fmt: skip
+        )
     if quiet:
         return
     from batchplan.formats.opening import open_plan
@@ -359,8 +391,11 @@ def reshard(
     parent, new = summarize_plan(open_plan(plan)), summarize_plan(open_plan(output))
     print_summary(new, title=f"wrote {output}")
     config = metadata["config"]
-    step = (f"{config['micro_batches']} micro-batch(es) per rank" if config["tokens_per_step"] is None
-            else f"a target of {config['tokens_per_step']:,} tokens")  # fmt: skip
+    step = (
+        f"{config['micro_batches']} micro-batch(es) per rank"
+        if config["tokens_per_step"] is None
+        else f"a target of {config['tokens_per_step']:,} tokens"
+    )
     mean_tokens = new["tokens_per_step"]["mean"], parent["tokens_per_step"]["mean"]
     typer.echo(
         f"steps {from_step:,}.. on {config['world_size']} ranks (was {parent['world_size']}): {step} per step, "

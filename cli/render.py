@@ -58,18 +58,32 @@ def _sources_table(sources: list[dict[str, Any]]) -> Table:
     worst miss against the bound of that step)."""
     table = Table(title="sources (share of each step but each epoch's last)")
     dropped = any(source.get("dropped_tokens") for source in sources)  # drop_last's, of the planned
-    names = ("source", "weight", "target", "planned", *(("dropped",) if dropped else ()), "passes", "mean share",
-             "worst miss", "its bound")  # fmt: skip
+    names = (
+        "source",
+        "weight",
+        "target",
+        "planned",
+        *(("dropped",) if dropped else ()),
+        "passes",
+        "mean share",
+        "worst miss",
+        "its bound",
+    )
     for name in names:
         table.add_column(name, justify="left" if name == "source" else "right")
     for source in sources:
         worst, bound = source["worst_miss"], source["worst_miss_bound"]
         gone = source.get("dropped_tokens")
         table.add_row(
-            source["name"], format_share(source["weight"], 2), f"{source['target_tokens']:,}",
-            f"{source['planned_tokens']:,}", *(("n/a" if gone is None else f"{gone:,}",) if dropped else ()),
-            f"{source['passes']:.3f}", format_share(source["mean_share"], 2),
-            "n/a" if worst is None else f"{100 * worst:.2f} pp", "n/a" if bound is None else f"{100 * bound:.2f} pp",
+            source["name"],
+            format_share(source["weight"], 2),
+            f"{source['target_tokens']:,}",
+            f"{source['planned_tokens']:,}",
+            *(("n/a" if gone is None else f"{gone:,}",) if dropped else ()),
+            f"{source['passes']:.3f}",
+            format_share(source["mean_share"], 2),
+            "n/a" if worst is None else f"{100 * worst:.2f} pp",
+            "n/a" if bound is None else f"{100 * bound:.2f} pp",
         )
     return table
 
@@ -157,21 +171,34 @@ def _rampup(summary: dict[str, Any]) -> list[tuple[str, str]]:
     ramp = summary.get("rampup")
     if not ramp:
         return []
-    target = (f"{ramp['target']:,} tokens" if ramp.get("target") is not None
-              else f"{ramp.get('micro_batches')} micro-batch(es) per rank")  # fmt: skip
+    target = (
+        f"{ramp['target']:,} tokens"
+        if ramp.get("target") is not None
+        else f"{ramp.get('micro_batches')} micro-batch(es) per rank"
+    )
     end = "lasts beyond the plan" if ramp["end_step"] is None else f"ends at step {ramp['end_step']:,}"
     last = "-" if ramp["last_ramp_step_tokens"] is None else f"{ramp['last_ramp_step_tokens']:,}"
     after = "" if ramp["tokens_per_step_after"] is None else f", then {ramp['tokens_per_step_after']:,.0f} mean"
     rows = [
-        ("ramp-up", f"steps grow from {ramp['start_tokens']:,} tokens to {target} over the run's first "
-                    f"{ramp['ramp_tokens']:,} tokens"),
-        ("ramp-up steps", f"{ramp['steps_in_ramp']:,} steps of {ramp['first_step_tokens']:,} .. {last} tokens; "
-                          f"the ramp {end}{after}"),
-    ]  # fmt: skip
+        (
+            "ramp-up",
+            f"steps grow from {ramp['start_tokens']:,} tokens to {target} over the run's first "
+            f"{ramp['ramp_tokens']:,} tokens",
+        ),
+        (
+            "ramp-up steps",
+            f"{ramp['steps_in_ramp']:,} steps of {ramp['first_step_tokens']:,} .. {last} tokens; the ramp {end}{after}",
+        ),
+    ]
     if ramp["first_step_tokens"] < ramp["start_tokens"]:
-        rows.append(("first step", f"{ramp['first_step_tokens']:,} tokens, below {ramp['start_tokens']:,}: a step "
-                                   "holds whole chunks (one micro-batch per rank), as many as bring its tokens "
-                                   "nearest its target, so it may fall short by up to half a chunk"))  # fmt: skip
+        rows.append(
+            (
+                "first step",
+                f"{ramp['first_step_tokens']:,} tokens, below {ramp['start_tokens']:,}: a step "
+                "holds whole chunks (one micro-batch per rank), as many as bring its tokens "
+                "nearest its target, so it may fall short by up to half a chunk",
+            )
+        )
     return rows
 
 
@@ -181,8 +208,13 @@ def _seqlen_warmup(summary: dict[str, Any]) -> list[tuple[str, str]]:
         return []
     end = "beyond the plan" if warmup["end_step"] is None else f"at step {warmup['end_step']:,}"
     first = "" if warmup["first_step_longest"] is None else f"; longest in step 0: {warmup['first_step_longest']:,}"
-    return [("sequence-length warmup", f"cap {warmup['min_tokens']:,} -> {warmup['max_tokens']:,} over "
-             f"{warmup['warmup_tokens']:,} tokens, ends {end}{first}")]  # fmt: skip
+    return [
+        (
+            "sequence-length warmup",
+            f"cap {warmup['min_tokens']:,} -> {warmup['max_tokens']:,} over "
+            f"{warmup['warmup_tokens']:,} tokens, ends {end}{first}",
+        )
+    ]
 
 
 def _lineage(summary: dict[str, Any]) -> list[tuple[str, str]]:
@@ -203,8 +235,14 @@ def print_comparison(comparison: dict[str, Any], *, hidden_size_given: bool) -> 
     """Print a `Comparison.to_dict()` as one table, the settings in its caption."""
     from rich import box
 
-    table = Table(title=f"{comparison['num_samples']:,} samples, one epoch per strategy", title_justify="left",
-                  box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)  # fmt: skip
+    table = Table(
+        title=f"{comparison['num_samples']:,} samples, one epoch per strategy",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+    )
     table.add_column("strategy", no_wrap=True)
     for name in ("micro-\nbatches", "steps", "padding", "fill", "token\nimbal.", "cost\nimbal.", "rel.\ntime"):
         table.add_column(name, justify="right", no_wrap=True)
@@ -237,24 +275,28 @@ def _comparison_notes(c: dict[str, Any], hidden_size_given: bool) -> str:
     hidden = f"{c['hidden_size']:,}" + ("" if hidden_size_given else " (default; set --hidden-size)")
     dropped = f", {c['dropped_samples']:,} dropped" if c["dropped_samples"] else ""
     n = c["baseline_batch_size"]
-    return "\n".join([
-        f"Same memory: every micro-batch fits max_tokens {c['max_tokens']:,} tokens.",
-        f"1 PyTorch DataLoader(shuffle=True): random order, n = max_tokens // longest = {n} sample(s), padded.",
-        f"2 HF group_by_length: random megabatches of up to 50 x {n}, sorted by length, cut every {n}, padded.",
-        "3 fairseq --max-tokens: sorted by length, greedy count x longest <= max_tokens, batches shuffled.",
-        "4 batchplan --mode pad (count x longest <= max_tokens); 5 --mode pack (sum <= max_tokens).",
-        f"Steps: {c['world_size']} rank(s) x {c['micro_batches']} micro-batch(es); 1-3 deal micro-batches to "
-        "ranks round-robin (DistributedSampler), 4-5 as planned.",
-        "Fill and imbalance (mean over steps of max / mean over ranks - 1): every step but the epoch's last.",
-        "Epoch time: sum over steps of the slowest rank's cost (computed tokens + L^2 / (12 h) per sequence, "
-        f"h = {hidden}), relative to 1.",
-        f"Oversize: {c['oversize_samples']:,} sample(s) above max_tokens, --oversize {c['oversize']}{dropped}.",
-        *_bound_note(c.get("packing_bound")),
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"Same memory: every micro-batch fits max_tokens {c['max_tokens']:,} tokens.",
+            f"1 PyTorch DataLoader(shuffle=True): random order, n = max_tokens // longest = {n} sample(s), padded.",
+            f"2 HF group_by_length: random megabatches of up to 50 x {n}, sorted by length, cut every {n}, padded.",
+            "3 fairseq --max-tokens: sorted by length, greedy count x longest <= max_tokens, batches shuffled.",
+            "4 batchplan --mode pad (count x longest <= max_tokens); 5 --mode pack (sum <= max_tokens).",
+            f"Steps: {c['world_size']} rank(s) x {c['micro_batches']} micro-batch(es); 1-3 deal micro-batches to "
+            "ranks round-robin (DistributedSampler), 4-5 as planned.",
+            "Fill and imbalance (mean over steps of max / mean over ranks - 1): every step but the epoch's last.",
+            "Epoch time: sum over steps of the slowest rank's cost (computed tokens + L^2 / (12 h) per sequence, "
+            f"h = {hidden}), relative to 1.",
+            f"Oversize: {c['oversize_samples']:,} sample(s) above max_tokens, --oversize {c['oversize']}{dropped}.",
+            *_bound_note(c.get("packing_bound")),
+        ]
+    )
 
 
 def _bound_note(bound: dict[str, Any] | None) -> list[str]:
     if bound is None:
         return []
-    return [f"Packing bound ({bound['kind']}): any packing of these entries needs >= {bound['micro_batches']:,} "
-            f"micro-batches, at most {bound['fill']:.3%} fill."]  # fmt: skip
+    return [
+        f"Packing bound ({bound['kind']}): any packing of these entries needs >= {bound['micro_batches']:,} "
+        f"micro-batches, at most {bound['fill']:.3%} fill."
+    ]

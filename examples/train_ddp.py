@@ -119,8 +119,13 @@ def main() -> None:
 def build_plan(args: argparse.Namespace, world_size: int) -> None:
     import batchplan  # building plans is not the runtime's job (it loads numba)
 
-    config = batchplan.PlanConfig(max_tokens=args.max_tokens, mode=args.mode, world_size=world_size,
-                        micro_batches=args.micro_batches, oversize="split")  # fmt: skip
+    config = batchplan.PlanConfig(
+        max_tokens=args.max_tokens,
+        mode=args.mode,
+        world_size=world_size,
+        micro_batches=args.micro_batches,
+        oversize="split",
+    )
     batchplan.build_plan_file(args.data, args.plan, config)
     print(f"built {args.plan} for world_size {world_size}", flush=True)
 
@@ -143,12 +148,19 @@ def save_checkpoint(path: Path, model, optimizer, scheduler, sampler_state: dict
     samplers = [None] * dist.get_world_size()
     dist.all_gather_object(samplers, sampler_state)  # each rank's position is its own
     if rank == 0:
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "samplers": samplers}  # fmt: skip
+        state = {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "samplers": samplers,
+        }
         torch.save(state, f"{path}.tmp")
         os.replace(f"{path}.tmp", path)
-        print(f"saved {path} at step {scheduler.last_epoch}: rank 0 at epoch {samplers[0]['epoch']}, "
-              f"micro-batch {samplers[0]['position']}", flush=True)
+        print(
+            f"saved {path} at step {scheduler.last_epoch}: rank 0 at epoch {samplers[0]['epoch']}, "
+            f"micro-batch {samplers[0]['position']}",
+            flush=True,
+        )
     dist.barrier()
 
 

@@ -46,16 +46,31 @@ def standard_plans(directory: Path) -> dict[str, Path]:
     directory.mkdir(parents=True, exist_ok=True)
     return {
         "pack": write_test_plan(
-            directory / "pack.arrow", lengths, max_tokens=64, world_size=2, epochs=2, tokens_per_step=400,
-            oversize="split", seed=3,
+            directory / "pack.arrow",
+            lengths,
+            max_tokens=64,
+            world_size=2,
+            epochs=2,
+            tokens_per_step=400,
+            oversize="split",
+            seed=3,
         ),
         "pad": write_test_plan(
-            directory / "pad.arrow", lengths, max_tokens=96, mode="pad", world_size=2, epochs=1,
-            micro_batches=2, oversize="truncate", shuffle_window=8, seed=5,
+            directory / "pad.arrow",
+            lengths,
+            max_tokens=96,
+            mode="pad",
+            world_size=2,
+            epochs=1,
+            micro_batches=2,
+            oversize="truncate",
+            shuffle_window=8,
+            seed=5,
         ),
-        "single": write_test_plan(directory / "single.arrow", np.array([20], dtype=np.int32), max_tokens=64,
-                                  world_size=2),
-    }  # fmt: skip
+        "single": write_test_plan(
+            directory / "single.arrow", np.array([20], dtype=np.int32), max_tokens=64, world_size=2
+        ),
+    }
 
 
 def make_dataset(lengths: np.ndarray | None = None):
@@ -101,9 +116,12 @@ def process_group(rank: int, world_size: int, port: int):
     os.environ.pop("RANK", None)
     os.environ.pop("WORLD_SIZE", None)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
         timeout=timedelta(seconds=60),
-    )  # fmt: skip
+    )
     try:
         yield
         # Tear down together: a rank destroying its group while a peer still talks to it

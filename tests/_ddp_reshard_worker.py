@@ -59,8 +59,9 @@ def _train(path: str, lengths, *, stop_after: int | None = None, state: dict | N
             _check_lockstep(mb)
             with contextlib.nullcontext() if mb.is_last else ddp.no_sync():
                 (token_loss_sum(ddp(**batch), batch) * mb.loss_scale()).backward()
-            seen.append((mb.epoch, mb.step, mb.micro, tuple(mb.indices), tuple(mb.starts or ()),
-                         tuple(mb.lengths or ())))  # fmt: skip
+            seen.append(
+                (mb.epoch, mb.step, mb.micro, tuple(mb.indices), tuple(mb.starts or ()), tuple(mb.lengths or ()))
+            )
             if mb.is_last:
                 optimizer.step()
                 optimizer.zero_grad()

@@ -66,10 +66,20 @@ def replay_epochs(path: str) -> list[tuple]:
             dist.all_reduce(total)
             if not torch.equal(total, here * dist.get_world_size()):
                 raise AssertionError(f"ranks out of lockstep at {here.tolist()}: sum {total.tolist()}")
-            seen.append((
-                mb.epoch, mb.step, mb.micro, mb.num_micro, tuple(mb.indices), tuple(mb.starts or ()),
-                tuple(mb.lengths or ()), int(batch["input_ids"].shape[1]), count_loss_tokens(batch), mb.loss_tokens,
-            ))  # fmt: skip
+            seen.append(
+                (
+                    mb.epoch,
+                    mb.step,
+                    mb.micro,
+                    mb.num_micro,
+                    tuple(mb.indices),
+                    tuple(mb.starts or ()),
+                    tuple(mb.lengths or ()),
+                    int(batch["input_ids"].shape[1]),
+                    count_loss_tokens(batch),
+                    mb.loss_tokens,
+                )
+            )
     return seen
 
 
@@ -142,9 +152,12 @@ def train(path: str, *, num_workers: int, stop_after: int | None = None, checkpo
     # These processes were spawned, so spawn is their default start method and each loader
     # worker would re-import torch (seconds); torchrun-started ranks default to fork anyway.
     loader = DataLoader(
-        PlanDataset(make_dataset()), batch_sampler=sampler, collate_fn=PackCollator(), num_workers=num_workers,
+        PlanDataset(make_dataset()),
+        batch_sampler=sampler,
+        collate_fn=PackCollator(),
+        num_workers=num_workers,
         multiprocessing_context="fork" if num_workers else None,
-    )  # fmt: skip
+    )
     seen, steps = [], 0
     while not sampler.finished:
         for batch in loader:

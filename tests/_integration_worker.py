@@ -36,11 +36,31 @@ def integration_plans(directory: Path, lengths) -> dict[str, str]:
 
     directory.mkdir(parents=True, exist_ok=True)
     return {
-        "pack": str(write_test_plan(directory / "pack.arrow", lengths, max_tokens=64, world_size=2, epochs=2,
-                                    micro_batches=2, oversize="split", seed=3)),
-        "tokens": str(write_test_plan(directory / "tokens.arrow", lengths, max_tokens=64, world_size=2, epochs=2,
-                                      tokens_per_step=300, oversize="split", seed=4)),
-    }  # fmt: skip
+        "pack": str(
+            write_test_plan(
+                directory / "pack.arrow",
+                lengths,
+                max_tokens=64,
+                world_size=2,
+                epochs=2,
+                micro_batches=2,
+                oversize="split",
+                seed=3,
+            )
+        ),
+        "tokens": str(
+            write_test_plan(
+                directory / "tokens.arrow",
+                lengths,
+                max_tokens=64,
+                world_size=2,
+                epochs=2,
+                tokens_per_step=300,
+                oversize="split",
+                seed=4,
+            )
+        ),
+    }
 
 
 def run_integration(checks, directory: Path, *leading) -> tuple[list[dict], dict[str, str]]:
@@ -89,9 +109,15 @@ def make_model(attention: str = "sdpa"):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, attn_implementation=attention,
-    )  # fmt: skip
+        vocab_size=VOCAB_SIZE,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation=attention,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 
@@ -180,11 +206,21 @@ def trainer_class(base: str):
 
 def trainer_args(base: str, out: str, *, max_steps: int = -1, save_steps: int | None = None, workers: int = 0):
     options = dict(
-        output_dir=out, max_steps=max_steps, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0,
-        use_cpu=True, ddp_backend="gloo", report_to=[], disable_tqdm=True, logging_steps=1000,
-        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        dataloader_num_workers=workers, seed=0,
-    )  # fmt: skip
+        output_dir=out,
+        max_steps=max_steps,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        disable_tqdm=True,
+        logging_steps=1000,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        dataloader_num_workers=workers,
+        seed=0,
+    )
     if base == "trainer":
         import transformers
 
@@ -195,16 +231,20 @@ def trainer_args(base: str, out: str, *, max_steps: int = -1, save_steps: int | 
     return SFTConfig(**options, bf16=False, max_length=None, dataset_kwargs={"skip_prepare_dataset": True})
 
 
-def run_trainer(base: str, plan: str, lengths, out: str, *, max_steps=-1, save_steps=None, resume=None,
-                workers: int = 0) -> dict:  # fmt: skip
+def run_trainer(
+    base: str, plan: str, lengths, out: str, *, max_steps=-1, save_steps=None, resume=None, workers: int = 0
+) -> dict:
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     cls = trainer_class(base)
     trainer = cls(
-        model=model, args=trainer_args(base, out, max_steps=max_steps, save_steps=save_steps, workers=workers),
-        train_dataset=make_dataset(lengths), optimizers=(optimizer, None), plan=plan,
+        model=model,
+        args=trainer_args(base, out, max_steps=max_steps, save_steps=save_steps, workers=workers),
+        train_dataset=make_dataset(lengths),
+        optimizers=(optimizer, None),
+        plan=plan,
         **({} if base == "trainer" else {"processing_class": make_tokenizer()}),
-    )  # fmt: skip
+    )
     trainer.seen = []
     trainer.train(resume_from_checkpoint=resume)
     return {"seen": trainer.seen, "params": params(trainer.model), "global_step": trainer.state.global_step}
@@ -218,8 +258,14 @@ def trainer_checks(rank: int, base: str, plans: dict[str, str], lengths, out_dir
         results[name] = {"plain": plain_loop(plan, lengths), "full": run_trainer(base, plan, lengths, where)}
         stop = _step_inside_last_epoch(plan)
         first = run_trainer(base, plan, lengths, where + "-resume", max_steps=stop, save_steps=stop)
-        rest = run_trainer(base, plan, lengths, where + "-resume", resume=f"{where}-resume/checkpoint-{stop}",
-                           workers=2 if name == "pack" else 0)  # fmt: skip
+        rest = run_trainer(
+            base,
+            plan,
+            lengths,
+            where + "-resume",
+            resume=f"{where}-resume/checkpoint-{stop}",
+            workers=2 if name == "pack" else 0,
+        )
         results[name].update(first=first, rest=rest, stop=stop)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
@@ -233,8 +279,9 @@ def _step_inside_last_epoch(plan: str) -> int:
 # -- Accelerate custom loop -----------------------------------------------------------------
 
 
-def accelerate_loop(plan: str, lengths, out: str, *, stop_after: int | None = None, resume: bool = False,
-                    workers: int = 0) -> dict:  # fmt: skip
+def accelerate_loop(
+    plan: str, lengths, out: str, *, stop_after: int | None = None, resume: bool = False, workers: int = 0
+) -> dict:
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
@@ -242,8 +289,13 @@ def accelerate_loop(plan: str, lengths, out: str, *, stop_after: int | None = No
 
     accelerator = Accelerator(cpu=True)
     sampler = PlanSampler(plan)
-    loader = DataLoader(PlanDataset(make_dataset(lengths)), batch_sampler=sampler, collate_fn=PackCollator(),
-                        num_workers=workers, multiprocessing_context="fork" if workers else None)  # fmt: skip
+    loader = DataLoader(
+        PlanDataset(make_dataset(lengths)),
+        batch_sampler=sampler,
+        collate_fn=PackCollator(),
+        num_workers=workers,
+        multiprocessing_context="fork" if workers else None,
+    )
     model = make_model()
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
     loader = prepare_plan_loader(accelerator, loader)
@@ -273,8 +325,7 @@ def refuse_prepare(plan: str, lengths) -> str:
     from accelerate import Accelerator
     from torch.utils.data import DataLoader
 
-    loader = DataLoader(PlanDataset(make_dataset(lengths)), batch_sampler=PlanSampler(plan),
-                        collate_fn=PackCollator())  # fmt: skip
+    loader = DataLoader(PlanDataset(make_dataset(lengths)), batch_sampler=PlanSampler(plan), collate_fn=PackCollator())
     try:
         Accelerator(cpu=True).prepare(loader)
     except Exception as error:  # noqa: BLE001 - the message is the result
@@ -301,15 +352,17 @@ def accelerate_checks(rank: int, plans: dict[str, str], lengths, out_dir: str) -
 # -- torchdata StatefulDataLoader ---------------------------------------------------------------
 
 
-def stateful_loop(plan: str, lengths, *, workers: int, stop_after: int | None = None,
-                  checkpoint: dict | None = None) -> dict:  # fmt: skip
+def stateful_loop(
+    plan: str, lengths, *, workers: int, stop_after: int | None = None, checkpoint: dict | None = None
+) -> dict:
     """The plain loop over a StatefulDataLoader, checkpointing the loader's own state_dict."""
     from torch.nn.parallel import DistributedDataParallel
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     sampler = PlanSampler(plan)
-    loader = StatefulDataLoader(PlanDataset(make_dataset(lengths)), batch_sampler=sampler,
-                                collate_fn=PackCollator(), num_workers=workers)  # fmt: skip
+    loader = StatefulDataLoader(
+        PlanDataset(make_dataset(lengths)), batch_sampler=sampler, collate_fn=PackCollator(), num_workers=workers
+    )
     model = make_model()
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])
@@ -323,8 +376,10 @@ def stateful_loop(plan: str, lengths, *, workers: int, stop_after: int | None = 
             if train_micro_batch(ddp, batch, optimizer):
                 steps += 1
                 if steps == stop_after:
-                    state = {"model": {k: v.clone() for k, v in model.state_dict().items()},
-                             "loader": loader.state_dict()}  # fmt: skip
+                    state = {
+                        "model": {k: v.clone() for k, v in model.state_dict().items()},
+                        "loader": loader.state_dict(),
+                    }
                     return {"seen": seen, "checkpoint": state}
         if sampler.finished:
             break
@@ -339,7 +394,10 @@ def stateful_checks(rank: int, plans: dict[str, str], lengths, out_dir: str) -> 
         for workers in (0, 2):
             first = stateful_loop(plan, lengths, workers=workers, stop_after=stop)
             rest = stateful_loop(plan, lengths, workers=workers, checkpoint=first.pop("checkpoint"))
-            results[(name, workers)] = {"plain": plain_loop(plan, lengths) if workers == 0 else None,
-                                        "first": first, "rest": rest}  # fmt: skip
+            results[(name, workers)] = {
+                "plain": plain_loop(plan, lengths) if workers == 0 else None,
+                "first": first,
+                "rest": rest,
+            }
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()

@@ -24,7 +24,7 @@ from _integration_worker import (
     make_model,
     params,
     plain_loop,
-)  # fmt: skip
+)
 
 from batchplan.formats.opening import open_plan
 from batchplan.runtime import PlanSampler, token_loss_sum
@@ -69,21 +69,48 @@ def make_trainer(out: str, *, manual: bool, micro: int, max_steps: int = -1, sav
     if save_every:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        callbacks.append(ModelCheckpoint(dirpath=out, filename="resume", every_n_train_steps=save_every,
-                                         save_top_k=-1, enable_version_counter=False))  # fmt: skip
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=out,
+                filename="resume",
+                every_n_train_steps=save_every,
+                save_top_k=-1,
+                enable_version_counter=False,
+            )
+        )
     options = dict(
-        accelerator="cpu", devices=dist.get_world_size(), num_nodes=1,
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        num_nodes=1,
         strategy=DDPStrategy(process_group_backend="gloo"),
-        use_distributed_sampler=False, max_epochs=2, max_steps=max_steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=bool(save_every), callbacks=callbacks,
-        num_sanity_val_steps=0, default_root_dir=out, accumulate_grad_batches=1 if manual else micro,
-    )  # fmt: skip
+        use_distributed_sampler=False,
+        max_epochs=2,
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(save_every),
+        callbacks=callbacks,
+        num_sanity_val_steps=0,
+        default_root_dir=out,
+        accumulate_grad_batches=1 if manual else micro,
+    )
     options.update(extra)
     return pl.Trainer(**options)
 
 
-def run_lightning(plan: str, lengths, out: str, *, manual: bool, max_steps: int = -1, save_every=None,
-                  resume=None, workers: int = 0, **extra) -> dict:  # fmt: skip
+def run_lightning(
+    plan: str,
+    lengths,
+    out: str,
+    *,
+    manual: bool,
+    max_steps: int = -1,
+    save_every=None,
+    resume=None,
+    workers: int = 0,
+    **extra,
+) -> dict:
     from batchplan.integrations.lightning import PlanDataModule
 
     micro = 1 if manual else open_plan(plan).metadata["config"]["micro_batches"]
@@ -100,19 +127,25 @@ def lightning_checks(rank: int, plans: dict[str, str], lengths, out_dir: str) ->
     for name, plan in plans.items():
         manual = name == "tokens"
         where = os.path.join(out_dir, f"lightning-{name}")
-        results[name] = {"plain": plain_loop(plan, lengths),
-                         "full": run_lightning(plan, lengths, where, manual=manual)}  # fmt: skip
+        results[name] = {"plain": plain_loop(plan, lengths), "full": run_lightning(plan, lengths, where, manual=manual)}
         stop = _step_inside_last_epoch(plan)
         first = run_lightning(plan, lengths, where + "-first", manual=manual, max_steps=stop, save_every=stop)
-        rest = run_lightning(plan, lengths, where + "-rest", manual=manual, resume=f"{where}-first/resume.ckpt",
-                             workers=2 if name == "pack" else 0)  # fmt: skip
+        rest = run_lightning(
+            plan,
+            lengths,
+            where + "-rest",
+            manual=manual,
+            resume=f"{where}-first/resume.ckpt",
+            workers=2 if name == "pack" else 0,
+        )
         results[name].update(first=first, rest=rest, stop=stop)
         end = PlanSampler(plan, rank=0, world_size=dist.get_world_size()).steps_per_epoch[0]
         first = run_lightning(plan, lengths, where + "-end", manual=manual, max_steps=end, save_every=end)
         rest = run_lightning(plan, lengths, where + "-end-rest", manual=manual, resume=f"{where}-end/resume.ckpt")
         results[name].update(first_at_end=first, rest_after_end=rest, end=end)
-    results["reload"] = run_lightning(plans["pack"], lengths, os.path.join(out_dir, "reload"), manual=False,
-                                      reload_dataloaders_every_n_epochs=1)  # fmt: skip
+    results["reload"] = run_lightning(
+        plans["pack"], lengths, os.path.join(out_dir, "reload"), manual=False, reload_dataloaders_every_n_epochs=1
+    )
     results["replaced_sampler"] = replaced_sampler_error(plans["pack"], lengths, os.path.join(out_dir, "replaced"))
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()

@@ -83,8 +83,18 @@ def recount(path: Path, lengths: np.ndarray) -> Recount:
             if start == 0:
                 when.append(last_steps[epoch] + 0.5)
                 samples.append(sample)
-    return Recount(meta, per_step, epoch_of_step, rows_per_step, empty, longest, np.array(when), np.array(samples,
-                   dtype=np.int64), dropped_tokens, covered)  # fmt: skip
+    return Recount(
+        meta,
+        per_step,
+        epoch_of_step,
+        rows_per_step,
+        empty,
+        longest,
+        np.array(when),
+        np.array(samples, dtype=np.int64),
+        dropped_tokens,
+        covered,
+    )
 
 
 def _dropped_pieces(meta: dict, lengths: np.ndarray) -> dict[int, list[tuple[int, int, int]]]:
@@ -139,6 +149,8 @@ def assert_warmup_caps_hold(counted: Recount) -> None:
     """No step holds a sequence longer than the warmup's cap when the step ends."""
     config = counted.meta["config"]
     ends = counted.tokens_before() + counted.per_step.sum(axis=1)
-    caps = [warmup_cap(int(end), config["seqlen_warmup_min"], config["seqlen_warmup_tokens"], config["max_tokens"])
-            for end in ends]  # fmt: skip
+    caps = [
+        warmup_cap(int(end), config["seqlen_warmup_min"], config["seqlen_warmup_tokens"], config["max_tokens"])
+        for end in ends
+    ]
     assert (counted.longest <= np.array(caps)).all(), np.flatnonzero(counted.longest > np.array(caps))[:3]

@@ -112,8 +112,9 @@ def plain_runs(mixture: dict, out: str) -> dict:
     return {"full": plain_loop(mixture, out + "-full", workers=2), **_first_rest(plain_loop, mixture, out, workers=2)}
 
 
-def plain_loop(mixture: dict, out: str, *, stop: int | None = None, resume: bool = False, workers: int = 0,
-               stateful: bool = False) -> dict:  # fmt: skip
+def plain_loop(
+    mixture: dict, out: str, *, stop: int | None = None, resume: bool = False, workers: int = 0, stateful: bool = False
+) -> dict:
     """DDP over a DataLoader (or a StatefulDataLoader); checkpoints the model with the sampler's
     ``state_dict(after=mb)`` (or the loader's own ``state_dict``)."""
     from torch.nn.parallel import DistributedDataParallel
@@ -158,8 +159,10 @@ def plain_loop(mixture: dict, out: str, *, stop: int | None = None, resume: bool
 
 
 def stateful_runs(mixture: dict, out: str) -> dict:
-    return {workers: _first_rest(plain_loop, mixture, f"{out}-{workers}", workers=workers, stateful=True)
-            for workers in (0, 2)}  # fmt: skip
+    return {
+        workers: _first_rest(plain_loop, mixture, f"{out}-{workers}", workers=workers, stateful=True)
+        for workers in (0, 2)
+    }
 
 
 # -- Accelerate ------------------------------------------------------------------------------------
@@ -177,8 +180,13 @@ def accelerate_loop(mixture: dict, out: str, *, stop: int | None = None, resume:
 
     accelerator = Accelerator(cpu=True)
     sampler = PlanSampler(mixture["plan"])
-    loader = DataLoader(PlanDataset(mixture_dataset(mixture)), batch_sampler=sampler, collate_fn=PackCollator(),
-                        num_workers=2, multiprocessing_context="fork")  # fmt: skip
+    loader = DataLoader(
+        PlanDataset(mixture_dataset(mixture)),
+        batch_sampler=sampler,
+        collate_fn=PackCollator(),
+        num_workers=2,
+        multiprocessing_context="fork",
+    )
     model = make_model()
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
     loader = prepare_plan_loader(accelerator, loader)
@@ -226,16 +234,34 @@ def trainer_loop(mixture: dict, out: str, *, stop: int | None = None, resume: bo
 
     model = make_model()
     args = transformers.TrainingArguments(
-        output_dir=out, max_steps=stop or -1, learning_rate=LR, lr_scheduler_type="constant", max_grad_norm=0.0,
-        use_cpu=True, ddp_backend="gloo", report_to=[], disable_tqdm=True, logging_steps=1,
-        save_strategy="steps" if stop else "no", save_steps=stop or 500, seed=0,
-    )  # fmt: skip
-    trainer = Logged(model=model, args=args, train_dataset=mixture_dataset(mixture), plan=mixture["plan"],
-                     optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None))  # fmt: skip
+        output_dir=out,
+        max_steps=stop or -1,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        use_cpu=True,
+        ddp_backend="gloo",
+        report_to=[],
+        disable_tqdm=True,
+        logging_steps=1,
+        save_strategy="steps" if stop else "no",
+        save_steps=stop or 500,
+        seed=0,
+    )
+    trainer = Logged(
+        model=model,
+        args=args,
+        train_dataset=mixture_dataset(mixture),
+        plan=mixture["plan"],
+        optimizers=(torch.optim.SGD(model.parameters(), lr=LR), None),
+    )
     trainer.seen = []
     trainer.train(resume_from_checkpoint=f"{out}/checkpoint-{_stop_of(out)}" if resume else None)
-    logs = {entry["step"] - 1: {k: v for k, v in entry.items() if k.startswith("loss/")}
-            for entry in trainer.state.log_history if "loss" in entry}  # fmt: skip
+    logs = {
+        entry["step"] - 1: {k: v for k, v in entry.items() if k.startswith("loss/")}
+        for entry in trainer.state.log_history
+        if "loss" in entry
+    }
     result = {"seen": trainer.seen, "logs": logs, "global_step": trainer.state.global_step}
     return result if stop else {**result, "params": params(trainer.model)}
 
@@ -280,21 +306,41 @@ def lightning_loop(mixture: dict, out: str, *, stop: int | None = None, resume: 
         def configure_optimizers(self):
             return torch.optim.SGD(self.model.parameters(), lr=LR)
 
-    callbacks = [ModelCheckpoint(dirpath=out, filename="resume", every_n_train_steps=stop, save_top_k=-1,
-                                 enable_version_counter=False)] if stop else []  # fmt: skip
+    callbacks = (
+        [
+            ModelCheckpoint(
+                dirpath=out, filename="resume", every_n_train_steps=stop, save_top_k=-1, enable_version_counter=False
+            )
+        ]
+        if stop
+        else []
+    )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=dist.get_world_size(), num_nodes=1,
-        strategy=DDPStrategy(process_group_backend="gloo"), use_distributed_sampler=False, max_epochs=2,
-        max_steps=stop or -1, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        enable_checkpointing=bool(stop), callbacks=callbacks, num_sanity_val_steps=0, default_root_dir=out,
-        accumulate_grad_batches=2, reload_dataloaders_every_n_epochs=1,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        num_nodes=1,
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        use_distributed_sampler=False,
+        max_epochs=2,
+        max_steps=stop or -1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(stop),
+        callbacks=callbacks,
+        num_sanity_val_steps=0,
+        default_root_dir=out,
+        accumulate_grad_batches=2,
+        reload_dataloaders_every_n_epochs=1,
+    )
     module = LM()
-    trainer.fit(module, datamodule=PlanDataModule(mixture["plan"], mixture_dataset(mixture), num_workers=2),
-                ckpt_path=f"{out}/resume.ckpt" if resume else None)  # fmt: skip
+    trainer.fit(
+        module,
+        datamodule=PlanDataModule(mixture["plan"], mixture_dataset(mixture), num_workers=2),
+        ckpt_path=f"{out}/resume.ckpt" if resume else None,
+    )
     result = {"seen": module.seen, "losses": module.by_step, "global_step": trainer.global_step}
     return result if stop else {**result, "params": params(module.model)}
 
 
-RUNS = {"stateful": stateful_runs, "accelerate": accelerate_runs, "trainer": trainer_runs,
-        "lightning": lightning_runs}  # fmt: skip
+RUNS = {"stateful": stateful_runs, "accelerate": accelerate_runs, "trainer": trainer_runs, "lightning": lightning_runs}

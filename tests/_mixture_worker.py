@@ -64,8 +64,11 @@ def _row(batch, mixture) -> dict:
     starts = batch["cu_seq_lens"].tolist()[:-1]
     codes = [ids[start] for start in starts] if record.indices else []
     return {
-        "epoch": record.epoch, "step": record.step, "micro": record.micro, "source": record.source,
-        "located": [list(mixture.locate(i)) for i in record.indices], "codes": codes,
+        "epoch": record.epoch,
+        "step": record.step,
+        "micro": record.micro,
+        "source": record.source,
+        "located": [list(mixture.locate(i)) for i in record.indices],
+        "codes": codes,
         "loss_tokens": record.loss_tokens,
-    }  # fmt: skip
-
+    }

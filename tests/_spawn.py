@@ -21,8 +21,14 @@ import torch.multiprocessing as mp
 _DONE = "done{rank}"
 
 
-def launch(fn, args: tuple, world_size: int = 2, timeout_s: float = 240.0, out_dir: str | None = None,
-           env: dict[str, str] | None = None) -> None:  # fmt: skip
+def launch(
+    fn,
+    args: tuple,
+    world_size: int = 2,
+    timeout_s: float = 240.0,
+    out_dir: str | None = None,
+    env: dict[str, str] | None = None,
+) -> None:
     """Spawn ``fn(rank, *args)`` on ``world_size`` processes and wait for all of them.
 
     Args:

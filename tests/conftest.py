@@ -16,12 +16,8 @@ from hypothesis import HealthCheck, settings
 
 from batchplan.config import PlanConfig
 
-settings.register_profile(
-    "batchplan", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
-settings.register_profile(
-    "thorough", max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+settings.register_profile("batchplan", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("thorough", max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "batchplan"))
 
 DATA_DIR = Path(__file__).resolve().parent.parent / "data"

@@ -33,7 +33,7 @@ __all__ = [
     "segment_sum",
     "sort_by_length_desc",
     "steps_by_tokens",
-    ]
+]
 
 
 # --------------------------------------------------------------------------- kernels
@@ -63,8 +63,10 @@ def pack_items(lengths: Sequence[int], order: Sequence[int], max_tokens: int) ->
         for b in range(len(residual)):
             if closed[b] or residual[b] < length:
                 continue
-            if best < 0 or residual[b] < residual[best] or (
-                residual[b] == residual[best] and reached_at[b] > reached_at[best]
+            if (
+                best < 0
+                or residual[b] < residual[best]
+                or (residual[b] == residual[best] and reached_at[b] > reached_at[best])
             ):
                 best = b
         if best < 0:
@@ -268,9 +270,17 @@ REQUIRED_TYPES = {
     "step_loss_tokens": pa.int64(),
 }
 REQUIRED_METADATA = (
-    "format_version", "num_samples", "world_size", "max_tokens", "mode", "epochs", "seed",
-    "config", "lengths_fingerprint", "dropped",
-)  # fmt: skip
+    "format_version",
+    "num_samples",
+    "world_size",
+    "max_tokens",
+    "mode",
+    "epochs",
+    "seed",
+    "config",
+    "lengths_fingerprint",
+    "dropped",
+)
 
 
 class _Problems(list):
@@ -445,8 +455,11 @@ class _EpochCheck:
             previous = None
             for row in range(len(batch["step"])):
                 if batch["epoch"][row] != self.epoch or batch["rank"][row] != rank:
-                    self.add("layout", f"record batch of rank {rank} holds a row of epoch "
-                             f"{batch['epoch'][row]} rank {batch['rank'][row]}")  # fmt: skip
+                    self.add(
+                        "layout",
+                        f"record batch of rank {rank} holds a row of epoch "
+                        f"{batch['epoch'][row]} rank {batch['rank'][row]}",
+                    )
                     return None
                 step, micro = batch["step"][row], batch["micro"][row]
                 if micro != counts.get(step, 0) or (previous is not None and step < previous):
@@ -457,8 +470,10 @@ class _EpochCheck:
             counts_of_rank.append(counts)
         for rank, counts in enumerate(counts_of_rank):
             if counts != counts_of_rank[0]:
-                self.add("equal_micro_batches", f"rank {rank} runs {counts} micro-batches per step, "
-                         f"rank 0 {counts_of_rank[0]}")  # fmt: skip
+                self.add(
+                    "equal_micro_batches",
+                    f"rank {rank} runs {counts} micro-batches per step, rank 0 {counts_of_rank[0]}",
+                )
                 return None
         per_step = counts_of_rank[0]
         expected_steps = list(range(self.step_base, self.step_base + len(per_step)))
@@ -531,8 +546,11 @@ class _EpochCheck:
         for rank, batch in enumerate(self.batches):
             for row, step in enumerate(batch["step"]):
                 if batch["step_loss_tokens"][row] != step_loss[step]:
-                    self.add("loss_normaliser", f"rank {rank} step {step}: step_loss_tokens "
-                             f"{batch['step_loss_tokens'][row]}, rows hold {step_loss[step]}")  # fmt: skip
+                    self.add(
+                        "loss_normaliser",
+                        f"rank {rank} step {step}: step_loss_tokens "
+                        f"{batch['step_loss_tokens'][row]}, rows hold {step_loss[step]}",
+                    )
                     return
                 if "step_tokens" in batch and batch["step_tokens"][row] != step_tokens[step]:
                     self.add("counts", f"rank {rank} step {step}: step_tokens wrong")
@@ -581,13 +599,17 @@ class _EpochCheck:
             last = step == steps[-1]
             if fixed is not None and done >= ramp:
                 if per_step[step] != fixed and not (last and not self.cfg["drop_last"] and per_step[step] < fixed):
-                    self.add("step_size", f"step {step}: {per_step[step]} micro-batches per rank after the ramp, "
-                             f"expected {fixed}")  # fmt: skip
+                    self.add(
+                        "step_size",
+                        f"step {step}: {per_step[step]} micro-batches per rank after the ramp, expected {fixed}",
+                    )
             elif fixed is not None and per_step[step] > fixed:
                 self.add("step_size", f"step {step}: {per_step[step]} micro-batches per rank, above {fixed}")
             if tokens > goal + round_size / 2 or (fixed is None and not last and tokens < goal - round_size / 2):
-                self.add("step_size", f"step {step} holds {tokens} tokens after {done}, ramp target {goal:.0f} "
-                         f"+- {round_size / 2}")  # fmt: skip
+                self.add(
+                    "step_size",
+                    f"step {step} holds {tokens} tokens after {done}, ramp target {goal:.0f} +- {round_size / 2}",
+                )
             done += tokens
 
     def check_seqlen_warmup(self, step_tokens) -> None:
@@ -611,8 +633,11 @@ class _EpochCheck:
                 cap = self.max_tokens if t >= span else low + (self.max_tokens - low) * t // span
                 longest = max([0] + [length for _, _, length in self.entries_of(batch, row)])
                 if longest > cap:
-                    self.add("seqlen_warmup", f"rank {rank} step {step}: a sequence of {longest} tokens, "
-                             f"above the warmup cap {cap} after {t} tokens")  # fmt: skip
+                    self.add(
+                        "seqlen_warmup",
+                        f"rank {rank} step {step}: a sequence of {longest} tokens, "
+                        f"above the warmup cap {cap} after {t} tokens",
+                    )
                     return
 
     def check_coverage(self) -> None:
@@ -679,6 +704,8 @@ class _EpochCheck:
             parent = parent.get("resharded_from")
         tokens = sum(self.lengths[s] for s in last)
         if tokens > limit:
-            self.add("dropped", f"drop_last dropped {len(last)} samples of {tokens} tokens, more than "
-                     f"an incomplete step holds ({limit})")  # fmt: skip
-
+            self.add(
+                "dropped",
+                f"drop_last dropped {len(last)} samples of {tokens} tokens, more than "
+                f"an incomplete step holds ({limit})",
+            )

@@ -82,4 +82,4 @@ def test_text_not_once_in_each_copy_of_the_schema_is_refused(tmp_path):
 
 def test_metadata_json_is_compact_with_sorted_keys():
     """The placeholder is found in the schema as `dump_json` writes it."""
-    assert dump_json({"z": 1, "content_hash": "crc32:????????"}) == b'{' + OLD + b',"z":1}'
+    assert dump_json({"z": 1, "content_hash": "crc32:????????"}) == b"{" + OLD + b',"z":1}'

@@ -35,8 +35,19 @@ def test_build_inspect_validate_pack(tmp_path):
     assert result.exit_code == 0, result.output
     assert "wrote" in result.stdout and plan.name in result.stdout
     summary = inspect_json(plan)
-    for key in ("num_samples", "num_epochs", "num_steps", "world_size", "mode", "max_tokens", "tokens",
-                "fill", "padding_fraction", "token_imbalance", "dropped_samples"):  # fmt: skip
+    for key in (
+        "num_samples",
+        "num_epochs",
+        "num_steps",
+        "world_size",
+        "mode",
+        "max_tokens",
+        "tokens",
+        "fill",
+        "padding_fraction",
+        "token_imbalance",
+        "dropped_samples",
+    ):
         assert key in summary
     assert summary["num_samples"] == 88_641
     assert summary["world_size"] == 8 and summary["num_epochs"] == 2 and summary["mode"] == "pack"
@@ -50,8 +61,23 @@ def test_build_inspect_validate_pack(tmp_path):
 @pytest.mark.parametrize("mode", ["pack", "pad"])
 def test_heavy_tail_under_each_oversize_policy(tmp_path, mode, oversize):
     plan = tmp_path / "plan.arrow"
-    result = run("build", DIALOGUES, "-o", plan, "--max-tokens", 8192, "--mode", mode, "--world-size", 8,
-                 "--oversize", oversize, "--tokens-per-step", 8 * 8192 * 2, "-q")  # fmt: skip
+    result = run(
+        "build",
+        DIALOGUES,
+        "-o",
+        plan,
+        "--max-tokens",
+        8192,
+        "--mode",
+        mode,
+        "--world-size",
+        8,
+        "--oversize",
+        oversize,
+        "--tokens-per-step",
+        8 * 8192 * 2,
+        "-q",
+    )
     assert result.exit_code == 0, result.output
     assert run("validate", plan, "-d", DIALOGUES).exit_code == 0
     summary = inspect_json(plan)
@@ -70,12 +96,13 @@ def test_same_command_twice_is_byte_identical(tmp_path):
     [
         (["--max-tokens", 8192], "samples are longer than max_tokens 8,192 (longest: 199,994 tokens"),
         (["--max-tokens", 0], "--max-tokens must be >= 1, got 0"),
-        (["--max-tokens", 8192, "--oversize", "split", "--micro-batches", 2, "--tokens-per-step", 10**6],
-         "both given"),
-        (["--max-tokens", 8192, "--length-column", "nope", "--tokens-column", "nada"],
-         "no length column 'nope' and no token column 'nada'"),
+        (["--max-tokens", 8192, "--oversize", "split", "--micro-batches", 2, "--tokens-per-step", 10**6], "both given"),
+        (
+            ["--max-tokens", 8192, "--length-column", "nope", "--tokens-column", "nada"],
+            "no length column 'nope' and no token column 'nada'",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_input_is_one_line_and_exit_1(tmp_path, args, message):
     plan = tmp_path / "plan.arrow"
     result = run("build", DIALOGUES, "-o", plan, *args)
@@ -125,8 +152,17 @@ def test_validate_refuses_another_dataset(tmp_path):
 
 @pytest.mark.slow
 def test_debug_variable_shows_the_traceback(tmp_path):
-    command = [sys.executable, "-m", "batchplan_cli.main", "build", str(DIALOGUES), "-o", str(tmp_path / "p.arrow"),
-               "--max-tokens", "8192"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "batchplan_cli.main",
+        "build",
+        str(DIALOGUES),
+        "-o",
+        str(tmp_path / "p.arrow"),
+        "--max-tokens",
+        "8192",
+    ]
     quiet = subprocess.run(command, capture_output=True, text=True)
     assert quiet.returncode == 1 and "Traceback" not in quiet.stderr
     assert len(quiet.stderr.strip().splitlines()) == 1
@@ -152,8 +188,20 @@ def test_interrupted_build_leaves_no_partial_plan_and_keeps_the_old_one(tmp_path
     assert run("build", SQUAD, "-o", plan, "--max-tokens", 512, "-q").exit_code == 0
     before = plan.read_bytes()
     big = DATA / "wikipedia_bert512_1m.parquet"
-    command = [sys.executable, "-m", "batchplan_cli.main", "build", str(big), "-o", str(plan),
-               "--max-tokens", "512", "--epochs", "50", "-q"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "batchplan_cli.main",
+        "build",
+        str(big),
+        "-o",
+        str(plan),
+        "--max-tokens",
+        "512",
+        "--epochs",
+        "50",
+        "-q",
+    ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     time.sleep(2.0)
     process.send_signal(signal.SIGTERM)
@@ -172,8 +220,9 @@ def test_the_command_keeps_exit_codes_and_output_when_it_skips_teardown(tmp_path
     done = subprocess.run([*command, "build", SQUAD, "-o", plan, "--max-tokens", "512"], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.startswith(f"wrote {plan}") and "dropped samples" in done.stdout
     assert json.loads(subprocess.run([*command, "inspect", plan, "--json"], capture_output=True).stdout)
-    failed = subprocess.run([*command, "build", tmp_path / "none.parquet", "-o", plan, "--max-tokens", "8"],
-                            capture_output=True, text=True)  # fmt: skip
+    failed = subprocess.run(
+        [*command, "build", tmp_path / "none.parquet", "-o", plan, "--max-tokens", "8"], capture_output=True, text=True
+    )
     assert failed.returncode == 1 and failed.stderr.count("error:") == 1
     assert subprocess.run([*command, "build"], capture_output=True).returncode == 2
 

@@ -54,7 +54,7 @@ SAME_ERRORS = {
     "batch_multiple outside pad": SameError(
         {"max_tokens": 512, "batch_multiple": 4},
         ["--max-tokens", "512", "--batch-multiple", "4"],
-        "`batch_multiple` 4 only applies to `mode=\"pad\"` (mode is 'pack'); drop it or use `mode=\"pad\"`",
+        '`batch_multiple` 4 only applies to `mode="pad"` (mode is \'pack\'); drop it or use `mode="pad"`',
         "--batch-multiple 4 only applies to --mode pad (mode is 'pack'); drop it or use --mode pad",
     ),
     "both step sizes": SameError(
@@ -90,7 +90,7 @@ SAME_ERRORS = {
     "part of a plan as one file": SameError(
         {"max_tokens": 512, "epochs": 2, "layout": "file", "only_epochs": range(0, 1)},
         ["--max-tokens", "512", "--epochs", "2", "--layout", "file", "--only-epochs", "0:1"],
-        "`only_epochs` writes part of a plan directory; use `layout=\"directory\"`",
+        '`only_epochs` writes part of a plan directory; use `layout="directory"`',
         "--only-epochs writes part of a plan directory; use --layout directory",
     ),
 }
@@ -146,7 +146,7 @@ def test_a_violation_printed_by_validate_names_the_option(tmp_path):
     ("library", "cli"),
     [
         ("raise `max_tokens`", "raise --max-tokens"),
-        ('use `oversize="drop"` or `mode=\'pad\'`', "use --oversize drop or --mode pad"),
+        ("use `oversize=\"drop\"` or `mode='pad'`", "use --oversize drop or --mode pad"),
         ("rebuild it with `epochs=3` or more", "rebuild it with --epochs 3 or more"),
         ("pass `drop_empty=True`", "pass --drop-empty"),
         ("lower `rampup_start`", "lower --rampup START"),

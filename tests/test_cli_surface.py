@@ -123,8 +123,9 @@ def test_help_does_not_import_the_planner_or_plotting():
 
 
 def test_a_value_outside_the_choices_is_a_usage_error_listing_them(tmp_path):
-    result = runner.invoke(app, ["build", str(SQUAD), "-o", str(tmp_path / "p.arrow"), "--max-tokens", "512",
-                                 "--oversize", "keep"])  # fmt: skip
+    result = runner.invoke(
+        app, ["build", str(SQUAD), "-o", str(tmp_path / "p.arrow"), "--max-tokens", "512", "--oversize", "keep"]
+    )
     assert result.exit_code == 2
     assert "'keep' is not one of 'error', 'drop', 'truncate', 'split'" in result.stderr
     assert list(tmp_path.iterdir()) == []
@@ -132,8 +133,23 @@ def test_a_value_outside_the_choices_is_a_usage_error_listing_them(tmp_path):
 
 def test_choices_reach_the_plan_as_plain_strings(tmp_path):
     plan = tmp_path / "plan.arrow"
-    args = ["build", SQUAD, "-o", plan, "--max-tokens", 2048, "--mode", "pad", "--oversize", "drop",
-            "--hidden-size", 1024, "--balance", "tokens", "-q"]  # fmt: skip
+    args = [
+        "build",
+        SQUAD,
+        "-o",
+        plan,
+        "--max-tokens",
+        2048,
+        "--mode",
+        "pad",
+        "--oversize",
+        "drop",
+        "--hidden-size",
+        1024,
+        "--balance",
+        "tokens",
+        "-q",
+    ]
     result = runner.invoke(app, [str(a) for a in args])
     assert result.exit_code == 0, result.output
     config = open_plan(plan).metadata["config"]

@@ -104,7 +104,16 @@ def test_a_first_build_on_a_pipe_writes_nothing_to_stderr(tmp_path):
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
     env.pop("TTY_COMPATIBLE", None)
     env.pop("FORCE_COLOR", None)
-    command = [sys.executable, "-m", "batchplan_cli.main", "build", str(SQUAD), "-o", str(tmp_path / "plan.arrow"),
-               "--max-tokens", "4096"]
+    command = [
+        sys.executable,
+        "-m",
+        "batchplan_cli.main",
+        "build",
+        str(SQUAD),
+        "-o",
+        str(tmp_path / "plan.arrow"),
+        "--max-tokens",
+        "4096",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
     assert done.returncode == 0 and done.stderr == "" and done.stdout.startswith("wrote ")

@@ -115,8 +115,10 @@ def plan_batches(lengths, config):
     plan = build_plan(np.asarray(lengths), config)
     epoch = plan.epochs[0]
     entry_lengths = plan.entries.length
-    batches = [[int(entry_lengths[m]) for m in epoch.members[epoch.offsets[i] : epoch.offsets[i + 1]]]
-               for i in range(epoch.num_rows)]  # fmt: skip
+    batches = [
+        [int(entry_lengths[m]) for m in epoch.members[epoch.offsets[i] : epoch.offsets[i + 1]]]
+        for i in range(epoch.num_rows)
+    ]
     return batches, [(int(s), int(r)) for s, r in zip(epoch.step, epoch.rank)]
 
 
@@ -128,8 +130,14 @@ def test_table_matches_a_loop_recomputation(seed, num_samples, max_tokens, world
     lengths = np.random.default_rng(seed).integers(1, high + 1, num_samples)
     hidden_size = 64  # small, so that the attention term matters
     coefficient = 1 / (12 * hidden_size)
-    result = compare_strategies(lengths, max_tokens=max_tokens, world_size=world_size,
-                                micro_batches=micro_batches, hidden_size=hidden_size, seed=seed)  # fmt: skip
+    result = compare_strategies(
+        lengths,
+        max_tokens=max_tokens,
+        world_size=world_size,
+        micro_batches=micro_batches,
+        hidden_size=hidden_size,
+        seed=seed,
+    )
     values = [int(v) for v in lengths]
     batch_size = max(1, max_tokens // max(values))
     assert result.baseline_batch_size == batch_size and result.longest == max(values)
@@ -147,8 +155,15 @@ def test_table_matches_a_loop_recomputation(seed, num_samples, max_tokens, world
         places = round_robin(len(batches), world_size, per_step)
         expected[name] = loop_metrics(as_lengths, places, "pad", max_tokens, world_size, coefficient)
     for mode in ("pad", "pack"):
-        config = PlanConfig(max_tokens=max_tokens, mode=mode, world_size=world_size, micro_batches=micro_batches,
-                            seed=seed, oversize="truncate", hidden_size=hidden_size)  # fmt: skip
+        config = PlanConfig(
+            max_tokens=max_tokens,
+            mode=mode,
+            world_size=world_size,
+            micro_batches=micro_batches,
+            seed=seed,
+            oversize="truncate",
+            hidden_size=hidden_size,
+        )
         batches, places = plan_batches(values, config)
         expected[f"batchplan_{mode}"] = loop_metrics(batches, places, mode, max_tokens, world_size, coefficient)
 
@@ -200,8 +215,16 @@ def test_cli_table_json_and_plot(tmp_path):
     table = runner.invoke(app, args)
     assert table.exit_code == 0, table.output
     text = " ".join(table.stdout.split())
-    for expected in ("PyTorch", "HF grouped", "fairseq", "batchplan pad", "batchplan pack", "Same memory",
-                     "--oversize truncate", "h = 4,096 (default"):  # fmt: skip
+    for expected in (
+        "PyTorch",
+        "HF grouped",
+        "fairseq",
+        "batchplan pad",
+        "batchplan pack",
+        "Same memory",
+        "--oversize truncate",
+        "h = 4,096 (default",
+    ):
         assert expected in text
     result = runner.invoke(app, [*args, "--json", "--hidden-size", "2048", "--plot", str(tmp_path / "c.png")])
     assert result.exit_code == 0, result.output

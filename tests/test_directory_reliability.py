@@ -352,8 +352,16 @@ def _as_directory(directory: Path, path: Path) -> None:
     path.mkdir()
 
 
-MANIFEST_KEYS = ("epoch_files", "steps_per_epoch", "plan", "content_hash", "world_size", "epochs", "layout",
-                 "format_version")
+MANIFEST_KEYS = (
+    "epoch_files",
+    "steps_per_epoch",
+    "plan",
+    "content_hash",
+    "world_size",
+    "epochs",
+    "layout",
+    "format_version",
+)
 REHASHED_KEYS = ("epoch_files", "steps_per_epoch", "plan", "world_size", "rows_per_rank", "num_samples")
 DAMAGES: dict[str, Callable[[Path], None]] = {
     "manifest removed": lambda d: (d / "manifest.json").unlink(),

@@ -35,10 +35,16 @@ def test_the_training_script_prints_each_sources_loss(tmp_path):
         if file is not None:
             (tmp_path / file).write_text(content)
         output = run_documented(command, tmp_path, env).stdout
-    lines = re.findall(r"^step (\d+)  chat \S+ \(\S+ tokens\)  qa \S+ \(\S+ tokens\)  wiki \S+ \(\S+ tokens\)$",
-                       output, re.M)  # fmt: skip
+    lines = re.findall(
+        r"^step (\d+)  chat \S+ \(\S+ tokens\)  qa \S+ \(\S+ tokens\)  wiki \S+ \(\S+ tokens\)$", output, re.M
+    )
     assert lines == ["10", "20", "30"], output
     left = [p.name + ("/" if p.is_dir() else "") for p in tmp_path.iterdir() if p.name not in (".venv", "data")]
-    done = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input="\n".join(left),
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--stdin"],
+        cwd=ROOT,
+        input="\n".join(left),
+        capture_output=True,
+        text=True,
+    )
     assert sorted(left) == sorted(done.stdout.splitlines()), "the page leaves files .gitignore does not ignore"

@@ -44,6 +44,11 @@ def test_every_script_and_command_of_the_page_runs_as_written(tmp_path):
     assert re.search(r"^step   80 ", outputs[-1], re.M)
     linked = (".venv", "data", "examples")
     left = [p.name + ("/" if p.is_dir() else "") for p in tmp_path.iterdir() if p.name not in linked]
-    done = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input="\n".join(left),
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--stdin"],
+        cwd=ROOT,
+        input="\n".join(left),
+        capture_output=True,
+        text=True,
+    )
     assert sorted(left) == sorted(done.stdout.splitlines()), "the page leaves files .gitignore does not ignore"

@@ -33,8 +33,10 @@ def last_rounds(draw):
     sizes = draw(st.lists(st.integers(1, 9), min_size=1, max_size=12))
     lengths = draw(st.lists(st.integers(1, 4), min_size=sum(sizes), max_size=sum(sizes)))
     bounds = np.concatenate([[0], np.cumsum(sizes)])
-    last = [(bounds[i], bounds[i + 1], np.array(lengths[bounds[i] : bounds[i + 1]], dtype=np.int32))
-            for i in range(len(sizes))]  # fmt: skip
+    last = [
+        (bounds[i], bounds[i + 1], np.array(lengths[bounds[i] : bounds[i + 1]], dtype=np.int32))
+        for i in range(len(sizes))
+    ]
     return last, len(sizes) + draw(st.integers(1, 40))
 
 

@@ -77,21 +77,48 @@ def test_an_equal_count_per_step_shows_once_and_the_packing_row_says_each_number
     table = runner.invoke(app, ["inspect", str(plan)], env={"COLUMNS": "200"}).stdout
     assert row(table, "micro-batches per rank per step") == "1"
     packing = row(table, "packing")
-    assert re.fullmatch(r"[\d,]+ micro-batches, (the fewest possible|[\d,]+ above) \(the \w+ bound: >= [\d,]+, "
-                        r"at most \d+\.\d{3}% fill\)", packing), packing
+    assert re.fullmatch(
+        r"[\d,]+ micro-batches, (the fewest possible|[\d,]+ above) \(the \w+ bound: >= [\d,]+, "
+        r"at most \d+\.\d{3}% fill\)",
+        packing,
+    ), packing
     assert packing.count("%") == 1
     varying = tmp_path / "varying.arrow"
-    runner.invoke(app, ["build", str(SQUAD), "-o", str(varying), "--max-tokens", "4096", "--world-size", "8",
-                        "--tokens-per-step", "100000", "-q"])
-    steps = row(runner.invoke(app, ["inspect", str(varying)], env={"COLUMNS": "200"}).stdout,
-                "micro-batches per rank per step")
+    runner.invoke(
+        app,
+        [
+            "build",
+            str(SQUAD),
+            "-o",
+            str(varying),
+            "--max-tokens",
+            "4096",
+            "--world-size",
+            "8",
+            "--tokens-per-step",
+            "100000",
+            "-q",
+        ],
+    )
+    steps = row(
+        runner.invoke(app, ["inspect", str(varying)], env={"COLUMNS": "200"}).stdout, "micro-batches per rank per step"
+    )
     assert re.fullmatch(r"\d+\.\.\d+", steps), steps
 
 
 @pytest.mark.slow
 def test_an_error_on_a_pipe_is_one_line_with_no_empty_line_before_it(tmp_path):
-    command = [sys.executable, "-m", "batchplan_cli.main", "build", str(tmp_path / "none.parquet"), "-o",
-               str(tmp_path / "plan.arrow"), "--max-tokens", "8"]
+    command = [
+        sys.executable,
+        "-m",
+        "batchplan_cli.main",
+        "build",
+        str(tmp_path / "none.parquet"),
+        "-o",
+        str(tmp_path / "plan.arrow"),
+        "--max-tokens",
+        "8",
+    ]
     failed = subprocess.run(command, capture_output=True, text=True)
     assert failed.returncode == 1
     assert failed.stderr.startswith("error: ") and failed.stderr.count("\n") == 1, repr(failed.stderr)
@@ -99,8 +126,17 @@ def test_an_error_on_a_pipe_is_one_line_with_no_empty_line_before_it(tmp_path):
 
 @pytest.mark.slow
 def test_a_build_on_a_pipe_writes_nothing_to_stderr(tmp_path):
-    command = [sys.executable, "-m", "batchplan_cli.main", "build", str(SQUAD), "-o", str(tmp_path / "plan.arrow"),
-               "--max-tokens", "4096"]
+    command = [
+        sys.executable,
+        "-m",
+        "batchplan_cli.main",
+        "build",
+        str(SQUAD),
+        "-o",
+        str(tmp_path / "plan.arrow"),
+        "--max-tokens",
+        "4096",
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode == 0 and done.stderr == "" and done.stdout.startswith("wrote ")
 

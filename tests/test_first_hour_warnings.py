@@ -36,8 +36,23 @@ def test_build_and_inspect_raise_no_deprecation_warning(tmp_path):
     plan = tmp_path / "plan.arrow"
     with deprecations_are_errors():
         runner = CliRunner()
-        built = runner.invoke(app, ["build", str(data), "-o", str(plan), "--max-tokens", "512", "--world-size", "2",
-                                    "--hidden-size", "64", "--epochs", "2"])
+        built = runner.invoke(
+            app,
+            [
+                "build",
+                str(data),
+                "-o",
+                str(plan),
+                "--max-tokens",
+                "512",
+                "--world-size",
+                "2",
+                "--hidden-size",
+                "64",
+                "--epochs",
+                "2",
+            ],
+        )
         assert built.exit_code == 0, built.output
         for args in (["inspect", str(plan)], ["inspect", str(plan), "--json"], ["validate", str(plan)]):
             result = runner.invoke(app, args)
@@ -56,8 +71,9 @@ def test_the_readme_loop_on_one_rank_raises_no_deprecation_warning(tmp_path):
     with deprecations_are_errors():
         write_plan(build_plan(lengths, PlanConfig(max_tokens=256, world_size=1, micro_batches=2)), plan)
         sampler = PlanSampler(plan, rank=0, world_size=1)
-        loader = torch.utils.data.DataLoader(PlanDataset(RandomTokens(lengths, 64)), batch_sampler=sampler,
-                                             collate_fn=PackCollator())
+        loader = torch.utils.data.DataLoader(
+            PlanDataset(RandomTokens(lengths, 64)), batch_sampler=sampler, collate_fn=PackCollator()
+        )
         model = TinyGPT(64, d_model=16, num_heads=2, num_layers=1, max_positions=256)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         scheduler = token_lr_scheduler(optimizer, sampler, warmup_tokens=1_000)
@@ -65,7 +81,9 @@ def test_the_readme_loop_on_one_rank_raises_no_deprecation_warning(tmp_path):
             mb = batch.record
             (token_loss_sum(model(**batch), batch) * mb.loss_scale()).backward()
             if mb.is_last:
-                optimizer.step(); scheduler.step(); optimizer.zero_grad()  # noqa: E702
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()  # noqa: E702
                 state = sampler.state_dict(after=mb)
         resumed = PlanSampler(plan, rank=0, world_size=1)
         resumed.load_state_dict(state)

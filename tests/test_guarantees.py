@@ -37,9 +37,15 @@ from batchplan.planning.epochs import build_plan
 # --------------------------------------------------------------------------- the matrix
 
 MAX_TOKENS = {
-    "lognormal": 2048, "uniform": 2048, "heavy_tail": 1024, "chat": 256, "with_empty": 2048,
-    "squad": 1024, "sharegpt_dialogues": 8192, "sharegpt_segments": 4096,
-}  # fmt: skip
+    "lognormal": 2048,
+    "uniform": 2048,
+    "heavy_tail": 1024,
+    "chat": 256,
+    "with_empty": 2048,
+    "squad": 1024,
+    "sharegpt_dialogues": 8192,
+    "sharegpt_segments": 4096,
+}
 HAS_OVERSIZE = {"lognormal", "heavy_tail", "with_empty", "sharegpt_dialogues", "sharegpt_segments"}
 DATASETS = list(MAX_TOKENS)
 POLICIES = ["error", "drop", "truncate", "split"]
@@ -68,8 +74,16 @@ class Case:
 
     @property
     def id(self) -> str:
-        short = {"micro_batches": "mb", "tokens_per_step": "tps", "world_size": "w", "epochs": "e",
-                 "oversize": "", "shuffle_window": "win", "batch_multiple": "bm", "max_tokens": "cap"}  # fmt: skip
+        short = {
+            "micro_batches": "mb",
+            "tokens_per_step": "tps",
+            "world_size": "w",
+            "epochs": "e",
+            "oversize": "",
+            "shuffle_window": "win",
+            "batch_multiple": "bm",
+            "max_tokens": "cap",
+        }
         parts = [self.dataset]
         for key, value in self.options:
             if key in ("seed", "drop_empty"):
@@ -133,10 +147,19 @@ EDGE_CASES = [
     make_case("ten_halves", max_tokens=16, mode="pad", world_size=64, tokens_per_step=64 * 16),
     make_case("ten_halves", max_tokens=16, mode="pack", world_size=4, drop_last=True),
     make_case("heavy_tail", max_tokens=1024, mode="pack", world_size=8, oversize="split", epochs=2),
-    make_case("lognormal", max_tokens=2048, mode="pack", world_size=8, micro_batches=4, hidden_size=1024,
-              oversize="split"),
-    make_case("sharegpt_dialogues", max_tokens=8192, mode="pad", world_size=3, hidden_size=4096,
-              oversize="split", tokens_per_step=3 * 8192 * 2, drop_last=True),
+    make_case(
+        "lognormal", max_tokens=2048, mode="pack", world_size=8, micro_batches=4, hidden_size=1024, oversize="split"
+    ),
+    make_case(
+        "sharegpt_dialogues",
+        max_tokens=8192,
+        mode="pad",
+        world_size=3,
+        hidden_size=4096,
+        oversize="split",
+        tokens_per_step=3 * 8192 * 2,
+        drop_last=True,
+    ),
     make_case("chat", max_tokens=256, mode="pack", world_size=2, hidden_size=64, balance="tokens", balance_window=1),
     make_case("sharegpt_dialogues", max_tokens=8192, mode="pad", world_size=2, oversize="split", micro_batches=4),
 ]
@@ -144,9 +167,7 @@ EDGE_CASES = [
 CASES = matrix_cases() + EDGE_CASES
 CASE_PARAMS = [pytest.param(case, id=case.id) for case in CASES]
 MANY_ENTRY_PARAMS = [
-    pytest.param(case, id=case.id)
-    for case in CASES
-    if case.dataset not in EDGE_LENGTHS or case.dataset == "all_equal"
+    pytest.param(case, id=case.id) for case in CASES if case.dataset not in EDGE_LENGTHS or case.dataset == "all_equal"
 ]
 
 

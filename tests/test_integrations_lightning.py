@@ -119,8 +119,15 @@ def fit_single_process(plan, *, manual: bool = False, **options):
     from batchplan.integrations.lightning import PlanDataModule
 
     options = {"max_epochs": 2, "accumulate_grad_batches": 2, **options}
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, enable_checkpointing=False, **options)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        **options,
+    )
     module, threads = module_class()(manual), torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: many threads only contend (other tests run beside this one)
     try:
@@ -137,9 +144,10 @@ def single_plans(tmp_path_factory):
     return {
         "pack": str(write_test_plan(directory / "pack.arrow", lengths, micro_batches=2, **options)),
         "tokens": str(write_test_plan(directory / "tokens.arrow", lengths, tokens_per_step=300, **options)),
-        "two_ranks": str(write_test_plan(directory / "two.arrow", lengths, micro_batches=2,
-                                         **{**options, "world_size": 2})),
-    }  # fmt: skip
+        "two_ranks": str(
+            write_test_plan(directory / "two.arrow", lengths, micro_batches=2, **{**options, "world_size": 2})
+        ),
+    }
 
 
 @pytest.mark.parametrize(

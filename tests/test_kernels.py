@@ -363,9 +363,22 @@ def lay_out(offsets, costs, batch, tokens, sizes, loss, compute, world_size, row
     step_sums = np.zeros((2, offsets.shape[0] - 1), dtype=np.int64)
     for part in range(parts):
         lay_out_rows(
-            offsets, costs, batch, tokens, sizes, loss, compute, world_size, rows[0::3], rows[1:3], row_compute,
-            rank_rows, step_sums, part, parts,
-        )  # fmt: skip
+            offsets,
+            costs,
+            batch,
+            tokens,
+            sizes,
+            loss,
+            compute,
+            world_size,
+            rows[0::3],
+            rows[1:3],
+            row_compute,
+            rank_rows,
+            step_sums,
+            part,
+            parts,
+        )
     return (*rank_rows, *step_sums)
 
 
@@ -399,8 +412,11 @@ def test_lay_out_rows_matches_assign_ranks_and_order_rows(case, with_loss, with_
     assert [(s, m, n) for s, m, n in zip(step.tolist(), micro.tolist(), num_micro.tolist())] == [
         (row[1], row[3], row[4]) for row in rows[:per_rank]
     ]
-    assert all(row[1:2] + row[3:] == rows[r * per_rank + i][1:2] + rows[r * per_rank + i][3:]
-               for r in range(world_size) for i, row in enumerate(rows[:per_rank]))  # fmt: skip
+    assert all(
+        row[1:2] + row[3:] == rows[r * per_rank + i][1:2] + rows[r * per_rank + i][3:]
+        for r in range(world_size)
+        for i, row in enumerate(rows[:per_rank])
+    )
     assert step_tokens.tolist() == ref.segment_sum(tokens.tolist(), offsets.tolist())
     assert step_loss.tolist() == ref.segment_sum(lost, offsets.tolist())
 
@@ -650,8 +666,12 @@ def test_packed_bins_give_the_bins_of_pack_segments(case, seed):
     slot_bin, offsets, tokens = pack_bins(items, start, max_tokens)
     # The same with the big outputs made by the caller (as the planner does, with numpy).
     bound = most_bins(np.diff(start)[: max_tokens + 1], max_tokens)
-    buffers = (np.empty(items.shape[0], dtype=items.dtype), np.zeros(bound + 1, dtype=items.dtype),
-               np.empty(bound, dtype=items.dtype), np.empty(bound, dtype=items.dtype))  # fmt: skip
+    buffers = (
+        np.empty(items.shape[0], dtype=items.dtype),
+        np.zeros(bound + 1, dtype=items.dtype),
+        np.empty(bound, dtype=items.dtype),
+        np.empty(bound, dtype=items.dtype),
+    )
     again = pack_bins(items, start, max_tokens, *buffers)
     assert [a.tolist() for a in again] == [slot_bin.tolist(), offsets.tolist(), tokens.tolist()]
     members, member_lengths = fill_bins(items, start, slot_bin, offsets, max_tokens)
@@ -732,8 +752,9 @@ def test_bin_layout_lays_out_the_shuffled_entries_bins_in_any_layout(case, seed)
     for first in range(0, len(want), window):
         cursors = block + np.cumsum(counts, axis=0) - counts
         laid = np.full(min(window, len(want) - first), -1, dtype=dtype)
-        written = sum(scatter_entries(lengths, cursors, places, None, laid, first, 0, part, parts)
-                      for part in range(parts))  # fmt: skip
+        written = sum(
+            scatter_entries(lengths, cursors, places, None, laid, first, 0, part, parts) for part in range(parts)
+        )
         assert (laid.tolist(), written) == (want[first : first + window], laid.shape[0])
     values = (np.arange(count, dtype=np.int32) * 7) % 5  # values written instead of entries
     cursors = block + np.cumsum(counts, axis=0) - counts

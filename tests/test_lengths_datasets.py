@@ -186,8 +186,11 @@ def test_a_damaged_folder_is_a_clear_error(tmp_path, damage, message):
     if damage == "missing":
         shard.unlink()
     elif damage in ("empty", "garbage", "cut", "no_end"):
-        shard.write_bytes({"empty": b"", "garbage": b"not arrow" * 20, "cut": content[:-28] + content[-8:],
-                           "no_end": content[:-8]}[damage])  # fmt: skip
+        shard.write_bytes(
+            {"empty": b"", "garbage": b"not arrow" * 20, "cut": content[:-28] + content[-8:], "no_end": content[:-8]}[
+                damage
+            ]
+        )
     else:
         entries = {"state": None, "no_files": [], "bad_entry": ["data.arrow"]}[damage]
         text = "{not json" if damage == "state" else json.dumps({"_data_files": entries})

@@ -36,6 +36,8 @@ pytest.importorskip("gcp_storage_emulator", reason="gcp-storage-emulator (the te
 
 BUCKET = "corpus"
 NAME = f"gs://{BUCKET}/lengths"  # how files under the prefix are named: no credentials, no query
+
+
 def start_emulator(port: int, log: Path) -> subprocess.Popen:
     """gcp-storage-emulator on ``127.0.0.1:port``, in memory, once it answers its health check;
     its stderr goes to ``log``.
@@ -68,12 +70,18 @@ def gcs(tmp_path_factory):
     port = free_port()
     server = start_emulator(port, tmp_path_factory.mktemp("emulator") / "stderr.log")
     try:
-        store = pafs.GcsFileSystem(anonymous=True, endpoint_override=f"127.0.0.1:{port}", scheme="http",
-                                   project_id="test")  # fmt: skip
+        store = pafs.GcsFileSystem(
+            anonymous=True, endpoint_override=f"127.0.0.1:{port}", scheme="http", project_id="test"
+        )
         for bucket in (BUCKET, "empty"):
             store.create_dir(bucket)
-        pafs.copy_files(str(local), f"{BUCKET}/lengths", source_filesystem=pafs.LocalFileSystem(),
-                        destination_filesystem=store, use_threads=True)  # fmt: skip
+        pafs.copy_files(
+            str(local),
+            f"{BUCKET}/lengths",
+            source_filesystem=pafs.LocalFileSystem(),
+            destination_filesystem=store,
+            use_threads=True,
+        )
         store.create_dir(f"{BUCKET}/lengths/a/placeholder")  # a "folder" object: lengths/a/placeholder/
         for key, body in {"notes/readme.txt": b"text", "hf/state.json": b"{}"}.items():
             with store.open_output_stream(f"{BUCKET}/{key}") as stream:

@@ -34,12 +34,19 @@ moto_server = pytest.importorskip("moto.server", reason="moto[server] (the test 
 
 BUCKET = "corpus"
 PREFIX = f"s3://{BUCKET}/lengths"
+
+
 def upload(local: Path, key: str) -> float:
     """Copies ``local`` under ``s3://corpus/KEY`` (pyarrow's threads); returns the seconds taken."""
     store, _ = pafs.FileSystem.from_uri(f"s3://{BUCKET}")
     start = time.perf_counter()
-    pafs.copy_files(str(local), f"{BUCKET}/{key}", source_filesystem=pafs.LocalFileSystem(),
-                    destination_filesystem=store, use_threads=True)  # fmt: skip
+    pafs.copy_files(
+        str(local),
+        f"{BUCKET}/{key}",
+        source_filesystem=pafs.LocalFileSystem(),
+        destination_filesystem=store,
+        use_threads=True,
+    )
     return time.perf_counter() - start
 
 
@@ -221,8 +228,14 @@ def test_an_object_of_many_row_groups_is_read_in_pieces_like_its_local_copy(s3, 
     pq.write_table(table, local / "one.parquet", row_group_size=64)
     upload(local, "grouped")
     monkeypatch.setattr(dataset_files, "PIECE_ROWS", 100)
-    assert len(dataset_files.pieces_of(dataset_files.count_file_rows(
-        dataset_files.find_dataset_files(f"s3://{BUCKET}/grouped"), None))) == 8  # fmt: skip
+    assert (
+        len(
+            dataset_files.pieces_of(
+                dataset_files.count_file_rows(dataset_files.find_dataset_files(f"s3://{BUCKET}/grouped"), None)
+            )
+        )
+        == 8
+    )
     remote = read_lengths(f"s3://{BUCKET}/grouped", loss_tokens_column="loss")
     assert remote.lengths.tolist() == lengths.tolist()
     assert remote.loss_tokens.tolist() == table["loss"].to_pylist()

@@ -49,8 +49,12 @@ def _write(path, lengths, group):
 
 
 @settings(max_examples=25, deadline=None)
-@given(sizes=st.lists(st.integers(0, 60), min_size=1, max_size=3).filter(any), group=st.integers(1, 9),
-       piece_rows=st.integers(1, 20), wide=st.booleans())  # fmt: skip
+@given(
+    sizes=st.lists(st.integers(0, 60), min_size=1, max_size=3).filter(any),
+    group=st.integers(1, 9),
+    piece_rows=st.integers(1, 20),
+    wide=st.booleans(),
+)
 def test_lengths_read_in_pieces_equal_the_files_read_whole(tmp_path_factory, sizes, group, piece_rows, wide):
     folder = tmp_path_factory.mktemp("pieces")
     rng = np.random.default_rng(len(sizes) * 100 + group)

@@ -75,8 +75,9 @@ def test_inspect_shares_agree_with_a_recount(built):
 
 def test_a_mixture_plan_directory_builds_and_validates(tmp_path):
     out = tmp_path / "mixdir"
-    result = runner.invoke(app, ["build", "--mixture", str(DEMO), "-o", str(out), "--layout", "directory",
-                                 "--epochs", "2", *BUILD])  # fmt: skip
+    result = runner.invoke(
+        app, ["build", "--mixture", str(DEMO), "-o", str(out), "--layout", "directory", "--epochs", "2", *BUILD]
+    )
     assert result.exit_code == 0, result.output
     assert runner.invoke(app, ["validate", str(out), "--mixture", str(DEMO)]).exit_code == 0
 
@@ -102,8 +103,11 @@ def test_bad_builds_are_one_line(tmp_path, args, message):
     ("text", "message"),
     [
         ("sources: []\ntokens: 1M\n", "source"),
-        ("sources:\n  - {name: a, paths: [x.parquet], weight: 1}\n  - {name: a, paths: [y.parquet], weight: 1}\n"
-         "tokens: 1M\n", "a"),
+        (
+            "sources:\n  - {name: a, paths: [x.parquet], weight: 1}\n  - {name: a, paths: [y.parquet], weight: 1}\n"
+            "tokens: 1M\n",
+            "a",
+        ),
         ("sources:\n  - {name: a, paths: [x.parquet], weight: -1}\ntokens: 1M\n", "weight"),
         ("sources:\n  - {name: a, paths: [x.parquet], weight: 1, colour: red}\ntokens: 1M\n", "colour"),
         ("sources: [\n", "line"),

@@ -158,8 +158,10 @@ def test_a_sample_whose_two_uses_are_dropped_is_listed_twice(tmp_path):
     is one pass, so the dropped step drops several uses of each sample."""
     rng = np.random.default_rng(0)
     paths = write_sources(tmp_path, {"tiny": np.array([50, 60, 70]), "big": rng.integers(100, 1000, 3000)})
-    sources = (MixtureSource(name="tiny", paths=(paths["tiny"],), weight=0.2),
-               MixtureSource(name="big", paths=(paths["big"],), weight=0.8))  # fmt: skip
+    sources = (
+        MixtureSource(name="tiny", paths=(paths["tiny"],), weight=0.2),
+        MixtureSource(name="big", paths=(paths["big"],), weight=0.8),
+    )
     mixture = Mixture(sources=sources, tokens=600_000)
     path = tmp_path / "plan.arrow"
     build_mixture_plan_file(mixture, path, PlanConfig(max_tokens=1024, world_size=4, micro_batches=7, drop_last=True))
@@ -176,8 +178,13 @@ def test_a_sample_whose_two_uses_are_dropped_is_listed_twice(tmp_path):
 
 def test_drop_last_that_would_drop_every_micro_batch_is_one_error(tmp_path):
     paths = write_sources(tmp_path, {"a": np.full(20, 100), "b": np.full(20, 100)})
-    mixture = Mixture(sources=(MixtureSource(name="a", paths=(paths["a"],), weight=1),
-                               MixtureSource(name="b", paths=(paths["b"],), weight=1)), tokens=3000)  # fmt: skip
+    mixture = Mixture(
+        sources=(
+            MixtureSource(name="a", paths=(paths["a"],), weight=1),
+            MixtureSource(name="b", paths=(paths["b"],), weight=1),
+        ),
+        tokens=3000,
+    )
     config = PlanConfig(max_tokens=1024, world_size=8, micro_batches=4, drop_last=True)
     with pytest.raises(DatasetError, match="would drop all") as error:
         build_mixture_plan_file(mixture, tmp_path / "plan.arrow", config)
@@ -193,7 +200,7 @@ def phased(tmp_path: Path) -> tuple[Mixture, Path, np.ndarray]:
         sources=tuple(MixtureSource(name=n, paths=(paths[n],), weight=w) for n, w in zip("abc", (0.5, 0.3, 0.2))),
         tokens=tokens,
         phases=(MixturePhase(from_tokens=int(tokens * 0.55), weights={"a": 0.1, "b": 0.1, "c": 0.8}),),
-    )  # fmt: skip
+    )
     (tmp_path / "mix.json").write_text(json.dumps(mixture.to_dict()))
     return mixture, tmp_path / "mix.json", np.concatenate(list(values.values()))
 
@@ -232,8 +239,15 @@ def test_epoch_ranges_built_apart_are_the_plan_of_one_build(tmp_path):
     its epoch files are those of the build of every epoch."""
     mixture, _, _ = phased(tmp_path)
     mixture = dataclasses.replace(mixture, phases=())
-    config = PlanConfig(max_tokens=1024, world_size=4, micro_batches=3, epochs=4, drop_last=True,
-                        rampup_start=4 * 1024, rampup_tokens=int(mixture.tokens * 0.6))  # fmt: skip
+    config = PlanConfig(
+        max_tokens=1024,
+        world_size=4,
+        micro_batches=3,
+        epochs=4,
+        drop_last=True,
+        rampup_start=4 * 1024,
+        rampup_tokens=int(mixture.tokens * 0.6),
+    )
     build_mixture_plan_file(mixture, tmp_path / "whole", config, layout="directory")
     build_mixture_plan_file(mixture, tmp_path / "parts", config, only_epochs=range(2, 4))
     for epoch in (2, 3):
@@ -268,9 +282,26 @@ def test_reshard_and_replan_of_a_drop_last_plan_pass_validate(tmp_path, fixed, f
 
 def test_cli_builds_and_validates_a_mixture_with_drop_last(tmp_path):
     out = tmp_path / "plan.arrow"
-    result = runner.invoke(app, ["build", "--mixture", str(DEMO), "-o", str(out), "--max-tokens", "8192",
-                                 "--world-size", "8", "--micro-batches", "2", "--oversize", "split", "--drop-last",
-                                 "-q"])  # fmt: skip
+    result = runner.invoke(
+        app,
+        [
+            "build",
+            "--mixture",
+            str(DEMO),
+            "-o",
+            str(out),
+            "--max-tokens",
+            "8192",
+            "--world-size",
+            "8",
+            "--micro-batches",
+            "2",
+            "--oversize",
+            "split",
+            "--drop-last",
+            "-q",
+        ],
+    )
     assert result.exit_code == 0, result.output
     result = runner.invoke(app, ["validate", str(out), "--mixture", str(DEMO)])
     assert result.exit_code == 0 and "OK" in result.stdout, result.output

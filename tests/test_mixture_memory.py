@@ -61,8 +61,12 @@ def sources(tmp_path_factory) -> Path:
     for name, (size, _) in SOURCES.items():
         lengths = np.clip(rng.lognormal(5, 1, size), 1, 2048).astype(np.int32)
         pq.write_table(pa.table({"length": lengths, "loss": np.maximum(lengths - 3, 0)}), directory / f"{name}.parquet")
-    spec = {"sources": [{"name": name, "paths": [f"{name}.parquet"], "weight": weight}
-                        for name, (_, weight) in SOURCES.items()], "tokens": 5_000_000}  # fmt: skip
+    spec = {
+        "sources": [
+            {"name": name, "paths": [f"{name}.parquet"], "weight": weight} for name, (_, weight) in SOURCES.items()
+        ],
+        "tokens": 5_000_000,
+    }
     (directory / "mixture.json").write_text(json.dumps(spec))
     (directory / "phases.json").write_text(json.dumps({**spec, "phases": PHASES}))
     return directory
@@ -104,17 +108,27 @@ def test_a_large_mixtures_plan_directory_is_the_default_ones(sources, tmp_path, 
     assert len(want) == 3 and got == want
 
 
-@pytest.mark.parametrize(("case", "drawn_again"), [("pack", True), ("loss-column", True), ("truncate", False),
-                                                   ("drop", False), ("pad", False), ("drop-last", False),
-                                                   ("warmup", False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("case", "drawn_again"),
+    [
+        ("pack", True),
+        ("loss-column", True),
+        ("truncate", False),
+        ("drop", False),
+        ("pad", False),
+        ("drop-last", False),
+        ("warmup", False),
+    ],
+)
 def test_samples_are_drawn_again_where_each_use_is_one_packed_entry(sources, at_scale, case, drawn_again):
     """Uses one entry each and packed: members are the samples, drawn again (none held);
     truncated spans, drops, pad mode, drop_last or a warmup (which name samples): each entry
     keeps its sample."""
     mixture = read_mixture(sources / "mixture.json")
     read = read_mixture_lengths(mixture, loss_tokens_column="loss" if case == "loss-column" else None)
-    prepared = prepare_mixture_entries(mixture, read.lengths, read.offsets, PlanConfig(**CASES[case]),
-                                       loss_tokens=read.loss_tokens)  # fmt: skip
+    prepared = prepare_mixture_entries(
+        mixture, read.lengths, read.offsets, PlanConfig(**CASES[case]), loss_tokens=read.loss_tokens
+    )
     assert prepared.members_are_samples == drawn_again
     assert prepared.uses is None and (prepared.entries.sample is None) == drawn_again
 
@@ -143,10 +157,18 @@ def test_a_selection_draws_any_pass_of_its_order_again():
     lengths = rng.integers(1, 50, 700).astype(np.int32)
     offsets = np.array([0, 300, 700])
     left = rng.random(300) < 0.4
-    for tokens, resume in [(50_000, None), (50_000, {"a": SourceResume(pass_index=2, left=left)}),
-                           (1_000, {"a": SourceResume(pass_index=2, left=left)})]:  # fmt: skip
-        mixture = Mixture(sources=(MixtureSource(name="a", paths=("x",), weight=0.7),
-                                   MixtureSource(name="b", paths=("x",), weight=0.3)), tokens=tokens)  # fmt: skip
+    for tokens, resume in [
+        (50_000, None),
+        (50_000, {"a": SourceResume(pass_index=2, left=left)}),
+        (1_000, {"a": SourceResume(pass_index=2, left=left)}),
+    ]:
+        mixture = Mixture(
+            sources=(
+                MixtureSource(name="a", paths=("x",), weight=0.7),
+                MixtureSource(name="b", paths=("x",), weight=0.3),
+            ),
+            tokens=tokens,
+        )
         for selection in select_sources(mixture, lengths, offsets, seed=9, resume=resume):
             order, count = selection.order, selection.num_samples
             assert selection.num_uses == order.shape[0] > 0
@@ -191,8 +213,9 @@ def test_parked_parts_hold_and_lay_out_what_the_parts_hold(seed):
 
     values = [lambda threads, part=part: np.arange(part.shape[0], dtype=np.int32) * 5 for part in parts]
     kept = MicroBatches.of_bins(PartedBins(formed(), bases[:-1].tolist(), int(bases[-1]), values=values))
-    parked = MicroBatches.of_bins(PartedBins([ParkedBins(layout) for layout in formed()], bases[:-1].tolist(),
-                                             int(bases[-1]), values=values))  # fmt: skip
+    parked = MicroBatches.of_bins(
+        PartedBins([ParkedBins(layout) for layout in formed()], bases[:-1].tolist(), int(bases[-1]), values=values)
+    )
     split = int(np.flatnonzero(np.diff(kept.layout.offsets) >= 2)[0])
     start, end = int(kept.starts[split]), int(kept.ends[split])
     for batches in (kept, parked):

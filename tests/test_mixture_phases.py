@@ -79,10 +79,15 @@ def test_a_mixture_without_phases_keeps_its_form_and_fingerprint():
         (two_sources(from_tokens=10, weights={"a": 1, "b": 1}, ramp_tokens=5), "unknown keys ['ramp_tokens']"),
         (two_sources(from_tokens=10), "key 'weights' is missing"),
         ({**two_sources(), "phases": {"from_tokens": 10}}, "phases must be a list"),
-        ({"sources": [{"name": "a", "paths": ["x"], "epochs": 1}],
-          "phases": [{"from_tokens": 10, "weights": {"a": 1}}]}, "need the mixture's tokens"),
+        (
+            {
+                "sources": [{"name": "a", "paths": ["x"], "epochs": 1}],
+                "phases": [{"from_tokens": 10, "weights": {"a": 1}}],
+            },
+            "need the mixture's tokens",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_phases_are_one_clear_error(values, message):
     with pytest.raises(ConfigError) as error:
         Mixture.from_dict(values)
@@ -164,8 +169,9 @@ def test_composed_steps_switch_at_the_step_and_hold_each_phase(num_sources, worl
     out = np.empty(tokens.shape[0], dtype=np.int64)
     steps = np.empty(tokens.shape[0] + 1, dtype=np.int64)
     sizing = np.array([rounds, 0, 0, 0, 0, 0], dtype=np.float64)
-    count = compose_steps(offsets, tokens, starts.astype(np.float64), weights, shares, world_size, 64.0, sizing, out,
-                          steps)  # fmt: skip
+    count = compose_steps(
+        offsets, tokens, starts.astype(np.float64), weights, shares, world_size, 64.0, sizing, out, steps
+    )
     steps = steps[: count + 1]
     assert sorted(out.tolist()) == list(range(tokens.shape[0]))
     source_of = np.searchsorted(offsets, out, side="right") - 1
@@ -249,12 +255,15 @@ def test_hypothesis_phased_mixtures_switch_at_the_step_and_hold_every_guarantee(
     """Drawn with and without ``drop_last`` and a sequence-length warmup over a quarter of
     epoch 0 (`_mixture_recount` counts the dropped uses and checks the warmup's caps)."""
     rng = np.random.default_rng(seed)
-    lengths = [np.clip(rng.lognormal(rng.uniform(3, 6), 0.8, rng.integers(50, 2000)), 1, 1024).astype(np.int32)
-               for _ in range(num_sources)]  # fmt: skip
+    lengths = [
+        np.clip(rng.lognormal(rng.uniform(3, 6), 0.8, rng.integers(50, 2000)), 1, 1024).astype(np.int32)
+        for _ in range(num_sources)
+    ]
     tokens = int(sum(int(values.sum()) for values in lengths) * budget)
     # switches anywhere: the run's first and last steps, epoch boundaries, and between
-    points = rng.choice([1, tokens // max(epochs, 2), tokens - 1, *rng.integers(1, tokens, 4)], num_phases,
-                        replace=False)  # fmt: skip
+    points = rng.choice(
+        [1, tokens // max(epochs, 2), tokens - 1, *rng.integers(1, tokens, 4)], num_phases, replace=False
+    )
     phases = []
     for point in np.unique(points)[: num_phases - 1] if num_phases > 1 else []:
         row = 10 ** rng.uniform(-3, 0, num_sources)
@@ -265,16 +274,18 @@ def test_hypothesis_phased_mixtures_switch_at_the_step_and_hold_every_guarantee(
     paths = write_sources(directory, lengths)
     weights = 10 ** rng.uniform(-3, 0, num_sources)
     mixture = Mixture(
-        sources=tuple(MixtureSource(name=f"s{i}", paths=(p,), weight=float(w))
-                      for i, (p, w) in enumerate(zip(paths, weights))),
+        sources=tuple(
+            MixtureSource(name=f"s{i}", paths=(p,), weight=float(w)) for i, (p, w) in enumerate(zip(paths, weights))
+        ),
         tokens=tokens,
         phases=tuple(phases),
-    )  # fmt: skip
+    )
     ramp = dict(micro_batches=2, rampup_start=world_size * 1024, rampup_tokens=tokens // 2) if rampup else {}
     epochs = 1 if drop_last and phases else epochs  # drop_last with phases takes one epoch (test_mixture_drop_last)
     warm = dict(seqlen_warmup_min=64, seqlen_warmup_tokens=max(1, tokens // epochs // 4)) if warmup else {}
-    config = PlanConfig(max_tokens=1024, world_size=world_size, mode=mode, seed=seed, epochs=epochs,
-                        drop_last=drop_last, **ramp, **warm)  # fmt: skip
+    config = PlanConfig(
+        max_tokens=1024, world_size=world_size, mode=mode, seed=seed, epochs=epochs, drop_last=drop_last, **ramp, **warm
+    )
     path = directory / "plan.arrow"
     try:
         build_mixture_plan_file(mixture, path, config)
@@ -299,11 +310,13 @@ def a_then_b(tmp_path: Path, switch: float, **options) -> tuple[Path, Mixture, i
     paths = write_sources(tmp_path, lengths)
     tokens = int(lengths[0].sum())
     mixture = Mixture(
-        sources=(MixtureSource(name="a", paths=(paths[0],), weight=1), MixtureSource(name="b", paths=(paths[1],),
-                                                                                      weight=0)),
+        sources=(
+            MixtureSource(name="a", paths=(paths[0],), weight=1),
+            MixtureSource(name="b", paths=(paths[1],), weight=0),
+        ),
         tokens=tokens,
         phases=(MixturePhase(from_tokens=max(1, int(switch * tokens)), weights={"a": 0, "b": 1}),),
-    )  # fmt: skip
+    )
     config = PlanConfig(max_tokens=1024, **{"world_size": 2, "micro_batches": 2, **options})
     path = tmp_path / "plan.arrow"
     build_mixture_plan_file(mixture, path, config)
@@ -334,22 +347,26 @@ def test_the_switch_happens_at_the_first_step_whose_tokens_before_reach_it(tmp_p
     at = mixture.phases[0].from_tokens
     last = np.append(epoch_of_step[1:] != epoch_of_step[:-1], True)
     first_b = int(np.searchsorted(before, at, side="left"))
-    assert (per_step[:first_b - 1, 1] == 0).all() if first_b else True
+    assert (per_step[: first_b - 1, 1] == 0).all() if first_b else True
     assert (per_step[first_b:, 0][~last[first_b:]] == 0).all()
     if first_b:
         into = first_b - 1  # the step the switch falls in
         assert abs(per_step[into, 0] - (at - before[into])) <= 1024 or last[into]
     summary = json.loads(runner.invoke(app, ["inspect", str(path), "--json"]).stdout)
     assert [p["first_step"] for p in summary["mixture_phases"]] == [0, first_b if first_b < len(totals) else None]
-    assert [p["tokens"] for p in summary["mixture_phases"]] == [int(totals[:first_b].sum()),
-                                                                int(totals[first_b:].sum())]  # fmt: skip
+    assert [p["tokens"] for p in summary["mixture_phases"]] == [
+        int(totals[:first_b].sum()),
+        int(totals[first_b:].sum()),
+    ]
 
 
 def test_the_plan_records_its_phases(tmp_path):
     path, mixture, _ = a_then_b(tmp_path, 0.5)
     described = open_plan(path).metadata["mixture"]
-    assert described["phases"] == [{"from_tokens": 0, "weights": [1.0, 0.0]},
-                                   {"from_tokens": mixture.phases[0].from_tokens, "weights": [0.0, 1.0]}]  # fmt: skip
+    assert described["phases"] == [
+        {"from_tokens": 0, "weights": [1.0, 0.0]},
+        {"from_tokens": mixture.phases[0].from_tokens, "weights": [0.0, 1.0]},
+    ]
     assert described["spec"]["phases"] == [phase.to_dict() for phase in mixture.phases]
 
 

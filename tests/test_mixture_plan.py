@@ -42,8 +42,18 @@ def compose(sizes, tokens, shares, world_size, max_tokens, rounds):
     steps = np.empty(out.shape[0] + 1, dtype=np.int64)
     sizing = np.array([rounds, 0, 0, 0, 0, 0], dtype=np.float64)
     shares = np.asarray(shares, dtype=np.float64) / np.sum(shares)
-    count = compose_steps(offsets, np.asarray(tokens, dtype=np.int64), np.zeros(1), shares[None, :], shares,
-                          world_size, max_tokens, sizing, out, steps)  # fmt: skip
+    count = compose_steps(
+        offsets,
+        np.asarray(tokens, dtype=np.int64),
+        np.zeros(1),
+        shares[None, :],
+        shares,
+        world_size,
+        max_tokens,
+        sizing,
+        out,
+        steps,
+    )
     return offsets, out, steps[: count + 1], shares
 
 
@@ -228,8 +238,10 @@ def test_hypothesis_mixtures_hold_shares_repeat_in_order_and_keep_every_single_d
     """Drawn with and without ``drop_last`` and a sequence-length warmup over a quarter of
     epoch 0 (`_mixture_recount` counts the dropped uses and checks the warmup's caps)."""
     rng = np.random.default_rng(seed)
-    lengths = [np.clip(rng.lognormal(rng.uniform(3, 6), 0.8, rng.integers(20, 3000)), 1, 1024).astype(np.int32)
-               for _ in range(num_sources)]  # fmt: skip
+    lengths = [
+        np.clip(rng.lognormal(rng.uniform(3, 6), 0.8, rng.integers(20, 3000)), 1, 1024).astype(np.int32)
+        for _ in range(num_sources)
+    ]
     weights = (10 ** rng.uniform(-3, 0, num_sources)).tolist()
     tokens = int(sum(int(source.sum()) for source in lengths) * budget)
     directory = Path(tempfile.mkdtemp(dir=tmp_path))
@@ -237,8 +249,9 @@ def test_hypothesis_mixtures_hold_shares_repeat_in_order_and_keep_every_single_d
     mixture = mixture_of(paths, weights, tokens)
     epochs = int(rng.integers(1, 3))
     warm = dict(seqlen_warmup_min=64, seqlen_warmup_tokens=max(1, tokens // epochs // 4)) if warmup else {}
-    config = PlanConfig(max_tokens=1024, world_size=world_size, mode=mode, seed=seed, epochs=epochs,
-                        drop_last=drop_last, **warm)  # fmt: skip
+    config = PlanConfig(
+        max_tokens=1024, world_size=world_size, mode=mode, seed=seed, epochs=epochs, drop_last=drop_last, **warm
+    )
     path = directory / "plan.arrow"
     try:
         build_mixture_plan_file(mixture, path, config)

@@ -50,22 +50,34 @@ def run(tmp_path_factory) -> dict:
     for name, size in SIZES.items():
         lengths[name] = rng.integers(1, 160, size).astype(np.int32)
         pq.write_table(pa.table({"length": lengths[name]}), directory / f"{name}.parquet")
-    old = {"sources": [{"name": n, "paths": [f"{n}.parquet"], "weight": w} for n, w in zip("abc", (0.2, 0.3, 0.5))],
-           "tokens": 60_000}  # fmt: skip
+    old = {
+        "sources": [{"name": n, "paths": [f"{n}.parquet"], "weight": w} for n, w in zip("abc", (0.2, 0.3, 0.5))],
+        "tokens": 60_000,
+    }
     (directory / "old.json").write_text(json.dumps(old))
     parent = directory / "parent.arrow"
     build_mixture_plan_file(directory / "old.json", parent, PlanConfig(**CONFIG))
     from_step = open_plan(parent).num_steps * 3 // 5  # inside epoch 1
-    new = {"sources": [{"name": "c", "paths": ["c.parquet"], "weight": 0.3},
-                       {"name": "a", "paths": ["a.parquet"], "weight": 0.3},
-                       {"name": "d", "paths": ["d.parquet"], "weight": 0.4}],
-           "tokens": 80_000,
-           "phases": [{"from_tokens": 70_000, "weights": {"a": 0.6, "c": 0.0, "d": 0.4}}]}  # fmt: skip
+    new = {
+        "sources": [
+            {"name": "c", "paths": ["c.parquet"], "weight": 0.3},
+            {"name": "a", "paths": ["a.parquet"], "weight": 0.3},
+            {"name": "d", "paths": ["d.parquet"], "weight": 0.4},
+        ],
+        "tokens": 80_000,
+        "phases": [{"from_tokens": 70_000, "weights": {"a": 0.6, "c": 0.0, "d": 0.4}}],
+    }
     (directory / "new.json").write_text(json.dumps(new))
     child = directory / "child.arrow"
     replan_mixture_file(parent, child, directory / "new.json", from_step=from_step)
-    return {"directory": directory, "parent": parent, "child": child, "from_step": from_step, "lengths": lengths,
-            "new": Mixture.from_dict(new)}  # fmt: skip
+    return {
+        "directory": directory,
+        "parent": parent,
+        "child": child,
+        "from_step": from_step,
+        "lengths": lengths,
+        "new": Mixture.from_dict(new),
+    }
 
 
 def uses_of(path: Path, keep=lambda step: True) -> list[tuple[int, int]]:
@@ -151,12 +163,18 @@ def test_every_step_from_the_change_holds_the_new_weights(run):
     per_step, epoch_of_step = per_step_tokens(run["child"], 4)
     names = [s["name"] for s in child.metadata["mixture"]["sources"]]
     spec = run["new"].to_dict()
-    spec["sources"] = [next((s for s in spec["sources"] if s["name"] == n), {"name": n, "paths": ["-"], "weight": 0})
-                       for n in names]  # fmt: skip
+    spec["sources"] = [
+        next((s for s in spec["sources"] if s["name"] == n), {"name": n, "paths": ["-"], "weight": 0}) for n in names
+    ]
     for phase in spec["phases"]:
         phase["weights"] = {n: phase["weights"].get(n, 0) for n in names}
-    assert_phases_hold(per_step, epoch_of_step, Mixture.from_dict(spec), max_tokens=128,
-                       tokens_before=child.metadata["tokens_before_first_step"])  # fmt: skip
+    assert_phases_hold(
+        per_step,
+        epoch_of_step,
+        Mixture.from_dict(spec),
+        max_tokens=128,
+        tokens_before=child.metadata["tokens_before_first_step"],
+    )
 
 
 def test_validate_passes_with_the_new_mixture_and_refuses_the_old(run):
@@ -209,8 +227,9 @@ def test_a_kept_source_with_other_rows_is_refused(run, tmp_path):
     pq.write_table(pa.table({"length": changed}), tmp_path / "a.parquet")
     spec = json.loads((run["directory"] / "new.json").read_text())
     for source in spec["sources"]:
-        source["paths"] = [str(tmp_path / "a.parquet") if source["name"] == "a" else
-                           str(run["directory"] / source["paths"][0])]  # fmt: skip
+        source["paths"] = [
+            str(tmp_path / "a.parquet") if source["name"] == "a" else str(run["directory"] / source["paths"][0])
+        ]
     (tmp_path / "changed.json").write_text(json.dumps(spec))
     with pytest.raises(DatasetError, match="give the changed data a new name"):
         replan_mixture_file(run["parent"], tmp_path / "x.arrow", tmp_path / "changed.json", from_step=run["from_step"])
@@ -221,10 +240,16 @@ def test_a_kept_source_with_other_rows_is_refused(run, tmp_path):
     ("change", "message"),
     [
         (lambda spec: spec.update(tokens=1000) or spec.pop("phases"), "do not reach past"),
-        (lambda spec: [s.update(epochs=1.0) or s.pop("weight") for s in spec["sources"]] and spec.pop("tokens")
-         and spec.pop("phases"), "sized by epochs"),
+        (
+            lambda spec: (
+                [s.update(epochs=1.0) or s.pop("weight") for s in spec["sources"]]
+                and spec.pop("tokens")
+                and spec.pop("phases")
+            ),
+            "sized by epochs",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_replans_are_one_clear_error(run, tmp_path, change, message):
     spec = json.loads((run["directory"] / "new.json").read_text())
     for source in spec["sources"]:
@@ -246,8 +271,21 @@ def test_a_single_dataset_plan_is_refused(tmp_path, run):
 def test_the_cli_replans_and_asks_for_what_to_change(run, tmp_path):
     runner = CliRunner()
     out = tmp_path / "cli.arrow"
-    result = runner.invoke(app, ["reshard", str(run["parent"]), "--from-step", str(run["from_step"]), "--mixture",
-                                 str(run["directory"] / "new.json"), "--world-size", "3", "-o", str(out)])  # fmt: skip
+    result = runner.invoke(
+        app,
+        [
+            "reshard",
+            str(run["parent"]),
+            "--from-step",
+            str(run["from_step"]),
+            "--mixture",
+            str(run["directory"] / "new.json"),
+            "--world-size",
+            "3",
+            "-o",
+            str(out),
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert "phases" in result.stdout and f"steps {run['from_step']:,}.. on 3 ranks (was 2)" in result.stdout
     assert validate_plan(out, mixture=run["directory"] / "new.json") == []
@@ -267,11 +305,16 @@ def test_ddp_processes_train_to_the_change_and_resume_on_the_new_plan(run, tmp_p
     torch.save([result["state"] for result in old], tmp_path / "states.pt")
     launch(resume_on, (2, free_port(), str(run["child"]), all_lengths, str(tmp_path / "states.pt"), str(tmp_path)))
     new = [torch.load(tmp_path / f"new{rank}.pt", weights_only=False) for rank in range(2)]
-    for plan_path, results, keep in ((run["parent"], old, lambda step: step < run["from_step"]),
-                                     (run["child"], new, lambda step: True)):  # fmt: skip
+    for plan_path, results, keep in (
+        (run["parent"], old, lambda step: step < run["from_step"]),
+        (run["child"], new, lambda step: True),
+    ):
         plan = open_plan(plan_path)
         for rank, result in enumerate(results):
-            expected = [(epoch, row["step"], row["micro"], tuple(row["samples"]))
-                        for epoch in range(plan.num_epochs) for row in plan.read_rank(epoch, rank).to_pylist()
-                        if keep(row["step"])]  # fmt: skip
+            expected = [
+                (epoch, row["step"], row["micro"], tuple(row["samples"]))
+                for epoch in range(plan.num_epochs)
+                for row in plan.read_rank(epoch, rank).to_pylist()
+                if keep(row["step"])
+            ]
             assert [entry[:4] for entry in result["seen"]] == expected

@@ -139,9 +139,7 @@ def test_a_sources_order_does_not_change_when_another_source_is_removed(case, da
     before = select_sources(mixture, lengths, offsets, seed=5)
     after = select_sources(smaller, np.concatenate(parts), smaller_offsets, seed=5)
     for index, selection in zip(kept, after):
-        np.testing.assert_array_equal(
-            before[index].order - before[index].offset, selection.order - selection.offset
-        )
+        np.testing.assert_array_equal(before[index].order - before[index].offset, selection.order - selection.offset)
 
 
 def test_adding_a_source_keeps_the_others_orders():

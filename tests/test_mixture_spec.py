@@ -51,14 +51,17 @@ BAD = {
     "weight not a number": (weighted(source(weight="lots")), "source 'web': weight must be a finite number"),
     "all weights zero": (weighted(source("a", weight=0), source("b", weight=0.0)), "every source has weight 0"),
     "tokens and epochs": (
-        weighted(source(weight=1), source("code", epochs=2)), "source 'code': epochs is given in a mixture with tokens"
+        weighted(source(weight=1), source("code", epochs=2)),
+        "source 'code': epochs is given in a mixture with tokens",
     ),
     "tokens without weight": (weighted(source()), "source 'web': weight is missing in a mixture with tokens"),
     "weight without tokens": (
-        {"sources": [source(weight=1)]}, "source 'web': weight is given in a mixture without tokens"
+        {"sources": [source(weight=1)]},
+        "source 'web': weight is given in a mixture without tokens",
     ),
     "neither tokens nor epochs": (
-        {"sources": [source()]}, "source 'web': epochs is missing in a mixture without tokens"
+        {"sources": [source()]},
+        "source 'web': epochs is missing in a mixture without tokens",
     ),
     "negative epochs": ({"sources": [source(epochs=-1)]}, "source 'web': epochs must be a finite number >= 0"),
     "all epochs zero": ({"sources": [source(epochs=0)]}, "every source has epochs 0"),
@@ -66,7 +69,8 @@ BAD = {
     "tokens not a count": (weighted(source(weight=1), tokens="lots"), "tokens must be a whole number"),
     "tokens fractional": (weighted(source(weight=1), tokens=2.5), "got 2.5"),
     "empty column name": (
-        weighted(source(weight=1, length_column="")), "source 'web': length_column must be a column name"
+        weighted(source(weight=1, length_column="")),
+        "source 'web': length_column must be a column name",
     ),
 }
 
@@ -79,9 +83,7 @@ def test_a_bad_mixture_is_one_line_that_names_the_problem(values, message):
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize(
-    "tokens", [2_000_000_000, 2.0e9, "2.0e9", "2e9", "2G", "2_000M", "2000000k", " 2G "], ids=repr
-)
+@pytest.mark.parametrize("tokens", [2_000_000_000, 2.0e9, "2.0e9", "2e9", "2G", "2_000M", "2000000k", " 2G "], ids=repr)
 def test_tokens_accept_numbers_and_suffixes(tokens):
     assert Mixture.from_dict(weighted(source(weight=1), tokens=tokens)).tokens == 2_000_000_000
 
@@ -272,10 +274,14 @@ def test_an_empty_source_with_weight_zero_holds_no_samples(three_sources):
 SOURCE_ERRORS = {
     "missing path": (source("x", paths=["nowhere.parquet"], weight=1), "source 'x': ", "no such file or directory"),
     "column missing in one source": (
-        source("b", paths=["b.parquet"], weight=1), "source 'b': ", "no length column 'length'"
+        source("b", paths=["b.parquet"], weight=1),
+        "source 'b': ",
+        "no length column 'length'",
     ),
     "empty with a positive weight": (
-        source("e", paths=["empty.parquet"], weight=0.5), "source 'e': ", "has no samples but weight 0.5"
+        source("e", paths=["empty.parquet"], weight=0.5),
+        "source 'e': ",
+        "has no samples but weight 0.5",
     ),
 }
 

@@ -183,8 +183,9 @@ def test_check_dataset_compares_each_sources_lengths_with_its_own_fingerprint(mi
 
 
 @pytest.mark.parametrize("form", ["MixtureDataset", "concatenated"])
-def test_plan_trainer_takes_a_mixture_as_one_dataset_or_its_sources_concatenated(mixture, one_rank_plan, tmp_path,
-                                                                                   monkeypatch, form):  # fmt: skip
+def test_plan_trainer_takes_a_mixture_as_one_dataset_or_its_sources_concatenated(
+    mixture, one_rank_plan, tmp_path, monkeypatch, form
+):
     """A concatenated ``datasets.Dataset`` has its lengths checked, source by source."""
     pytest.importorskip("transformers")
     import datasets
@@ -232,8 +233,7 @@ def path_runs(runs: list[dict], path: str) -> list[dict]:
 def assert_trained_the_plan(seen: list[dict], mixture: dict, rank: int) -> None:
     """Exactly the rank's planned micro-batches, in order, with each sample's own token ids."""
     rows = plan_rows(mixture["plan"], rank)
-    expected = [(row["epoch"], row["step"], row["micro"], tuple(row["samples"]), tuple(row["starts"]))
-                for row in rows]  # fmt: skip
+    expected = [(row["epoch"], row["step"], row["micro"], tuple(row["samples"]), tuple(row["starts"])) for row in rows]
     assert [batch["key"] for batch in seen] == expected
     lengths = {name: [len(ids) for ids in _dataset(folder)["input_ids"]] for name, folder in mixture["sources"].items()}
     for batch, row in zip(seen, rows):
@@ -288,8 +288,9 @@ def test_source_losses_give_each_steps_loss_tokens_per_source_as_planned(runs, m
     for run in path_runs(runs, path):
         for one in run.values() if path == "stateful" else [run]:
             losses = {**one["first"]["losses"], **one["rest"]["losses"]}
-            assert {step: {name: tokens for name, (_, tokens) in by_source.items()}
-                    for step, by_source in losses.items()} == planned  # fmt: skip
+            assert {
+                step: {name: tokens for name, (_, tokens) in by_source.items()} for step, by_source in losses.items()
+            } == planned
             for step, by_source in losses.items():  # the same sums as the plain loop, on both ranks
                 for name, (loss_sum, _) in by_source.items():
                     assert loss_sum == pytest.approx(plain[step][name][0], rel=1e-5)
@@ -302,5 +303,6 @@ def test_plan_trainer_logs_each_sources_loss_at_every_step(runs, mixture):
         logs = {**run["first"]["logs"], **run["rest"]["logs"]}
         assert sorted(logs) == sorted(plain) == list(range(open_plan(mixture["plan"]).num_steps))
         for step, logged in logs.items():
-            assert logged == pytest.approx({f"loss/{name}": loss_sum / tokens
-                                            for name, (loss_sum, tokens) in plain[step].items()}, rel=1e-5)  # fmt: skip
+            assert logged == pytest.approx(
+                {f"loss/{name}": loss_sum / tokens for name, (loss_sum, tokens) in plain[step].items()}, rel=1e-5
+            )

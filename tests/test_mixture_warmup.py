@@ -122,8 +122,14 @@ def test_warmup_with_token_targets_ramps_padding_and_drop_last(tmp_path, lengths
 
 
 def test_a_warmup_longer_than_epoch_0_is_one_error(tmp_path):
-    config = PlanConfig(max_tokens=8192, world_size=8, oversize="split", epochs=2, seqlen_warmup_min=512,
-                        seqlen_warmup_tokens=60_000_000)  # fmt: skip
+    config = PlanConfig(
+        max_tokens=8192,
+        world_size=8,
+        oversize="split",
+        epochs=2,
+        seqlen_warmup_min=512,
+        seqlen_warmup_tokens=60_000_000,
+    )
     with pytest.raises(DatasetError, match="more tokens than the mixture's epoch 0 holds") as error:
         build_mixture_plan_file(DEMO, tmp_path / "plan.arrow", config)
     assert "\n" not in str(error.value)
@@ -154,11 +160,16 @@ def test_a_source_with_too_few_tokens_for_its_share_of_the_warmup(tmp_path):
     for name, array in values.items():
         pq.write_table(pa.table({"length": array.astype(np.int32)}), tmp_path / f"{name}.parquet")
     total = int(values["large"].sum())
-    spec = {"sources": [{"name": "small", "paths": ["small.parquet"], "epochs": 1},
-                        {"name": "large", "paths": ["large.parquet"], "epochs": 1}]}  # fmt: skip
+    spec = {
+        "sources": [
+            {"name": "small", "paths": ["small.parquet"], "epochs": 1},
+            {"name": "large", "paths": ["large.parquet"], "epochs": 1},
+        ]
+    }
     (tmp_path / "mix.json").write_text(json.dumps(spec))
-    config = PlanConfig(max_tokens=1024, world_size=2, micro_batches=2, seqlen_warmup_min=64,
-                        seqlen_warmup_tokens=total // 2)  # fmt: skip
+    config = PlanConfig(
+        max_tokens=1024, world_size=2, micro_batches=2, seqlen_warmup_min=64, seqlen_warmup_tokens=total // 2
+    )
     build_mixture_plan_file(tmp_path / "mix.json", tmp_path / "plan.arrow", config)
     assert validate_plan(tmp_path / "plan.arrow", mixture=tmp_path / "mix.json") == []
     counted = recount(tmp_path / "plan.arrow", np.concatenate([values["small"], values["large"]]))
@@ -210,8 +221,20 @@ def test_a_segment_joins_only_where_what_the_earlier_ones_left_fits_in_a_step(
     steps = np.empty(tokens.shape[0] + 1, dtype=np.int64)
     before_segment = np.concatenate([[0], np.cumsum(np.bincount(segment_of, weights=tokens, minlength=num_segments))])
     joins = before_segment[:-1] - carry_bound(config)
-    count = compose_segments(offsets, limits, joins, tokens, np.zeros(1), shares[None, :], shares, world_size,
-                             max_tokens, step_sizing(config, 0, float(tokens.mean())), out, steps)  # fmt: skip
+    count = compose_segments(
+        offsets,
+        limits,
+        joins,
+        tokens,
+        np.zeros(1),
+        shares[None, :],
+        shares,
+        world_size,
+        max_tokens,
+        step_sizing(config, 0, float(tokens.mean())),
+        out,
+        steps,
+    )
     steps = steps[: count + 1]
     assert sorted(out.tolist()) == list(range(tokens.shape[0]))
     for source in range(num_sources):
@@ -247,6 +270,16 @@ def test_the_last_composed_step_holds_at_most_the_carry_bound(num_sources, world
     out = np.empty(tokens.shape[0], dtype=np.int64)
     steps = np.empty(tokens.shape[0] + 1, dtype=np.int64)
     before = int(rng.integers(0, 2 * int(tokens.sum())))
-    count = compose_steps(offsets, tokens, np.zeros(1), shares[None, :], shares, world_size, max_tokens,
-                          step_sizing(config, before, float(tokens.mean())), out, steps)  # fmt: skip
+    count = compose_steps(
+        offsets,
+        tokens,
+        np.zeros(1),
+        shares[None, :],
+        shares,
+        world_size,
+        max_tokens,
+        step_sizing(config, before, float(tokens.mean())),
+        out,
+        steps,
+    )
     assert tokens[out[steps[count - 1] : steps[count]]].sum() <= carry_bound(config)

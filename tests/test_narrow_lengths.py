@@ -109,31 +109,58 @@ def _case(values: np.ndarray, with_loss: bool = False, **options) -> tuple[PlanC
 CASES = {
     "pack_drop": _case(
         _with_empty(lognormal(20_000, 1)),
-        max_tokens=2048, world_size=4, micro_batches=2, epochs=2, seed=3, oversize="drop", drop_empty=True,
+        max_tokens=2048,
+        world_size=4,
+        micro_batches=2,
+        epochs=2,
+        seed=3,
+        oversize="drop",
+        drop_empty=True,
     ),
     "pad_compute": _case(
         lognormal(12_000, 2),
-        max_tokens=4096, mode="pad", world_size=3, epochs=2, batch_multiple=8, hidden_size=1024, oversize="drop",
+        max_tokens=4096,
+        mode="pad",
+        world_size=3,
+        epochs=2,
+        batch_multiple=8,
+        hidden_size=1024,
+        oversize="drop",
     ),
     "pack_split": _case(lognormal(8_000, 3), max_tokens=1024, world_size=2, oversize="split", hidden_size=512),
     "pad_truncate": _case(lognormal(8_000, 4), max_tokens=1024, mode="pad", world_size=2, oversize="truncate"),
     "seqlen_warmup": _case(
         lognormal(10_000, 5),
-        max_tokens=2048, world_size=2, epochs=2, oversize="split", seqlen_warmup_min=128, seqlen_warmup_tokens=400_000,
+        max_tokens=2048,
+        world_size=2,
+        epochs=2,
+        oversize="split",
+        seqlen_warmup_min=128,
+        seqlen_warmup_tokens=400_000,
     ),
     "loss_tokens": _case(
-        _with_empty(lognormal(10_000, 6)), True,
-        max_tokens=2048, world_size=2, tokens_per_step=16_384, oversize="drop", drop_empty=True,
+        _with_empty(lognormal(10_000, 6)),
+        True,
+        max_tokens=2048,
+        world_size=2,
+        tokens_per_step=16_384,
+        oversize="drop",
+        drop_empty=True,
     ),
     "cost_balance": _case(
         lognormal(10_000, 7),
-        max_tokens=8192, world_size=4, micro_batches=3, balance="compute", hidden_size=256, balance_window=4,
+        max_tokens=8192,
+        world_size=4,
+        micro_batches=3,
+        balance="compute",
+        hidden_size=256,
+        balance_window=4,
         oversize="truncate",
     ),
     "wide_lengths": _case(
         lognormal(3_000, 8, longest=300_000) * 40, max_tokens=100_000, world_size=2, oversize="split"
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -161,8 +188,9 @@ def test_plans_of_narrow_and_wide_lengths_are_identical(tmp_path, monkeypatch, n
 def test_validate_checks_a_truncated_warmup_plan_against_narrow_lengths(tmp_path):
     # Truncate caps coverage at max_tokens, here above uint16's range; the warmup makes spans.
     values = lognormal(4_000, 9).astype(np.uint16)
-    config = PlanConfig(max_tokens=70_000, world_size=2, oversize="truncate", seqlen_warmup_min=1000,
-                        seqlen_warmup_tokens=1_000_000)  # fmt: skip
+    config = PlanConfig(
+        max_tokens=70_000, world_size=2, oversize="truncate", seqlen_warmup_min=1000, seqlen_warmup_tokens=1_000_000
+    )
     path = tmp_path / "plan.arrow"
     build_and_write(values, config, path)
     assert check_plan(open_plan(path), values) == []
@@ -232,8 +260,10 @@ def test_a_larger_value_anywhere_reads_its_column_again_into_int32(tmp_path):
     any batch) makes that column be read again into int32, never wrapped; the other column
     stays uint16."""
     values = [[5, 6], [7] * 3, [65_536, 1], [2] * 4]
-    paths = [write(tmp_path / f"{i}.parquet", length=pa.array(v, pa.int64()), loss=[min(x, 9) for x in v])
-             for i, v in enumerate(values)]  # fmt: skip
+    paths = [
+        write(tmp_path / f"{i}.parquet", length=pa.array(v, pa.int64()), loss=[min(x, 9) for x in v])
+        for i, v in enumerate(values)
+    ]
     read = read_lengths(paths, loss_tokens_column="loss")
     assert read.lengths.dtype == np.int32 and read.lengths.tolist() == sum(values, [])
     assert read.loss_tokens.dtype == np.uint16 and read.loss_tokens.tolist() == [min(x, 9) for x in sum(values, [])]

@@ -47,10 +47,18 @@ def plans(tmp_path_factory):
     lengths[[4, 40, 400]] = [1_500, 2_100, 1_100]
     pq.write_table(pa.table({"length": lengths}), directory / "data.parquet")
     configs = {
-        "spans": PlanConfig(max_tokens=1024, world_size=4, epochs=2, oversize="split", hidden_size=256,
-                            micro_batches=2, seqlen_warmup_min=256, seqlen_warmup_tokens=50_000),
+        "spans": PlanConfig(
+            max_tokens=1024,
+            world_size=4,
+            epochs=2,
+            oversize="split",
+            hidden_size=256,
+            micro_batches=2,
+            seqlen_warmup_min=256,
+            seqlen_warmup_tokens=50_000,
+        ),
         "pad": PlanConfig(max_tokens=1024, world_size=3, epochs=2, mode="pad", oversize="truncate"),
-    }  # fmt: skip
+    }
     paths = {"data": str(directory / "data.parquet")}
     for name, config in configs.items():
         paths[name] = str(directory / f"{name}.arrow")
@@ -182,8 +190,11 @@ def chunked(arrays: list, arrow_type: pa.DataType) -> pa.ChunkedArray:
 
 @pytest.mark.parametrize("arrow_type", [pa.int32(), pa.int64(), pa.float64()])
 def test_numpy_of_a_chunked_array_equals_to_numpy(arrow_type):
-    for array in (chunked([5, 1, 7, 2, 9], arrow_type), pa.chunked_array([], type=arrow_type),
-                  pa.chunked_array([pa.array([3, 4], type=arrow_type)])):  # fmt: skip
+    for array in (
+        chunked([5, 1, 7, 2, 9], arrow_type),
+        pa.chunked_array([], type=arrow_type),
+        pa.chunked_array([pa.array([3, 4], type=arrow_type)]),
+    ):
         expected = array.to_numpy()
         assert numpy_of(array).dtype == expected.dtype and numpy_of(array).tolist() == expected.tolist()
 
@@ -191,8 +202,11 @@ def test_numpy_of_a_chunked_array_equals_to_numpy(arrow_type):
 @pytest.mark.parametrize("arrow_type", [pa.list_(pa.int32()), pa.list_(pa.int64()), pa.large_list(pa.int64())])
 def test_list_helpers_equal_pyarrows_flatten_and_lengths(arrow_type):
     rows = [[1, 2], [], [3], [4, 5, 6], [7]]
-    for array in (chunked(rows, arrow_type), pa.array(rows, type=arrow_type).slice(1, 3),
-                  pa.chunked_array([], type=arrow_type)):  # fmt: skip
+    for array in (
+        chunked(rows, arrow_type),
+        pa.array(rows, type=arrow_type).slice(1, 3),
+        pa.chunked_array([], type=arrow_type),
+    ):
         combined = array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
         values = combined.flatten().to_numpy()
         assert list_values(array).dtype == values.dtype and list_values(array).tolist() == values.tolist()

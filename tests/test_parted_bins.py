@@ -38,10 +38,12 @@ def test_parted_bins_hold_and_lay_out_what_the_parts_laid_out_one_after_another_
         PartedBins([formed.layout for formed in _formed(parts_lengths, config, seed)], bases[:-1].tolist(), total)
     )
     reference = concatenate_parts(
-        [(formed, bases[i] + np.arange(sizes[i]), np.arange(formed.count))
-         for i, formed in enumerate(_formed(parts_lengths, config, seed))],
+        [
+            (formed, bases[i] + np.arange(sizes[i]), np.arange(formed.count))
+            for i, formed in enumerate(_formed(parts_lengths, config, seed))
+        ],
         total,
-    )  # fmt: skip
+    )
     np.testing.assert_array_equal(parted.starts, reference.starts)
     np.testing.assert_array_equal(parted.ends, reference.ends)
     np.testing.assert_array_equal(parted.tokens(), reference.tokens())

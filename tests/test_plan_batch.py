@@ -106,8 +106,10 @@ def even_out_by_hand(bins, costs, num_micro):
     return bins + [[]] * (num_micro - len(bins))
 
 
-@given(st.lists(st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=5), max_size=4), min_size=1, max_size=4),
-       st.integers(0, 6))  # fmt: skip
+@given(
+    st.lists(st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=5), max_size=4), min_size=1, max_size=4),
+    st.integers(0, 6),
+)
 def test_even_out_counts_matches_the_slow_form(rank_bins, extra):
     item_costs, members, bin_offsets, run_bins, wanted = [], [], [0], [0], []
     for bins in rank_bins:
@@ -122,9 +124,13 @@ def test_even_out_counts_matches_the_slow_form(rank_bins, extra):
     num_micro = max(len(b) for b in rank_bins) + extra
     if num_micro == 0:
         return
-    out, offsets = even_out_counts(np.array(members, dtype=np.int64), np.array(bin_offsets, dtype=np.int64),
-                                   np.array(run_bins, dtype=np.int64), np.array(item_costs),
-                                   np.int64(num_micro))  # fmt: skip
+    out, offsets = even_out_counts(
+        np.array(members, dtype=np.int64),
+        np.array(bin_offsets, dtype=np.int64),
+        np.array(run_bins, dtype=np.int64),
+        np.array(item_costs),
+        np.int64(num_micro),
+    )
     for rank, ids in enumerate(wanted):
         got = [list(out[offsets[rank * num_micro + m] : offsets[rank * num_micro + m + 1]]) for m in range(num_micro)]
         assert got == even_out_by_hand(ids, item_costs, num_micro)
@@ -152,11 +158,24 @@ def batches(draw, split: bool = False):
     }
 
 
-AT_THE_CAP = {"lengths": np.array([8]), "world_size": 3, "max_tokens": 8, "groups": None,
-              "attention_coefficient": 0.0, "seed": 0, "oversize": "error"}  # fmt: skip
-GROUP_ABOVE_CAP = {"lengths": np.array([6, 6, 6, 1, 2]), "world_size": 2, "max_tokens": 8,
-                   "groups": np.array([0, 0, 0, 1, 1]), "attention_coefficient": 0.0, "seed": 0,
-                   "oversize": "error"}  # fmt: skip
+AT_THE_CAP = {
+    "lengths": np.array([8]),
+    "world_size": 3,
+    "max_tokens": 8,
+    "groups": None,
+    "attention_coefficient": 0.0,
+    "seed": 0,
+    "oversize": "error",
+}
+GROUP_ABOVE_CAP = {
+    "lengths": np.array([6, 6, 6, 1, 2]),
+    "world_size": 2,
+    "max_tokens": 8,
+    "groups": np.array([0, 0, 0, 1, 1]),
+    "attention_coefficient": 0.0,
+    "seed": 0,
+    "oversize": "error",
+}
 
 
 def entries_of(plan, rank, micro):
@@ -255,8 +274,10 @@ def test_rank_costs_are_within_the_longest_processing_time_bound(batch):
     plan = plan_batch(**batch)
     lengths, cap, c = batch["lengths"], batch["max_tokens"], batch["attention_coefficient"]
     groups = batch["groups"] if batch["groups"] is not None else np.arange(len(lengths))
-    pieces = np.array([n if n is not None else lengths[s] for r, m in micro_batches_of(plan)
-                       for s, _, n in entries_of(plan, r, m)], dtype=np.float64)  # fmt: skip
+    pieces = np.array(
+        [n if n is not None else lengths[s] for r, m in micro_batches_of(plan) for s, _, n in entries_of(plan, r, m)],
+        dtype=np.float64,
+    )
     assert np.isclose(plan.rank_costs.sum(), np.sum(pieces + c * pieces**2))
     mean = plan.rank_costs.sum() / batch["world_size"]
     if mean == 0:
@@ -275,8 +296,10 @@ def test_rank_costs_are_within_the_longest_processing_time_bound(batch):
 @given(st.lists(st.integers(1, 30), min_size=1, max_size=8), st.integers(1, 3))
 def test_rank_costs_are_within_four_thirds_of_the_best_assignment(lengths, world_size):
     plan = plan_batch(np.array(lengths), world_size, 30)
-    best = min(max(sum(x for x, r in zip(lengths, assignment) if r == k) for k in range(world_size))
-               for assignment in itertools.product(range(world_size), repeat=len(lengths)))  # fmt: skip
+    best = min(
+        max(sum(x for x, r in zip(lengths, assignment) if r == k) for k in range(world_size))
+        for assignment in itertools.product(range(world_size), repeat=len(lengths))
+    )
     assert plan.rank_costs.max() <= (4 / 3 - 1 / (3 * world_size)) * best + 1e-9
     assert plan.balance_bound * sum(lengths) / world_size <= best + 1e-9
 
@@ -397,8 +420,15 @@ ADVERSARIAL = {
 @pytest.mark.parametrize("name", sorted(ADVERSARIAL))
 def test_adversarial_batches_keep_every_guarantee(name):
     lengths, world_size, max_tokens, groups = ADVERSARIAL[name]
-    batch = {"lengths": lengths, "world_size": world_size, "max_tokens": max_tokens, "groups": groups,
-             "attention_coefficient": 1 / 24576, "seed": 0, "oversize": "error"}  # fmt: skip
+    batch = {
+        "lengths": lengths,
+        "world_size": world_size,
+        "max_tokens": max_tokens,
+        "groups": groups,
+        "attention_coefficient": 1 / 24576,
+        "seed": 0,
+        "oversize": "error",
+    }
     test_every_micro_batch_is_within_max_tokens.hypothesis.inner_test(batch)
     test_every_rank_has_the_same_number_of_micro_batches.hypothesis.inner_test(batch)
     test_every_sample_is_in_exactly_one_micro_batch.hypothesis.inner_test(batch)
@@ -490,17 +520,30 @@ def exchange_by_hand(costs, order, rank, world_size, rounds, pool, tries, good_e
     return rank
 
 
-@given(st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 40.0, 0.375, 2.625]), max_size=30),
-       st.integers(1, 5), st.integers(0, 30), st.integers(0, 4), st.integers(1, 3),
-       st.sampled_from([0.0, 1.01, 1.2]))  # fmt: skip
+@given(
+    st.lists(st.sampled_from([0.0, 1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 40.0, 0.375, 2.625]), max_size=30),
+    st.integers(1, 5),
+    st.integers(0, 30),
+    st.integers(0, 4),
+    st.integers(1, 3),
+    st.sampled_from([0.0, 1.01, 1.2]),
+)
 def test_exchange_items_matches_the_slow_form(costs, world_size, seed, pool, tries, within):
     rank = np.random.default_rng(seed).integers(0, world_size, len(costs))
     order = np.argsort(-np.array(costs), kind="stable")
     good_enough = sum(costs) / world_size * within
     want = exchange_by_hand(costs, order, list(rank), world_size, 4 * world_size, pool, tries, good_enough)
     got = rank.copy()
-    exchange_items(np.array(costs, dtype=np.float64), order, got, np.int64(world_size), np.int64(4 * world_size),
-                   np.int64(pool), np.int64(tries), good_enough)  # fmt: skip
+    exchange_items(
+        np.array(costs, dtype=np.float64),
+        order,
+        got,
+        np.int64(world_size),
+        np.int64(4 * world_size),
+        np.int64(pool),
+        np.int64(tries),
+        good_enough,
+    )
     assert list(got) == want
 
 
@@ -509,8 +552,16 @@ def test_exchange_items_never_raises_the_busiest_load(costs, world_size, seed, p
     rank = np.random.default_rng(seed).integers(0, world_size, len(costs))
     before = np.bincount(rank, weights=costs, minlength=world_size).max(initial=0)
     order = np.argsort(-np.array(costs), kind="stable")
-    load = exchange_items(np.array(costs, dtype=np.float64), order, rank, np.int64(world_size), np.int64(20),
-                          np.int64(pool), np.int64(4), 0.0)  # fmt: skip
+    load = exchange_items(
+        np.array(costs, dtype=np.float64),
+        order,
+        rank,
+        np.int64(world_size),
+        np.int64(20),
+        np.int64(pool),
+        np.int64(4),
+        0.0,
+    )
     assert np.allclose(load, np.bincount(rank, weights=costs, minlength=world_size))
     assert np.bincount(rank, weights=costs, minlength=world_size).max(initial=0) <= before + 1e-9
 
@@ -528,8 +579,9 @@ def ranks_by_hand(item_costs, order, world_size, exchange):
     mean = total / world_size
     whole = all(cost == np.floor(cost) for cost in item_costs)
     target = max(mean * (1.0 + good_enough), float(np.ceil(mean)) if whole else 0.0)
-    exchange_items(costs, order, rank, np.int64(world_size), np.int64(rounds * world_size), np.int64(pool),
-                   np.int64(tries), target)  # fmt: skip
+    exchange_items(
+        costs, order, rank, np.int64(world_size), np.int64(rounds * world_size), np.int64(pool), np.int64(tries), target
+    )
     return rank
 
 
@@ -560,8 +612,10 @@ def split_by_hand(lengths, loss, item_offsets, shuffled, coefficient, by_tokens,
     members, bin_offsets, _, run_bins = pack_runs(unit_lengths, runs, np.int64(max_tokens))
     num_micro = int(np.diff(run_bins).max(initial=0))
     out, out_offsets = even_out_counts(members, bin_offsets, run_bins, np.array(unit_costs), np.int64(num_micro))
-    micro_batches = [[e for u in out[out_offsets[k] : out_offsets[k + 1]] for e in units[u][1]]
-                     for k in range(world_size * num_micro)]  # fmt: skip
+    micro_batches = [
+        [e for u in out[out_offsets[k] : out_offsets[k + 1]] for e in units[u][1]]
+        for k in range(world_size * num_micro)
+    ]
     return micro_batches, item_costs, cost
 
 
@@ -588,9 +642,17 @@ def kernel_batches(draw):
 def test_split_batch_matches_the_slow_form(batch):
     loss = batch["lengths"] // 2
     entries, offsets, tokens, loss_out, costs, needed, item_costs = split_batch(
-        batch["lengths"], loss, batch["item_offsets"], batch["shuffled"], batch["coefficient"], batch["by_tokens"],
-        np.int64(batch["world_size"]), np.int64(batch["max_tokens"]), np.int64(0), batch["exchange"],
-    )  # fmt: skip
+        batch["lengths"],
+        loss,
+        batch["item_offsets"],
+        batch["shuffled"],
+        batch["coefficient"],
+        batch["by_tokens"],
+        np.int64(batch["world_size"]),
+        np.int64(batch["max_tokens"]),
+        np.int64(0),
+        batch["exchange"],
+    )
     want, want_item_costs, cost = split_by_hand(**{**batch, "loss": loss})
     got = [list(entries[offsets[k] : offsets[k + 1]]) for k in range(len(offsets) - 1)]
     assert got == want and needed * batch["world_size"] == len(want)

@@ -26,11 +26,34 @@ SQUAD = DATA / "squad11_bert384.parquet"
 # Ramp-up under drop_last (epochs depend on the tokens of the ones before), split samples
 # (spans), the cost model: what an epoch range must plan exactly as a whole build does.
 RAMPED = PlanConfig(
-    max_tokens=8192, world_size=4, oversize="split", tokens_per_step=65536, rampup_start=32768,
-    rampup_tokens=3_000_000, epochs=4, drop_last=True, hidden_size=1024,
-)  # fmt: skip
-CLI_OPTIONS = ["--max-tokens", "8192", "--world-size", "4", "--oversize", "split", "--tokens-per-step", "65536",
-               "--rampup", "32768:3000000", "--epochs", "4", "--drop-last", "--hidden-size", "1024", "-q"]  # fmt: skip
+    max_tokens=8192,
+    world_size=4,
+    oversize="split",
+    tokens_per_step=65536,
+    rampup_start=32768,
+    rampup_tokens=3_000_000,
+    epochs=4,
+    drop_last=True,
+    hidden_size=1024,
+)
+CLI_OPTIONS = [
+    "--max-tokens",
+    "8192",
+    "--world-size",
+    "4",
+    "--oversize",
+    "split",
+    "--tokens-per-step",
+    "65536",
+    "--rampup",
+    "32768:3000000",
+    "--epochs",
+    "4",
+    "--drop-last",
+    "--hidden-size",
+    "1024",
+    "-q",
+]
 
 
 def cli(*args) -> subprocess.CompletedProcess:
@@ -100,8 +123,10 @@ def test_parallel_epoch_range_builds_are_byte_identical_to_one_build(tmp_path):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert cli("build", DIALOGUES, "-o", whole, "--layout", "directory", *CLI_OPTIONS).returncode == 0
     command = [sys.executable, "-m", "batchplan_cli.main", "build", str(DIALOGUES), "-o", str(parts), *CLI_OPTIONS]
-    processes = [subprocess.Popen([*command, "--only-epochs", r], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                 for r in ("0:1", "1:3", "3:")]  # fmt: skip
+    processes = [
+        subprocess.Popen([*command, "--only-epochs", r], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for r in ("0:1", "1:3", "3:")
+    ]
     for process in processes:
         _, error = process.communicate(timeout=300)
         assert process.returncode == 0, error.decode()
@@ -123,12 +148,13 @@ def test_every_reader_takes_a_directory(built):
         assert cli("validate", path, "--dataset", DIALOGUES).returncode == 0
         assert cli("inspect", path, "--json").returncode == 0
     for rank in range(RAMPED.world_size):
-        from_file, from_directory = PlanSampler(file, rank=rank, world_size=4), PlanSampler(directory, rank=rank,
-                                                                                           world_size=4)  # fmt: skip
+        from_file, from_directory = (
+            PlanSampler(file, rank=rank, world_size=4),
+            PlanSampler(directory, rank=rank, world_size=4),
+        )
         assert list(from_directory) == list(from_file)
     for got, expected in zip(read_step_tokens(directory), read_step_tokens(file)):
         assert np.array_equal(got, expected)
-
 
 
 def test_reshard_takes_a_directory(tmp_path):

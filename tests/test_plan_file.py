@@ -191,8 +191,19 @@ def test_worked_example_of_the_format_doc(tmp_path):
     path = tmp_path / "plan.arrow"
     write_plan(build_plan(lengths, config), path)
     plan = open_plan(path)
-    columns = ["step", "micro", "num_micro", "samples", "starts", "lengths", "tokens", "loss_tokens",
-               "step_tokens", "step_loss_tokens", "tokens_before_step"]  # fmt: skip
+    columns = [
+        "step",
+        "micro",
+        "num_micro",
+        "samples",
+        "starts",
+        "lengths",
+        "tokens",
+        "loss_tokens",
+        "step_tokens",
+        "step_loss_tokens",
+        "tokens_before_step",
+    ]
     rows = [[row[c] for c in columns] for rank in (0, 1) for row in plan.read_rank(0, rank).to_pylist()]
     assert rows == [
         [0, 0, 2, [7, 0], [0, 0], [11, 5], 16, 14, 57, 50, 0],

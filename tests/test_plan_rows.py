@@ -74,9 +74,11 @@ def test_the_scan_finds_arrow_reads():
         "    return numpy_of(plan.read_rank(0, 0).column('step'))\n"
     )
     assert arrow_reads(source, "x.py") == [
-        "x.py:1 imports pyarrow.compute", "x.py:2 imports batchplan.formats.arrow",
-        "x.py:3 imports batchplan.formats.arrow", "x.py:5 calls .read_rank()",
-    ]  # fmt: skip
+        "x.py:1 imports pyarrow.compute",
+        "x.py:2 imports batchplan.formats.arrow",
+        "x.py:3 imports batchplan.formats.arrow",
+        "x.py:5 calls .read_rank()",
+    ]
 
 
 # -- the view -----------------------------------------------------------------------------------

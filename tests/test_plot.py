@@ -142,8 +142,10 @@ def test_missing_matplotlib_is_a_clear_error(squad_plan, monkeypatch, tmp_path):
 
 @pytest.mark.slow
 def test_plotting_modules_load_matplotlib_only_when_drawing():
-    code = ("import sys, batchplan.reports.plot, batchplan.reports.compare, batchplan_cli.main; "
-            "print(sorted(m for m in ('matplotlib', 'numba') if m in sys.modules))")  # fmt: skip
+    code = (
+        "import sys, batchplan.reports.plot, batchplan.reports.compare, batchplan_cli.main; "
+        "print(sorted(m for m in ('matplotlib', 'numba') if m in sys.modules))"
+    )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "matplotlib" not in loaded
 
@@ -151,8 +153,9 @@ def test_plotting_modules_load_matplotlib_only_when_drawing():
 def test_compare_without_matplotlib_fails_before_computing(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     monkeypatch.setattr("batchplan.reports.compare.compare_strategies", lambda *a, **k: pytest.fail("computed"))
-    result = runner.invoke(app, ["compare", str(SQUAD), "--max-tokens", "4096", "--world-size", "2",
-                                 "--plot", str(tmp_path / "c.png")])  # fmt: skip
+    result = runner.invoke(
+        app, ["compare", str(SQUAD), "--max-tokens", "4096", "--world-size", "2", "--plot", str(tmp_path / "c.png")]
+    )
     assert result.exit_code == 1 and "pip install -e '.[plot]'" in result.stderr
 
 
@@ -175,8 +178,15 @@ def test_varying_micro_batches_per_step_and_schedule_ends_are_drawn(tmp_path):
     from batchplan.planning.epochs import build_plan
 
     lengths = np.random.default_rng(3).integers(20, 900, 3000).astype(np.int32)
-    config = PlanConfig(max_tokens=1024, world_size=2, tokens_per_step=8192, rampup_start=2048,
-                        rampup_tokens=200_000, seqlen_warmup_min=128, seqlen_warmup_tokens=100_000)  # fmt: skip
+    config = PlanConfig(
+        max_tokens=1024,
+        world_size=2,
+        tokens_per_step=8192,
+        rampup_start=2048,
+        rampup_tokens=200_000,
+        seqlen_warmup_min=128,
+        seqlen_warmup_tokens=100_000,
+    )
     path = tmp_path / "ramp.arrow"
     write_plan(build_plan(lengths, config), path)
     figure = plot_plan(open_plan(path))
@@ -197,8 +207,12 @@ def micro_batch_values(plan) -> dict[str, np.ndarray]:
     padded = np.concatenate([b.column(padded_name).to_numpy() for b in batches])
     counts = np.array([len(samples) for b in batches for samples in b.column("samples").to_pylist()], np.int64)
     nonempty = counts > 0
-    return {"tokens": tokens, "padded": padded, "nonempty_tokens": tokens[nonempty],
-            "longest": padded[nonempty] // counts[nonempty]}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "padded": padded,
+        "nonempty_tokens": tokens[nonempty],
+        "longest": padded[nonempty] // counts[nonempty],
+    }
 
 
 def drawn_histograms(monkeypatch, plan) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -31,24 +31,77 @@ LENGTHS = dataset_lengths("lognormal")  # 3,000 samples, ~2.5 M tokens, some abo
 CAP = 2048
 
 CASES = {
-    "pack-w8-tokens": dict(world_size=8, tokens_per_step=8 * CAP * 4, rampup_start=8 * CAP, rampup_tokens=1_500_000,
-                           epochs=2, oversize="split"),
-    "pack-w8-micro-droplast": dict(world_size=8, micro_batches=4, rampup_start=8 * CAP, rampup_tokens=1_500_000,
-                                   epochs=3, oversize="split", drop_last=True),
-    "pad-w1-micro-past-epoch": dict(mode="pad", world_size=1, micro_batches=4, rampup_start=CAP,
-                                    rampup_tokens=4_000_000, epochs=3, oversize="drop", drop_last=True),
-    "pad-w64-tokens-past-epoch": dict(mode="pad", world_size=64, tokens_per_step=64 * CAP * 2,
-                                      rampup_start=64 * CAP, rampup_tokens=3_000_000, epochs=2, oversize="truncate"),
-    "warmup-pack-w1": dict(world_size=1, seqlen_warmup_min=16, seqlen_warmup_tokens=2_000_000, epochs=2,
-                           oversize="split", hidden_size=256),
-    "warmup-pad-w8": dict(mode="pad", world_size=8, seqlen_warmup_min=64, seqlen_warmup_tokens=1_000_000, epochs=2,
-                          oversize="split", batch_multiple=4),
-    "both-pack-w64-droplast": dict(world_size=64, tokens_per_step=64 * CAP * 3, rampup_start=64 * CAP,
-                                   rampup_tokens=1_000_000, seqlen_warmup_min=64, seqlen_warmup_tokens=2_000_000,
-                                   epochs=2, oversize="truncate", drop_last=True),
-    "both-pad-w8-micro": dict(mode="pad", world_size=8, micro_batches=3, rampup_start=8 * CAP, rampup_tokens=800_000,
-                              seqlen_warmup_min=128, seqlen_warmup_tokens=500_000, epochs=2, oversize="split"),
-}  # fmt: skip
+    "pack-w8-tokens": dict(
+        world_size=8,
+        tokens_per_step=8 * CAP * 4,
+        rampup_start=8 * CAP,
+        rampup_tokens=1_500_000,
+        epochs=2,
+        oversize="split",
+    ),
+    "pack-w8-micro-droplast": dict(
+        world_size=8,
+        micro_batches=4,
+        rampup_start=8 * CAP,
+        rampup_tokens=1_500_000,
+        epochs=3,
+        oversize="split",
+        drop_last=True,
+    ),
+    "pad-w1-micro-past-epoch": dict(
+        mode="pad",
+        world_size=1,
+        micro_batches=4,
+        rampup_start=CAP,
+        rampup_tokens=4_000_000,
+        epochs=3,
+        oversize="drop",
+        drop_last=True,
+    ),
+    "pad-w64-tokens-past-epoch": dict(
+        mode="pad",
+        world_size=64,
+        tokens_per_step=64 * CAP * 2,
+        rampup_start=64 * CAP,
+        rampup_tokens=3_000_000,
+        epochs=2,
+        oversize="truncate",
+    ),
+    "warmup-pack-w1": dict(
+        world_size=1, seqlen_warmup_min=16, seqlen_warmup_tokens=2_000_000, epochs=2, oversize="split", hidden_size=256
+    ),
+    "warmup-pad-w8": dict(
+        mode="pad",
+        world_size=8,
+        seqlen_warmup_min=64,
+        seqlen_warmup_tokens=1_000_000,
+        epochs=2,
+        oversize="split",
+        batch_multiple=4,
+    ),
+    "both-pack-w64-droplast": dict(
+        world_size=64,
+        tokens_per_step=64 * CAP * 3,
+        rampup_start=64 * CAP,
+        rampup_tokens=1_000_000,
+        seqlen_warmup_min=64,
+        seqlen_warmup_tokens=2_000_000,
+        epochs=2,
+        oversize="truncate",
+        drop_last=True,
+    ),
+    "both-pad-w8-micro": dict(
+        mode="pad",
+        world_size=8,
+        micro_batches=3,
+        rampup_start=8 * CAP,
+        rampup_tokens=800_000,
+        seqlen_warmup_min=128,
+        seqlen_warmup_tokens=500_000,
+        epochs=2,
+        oversize="split",
+    ),
+}
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +124,12 @@ def step_table(path):
     """``(tokens_before_step, step_tokens, micro-batches per rank)`` of every global step."""
     plan = open_plan(path)
     before, tokens = read_step_tokens(plan)
-    micro = np.concatenate([plan.read_rank(e, 0).column("num_micro").to_numpy()[
-        plan.read_rank(e, 0).column("micro").to_numpy() == 0] for e in range(plan.num_epochs)])  # fmt: skip
+    micro = np.concatenate(
+        [
+            plan.read_rank(e, 0).column("num_micro").to_numpy()[plan.read_rank(e, 0).column("micro").to_numpy() == 0]
+            for e in range(plan.num_epochs)
+        ]
+    )
     return before, tokens, micro
 
 
@@ -150,8 +207,9 @@ def test_lr_schedule_follows_the_tokens(built):
     lr = token_lr_lambda(path, warmup_tokens=2_000_000, decay="linear")
     total = int(before[-1] + tokens[-1])
     for step in (0, 5, len(tokens) // 2, len(tokens) - 1):
-        expected = token_lr_factor(int(before[step] + tokens[step]), warmup_tokens=2_000_000,
-                                   total_tokens=total, decay="linear")  # fmt: skip
+        expected = token_lr_factor(
+            int(before[step] + tokens[step]), warmup_tokens=2_000_000, total_tokens=total, decay="linear"
+        )
         assert lr(step) == pytest.approx(expected)
     # Small steps early: the LR climbs per step by the step's share of the warmup tokens.
     assert lr(1) - lr(0) == pytest.approx(tokens[1] / 2_000_000)
@@ -298,8 +356,18 @@ def test_resharding_a_ramp_up_plan_is_refused_clearly(built, tmp_path):
 def test_cli_bad_values_are_one_line(tmp_path, args, message):
     from conftest import DATA_DIR
 
-    result = CliRunner().invoke(app, ["build", str(DATA_DIR / "squad11_bert384.parquet"), "-o",
-                                      str(tmp_path / "p.arrow"), "--max-tokens", "4096", *args])  # fmt: skip
+    result = CliRunner().invoke(
+        app,
+        [
+            "build",
+            str(DATA_DIR / "squad11_bert384.parquet"),
+            "-o",
+            str(tmp_path / "p.arrow"),
+            "--max-tokens",
+            "4096",
+            *args,
+        ],
+    )
     assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
 
 
@@ -307,10 +375,26 @@ def test_cli_builds_with_both(tmp_path):
     from conftest import DATA_DIR
 
     plan = tmp_path / "p.arrow"
-    result = CliRunner().invoke(app, [
-        "build", str(DATA_DIR / "squad11_bert384.parquet"), "-o", str(plan), "--max-tokens", "4096",
-        "--world-size", "4", "--tokens-per-step", "65536", "--rampup", "16_384:2M", "--seqlen-warmup", "256:1M", "-q",
-    ])  # fmt: skip
+    result = CliRunner().invoke(
+        app,
+        [
+            "build",
+            str(DATA_DIR / "squad11_bert384.parquet"),
+            "-o",
+            str(plan),
+            "--max-tokens",
+            "4096",
+            "--world-size",
+            "4",
+            "--tokens-per-step",
+            "65536",
+            "--rampup",
+            "16_384:2M",
+            "--seqlen-warmup",
+            "256:1M",
+            "-q",
+        ],
+    )
     assert result.exit_code == 0, result.output
     config = open_plan(plan).metadata["config"]
     assert (config["rampup_start"], config["rampup_tokens"]) == (16_384, 2_000_000)

@@ -75,6 +75,11 @@ def test_the_readme_training_section_runs_as_written_and_shows_progress(tmp_path
         sampler = PlanSampler(tmp_path / "plan2.arrow", rank=rank, world_size=2)
         assert state == sampler.state_at_step(max_steps)  # the last state saved: right before step MAX_STEPS
     left = [p.name for p in tmp_path.iterdir() if p.name not in (".venv", "data")]
-    done = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT, input="\n".join(left),
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--stdin"],
+        cwd=ROOT,
+        input="\n".join(left),
+        capture_output=True,
+        text=True,
+    )
     assert sorted(left) == sorted(done.stdout.splitlines()), "the section leaves files .gitignore does not ignore"

@@ -71,8 +71,11 @@ def good_plan(root: Path) -> Path:
 
 def snapshot(root: Path) -> dict[str, str]:
     """Every file under ``root`` (hidden ones too) with a hash of its bytes."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}  # fmt: skip
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def read_batches(path: Path) -> list[pa.RecordBatch]:
@@ -187,70 +190,110 @@ def flipped_metadata_key(root: Path) -> Path:
 ROWS = {
     # -- dataset ------------------------------------------------------------------
     "dataset missing": (build_args("in/missing.parquet"), "in/missing.parquet: no such file or directory"),
-    "dataset not parquet": (build_args(not_parquet),
-                            "data.parquet: not a readable Parquet file (Parquet magic bytes not found"),
-    "dataset of 0 rows": (build_args(dataset_of(length=pa.array([], pa.int32()))),
-                          "data.parquet: dataset has 0 rows; nothing to plan"),
-    "length column missing": (build_args(dataset_of(text=["a"], ids=[1])),
-                              "no length column 'length' and no token column 'input_ids'; columns are "
-                              "['text', 'ids']; pass --length-column or --tokens-column"),
-    "float lengths": (build_args(dataset_of(length=[1.5, 2.0])),
-                      "column 'length' has type double; expected integer token counts or a list of token ids; "
-                      "cast the column"),
+    "dataset not parquet": (
+        build_args(not_parquet),
+        "data.parquet: not a readable Parquet file (Parquet magic bytes not found",
+    ),
+    "dataset of 0 rows": (
+        build_args(dataset_of(length=pa.array([], pa.int32()))),
+        "data.parquet: dataset has 0 rows; nothing to plan",
+    ),
+    "length column missing": (
+        build_args(dataset_of(text=["a"], ids=[1])),
+        "no length column 'length' and no token column 'input_ids'; columns are "
+        "['text', 'ids']; pass --length-column or --tokens-column",
+    ),
+    "float lengths": (
+        build_args(dataset_of(length=[1.5, 2.0])),
+        "column 'length' has type double; expected integer token counts or a list of token ids; cast the column",
+    ),
     "string lengths": (build_args(dataset_of(length=["12", "7"])), "column 'length' has type string"),
-    "null lengths": (build_args(dataset_of(length=pa.array([3, None, 4], pa.int32()))),
-                     "1 samples are empty (length 0 or null; first: sample 1); pass --drop-empty"),
-    "negative length": (build_args(negative_in_second_file),
-                        "b.parquet row 1 (sample 3): column 'length' has negative value -4"),
-    "zero length": (build_args(dataset_of(length=[5, 0, 0])),
-                    "2 samples are empty (length 0 or null; first: sample 1); pass --drop-empty"),
+    "null lengths": (
+        build_args(dataset_of(length=pa.array([3, None, 4], pa.int32()))),
+        "1 samples are empty (length 0 or null; first: sample 1); pass --drop-empty",
+    ),
+    "negative length": (
+        build_args(negative_in_second_file),
+        "b.parquet row 1 (sample 3): column 'length' has negative value -4",
+    ),
+    "zero length": (
+        build_args(dataset_of(length=[5, 0, 0])),
+        "2 samples are empty (length 0 or null; first: sample 1); pass --drop-empty",
+    ),
     "oversize under --oversize error": (
         build_args(dataset_of(length=[10, 100, 65]), "--oversize", "error"),
         "2 samples are longer than max_tokens 64 (longest: 100 tokens; first: sample 1 with 100); "
-        "raise --max-tokens or set --oversize to drop, truncate or split"),
+        "raise --max-tokens or set --oversize to drop, truncate or split",
+    ),
     "loss tokens above the length": (
         build_args(dataset_of(length=[5, 6], loss=[2, 7]), "--loss-tokens-column", "loss"),
-        "data.parquet (row 1): 1 samples have more loss tokens than tokens (sample 1: 7 in 'loss' > length 6)"),
-    "length above 2^31 - 1": (build_args(dataset_of(length=pa.array([5, 2**31], pa.int64()))),
-                              "data.parquet row 1 (sample 1): column 'length' has value 2,147,483,648, above "
-                              "2^31 - 1; token counts must fit in int32"),
-    "a file given twice": (lambda root: [*build_args(good_dataset)(root), root / "in" / "data.parquet"],
-                           "data.parquet: file given twice; each sample must be read once"),
-    "files of different schemas": (build_args(mixed_schemas),
-                                   "b.parquet: column 'length' is missing (columns are ['size']); every file"),
+        "data.parquet (row 1): 1 samples have more loss tokens than tokens (sample 1: 7 in 'loss' > length 6)",
+    ),
+    "length above 2^31 - 1": (
+        build_args(dataset_of(length=pa.array([5, 2**31], pa.int64()))),
+        "data.parquet row 1 (sample 1): column 'length' has value 2,147,483,648, above "
+        "2^31 - 1; token counts must fit in int32",
+    ),
+    "a file given twice": (
+        lambda root: [*build_args(good_dataset)(root), root / "in" / "data.parquet"],
+        "data.parquet: file given twice; each sample must be read once",
+    ),
+    "files of different schemas": (
+        build_args(mixed_schemas),
+        "b.parquet: column 'length' is missing (columns are ['size']); every file",
+    ),
     # -- options ------------------------------------------------------------------
     "max_tokens < 1": (build_args(good_dataset, "--max-tokens", 0), "--max-tokens must be >= 1, got 0"),
     "world size < 1": (build_args(good_dataset, "--world-size", 0), "--world-size must be >= 1, got 0"),
     "epochs < 1": (build_args(good_dataset, "--epochs", -1), "--epochs must be >= 1, got -1"),
     "micro-batches and tokens-per-step": (
         build_args(good_dataset, "--micro-batches", 2, "--tokens-per-step", 4096),
-        "--micro-batches and --tokens-per-step were both given"),
+        "--micro-batches and --tokens-per-step were both given",
+    ),
     "tokens-per-step below one micro-batch": (
         build_args(good_dataset, "--world-size", 4, "--tokens-per-step", 100),
         "--tokens-per-step 100 is smaller than one micro-batch per rank (world_size 4 x max_tokens 64 = 256); "
-        "raise --tokens-per-step or use --micro-batches"),
+        "raise --tokens-per-step or use --micro-batches",
+    ),
     "batch-multiple larger than fits": (
         build_args(good_dataset, "--mode", "pad", "--batch-multiple", 65),
-        "--batch-multiple 65 cannot fit: a micro-batch of 65 samples of length >= 1 exceeds max_tokens 64"),
-    "output in a missing directory": (build_args(good_dataset, output="out/missing/plan.arrow"),
-                                      "out/missing does not exist; create it or choose another -o"),
+        "--batch-multiple 65 cannot fit: a micro-batch of 65 samples of length >= 1 exceeds max_tokens 64",
+    ),
+    "output in a missing directory": (
+        build_args(good_dataset, output="out/missing/plan.arrow"),
+        "out/missing does not exist; create it or choose another -o",
+    ),
     "output is a directory": (build_args(good_dataset, output="out"), "is a directory; give a file path"),
-    "output equal to an input": (build_args(good_dataset, output=lambda root: root / "in" / "data.parquet"),
-                                 "data.parquet is also an input file; choose another -o"),
+    "output equal to an input": (
+        build_args(good_dataset, output=lambda root: root / "in" / "data.parquet"),
+        "data.parquet is also an input file; choose another -o",
+    ),
     # -- plan files (inspect and validate) ---------------------------------------
-    **{f"{command}: {name}": (plan_args(command, damage), message) for command in ("inspect", "validate")
-       for name, damage, message in (
-           ("missing plan", lambda root: root / "in" / "nope.arrow", "nope.arrow: no such plan file"),
-           ("not Arrow", text_file, "plan.arrow: not a batchplan plan (not an Arrow IPC file"),
-           ("truncated", truncated_plan, "plan.arrow: expected an Arrow IPC file ending with its footer"),
-           ("flipped byte in the metadata", flipped_metadata_key,
-            "batchplan metadata key 'world_size' is missing or not a int; the plan is corrupt, rebuild it"),
-           ("newer format version", newer_plan,
-            "plan format version 99 is newer than this batchplan reads (2); upgrade batchplan"),
-           ("required column missing", plan_without_column,
-            "required column(s) ['step_loss_tokens'] missing; not a valid plan"),
-       )},
-}  # fmt: skip
+    **{
+        f"{command}: {name}": (plan_args(command, damage), message)
+        for command in ("inspect", "validate")
+        for name, damage, message in (
+            ("missing plan", lambda root: root / "in" / "nope.arrow", "nope.arrow: no such plan file"),
+            ("not Arrow", text_file, "plan.arrow: not a batchplan plan (not an Arrow IPC file"),
+            ("truncated", truncated_plan, "plan.arrow: expected an Arrow IPC file ending with its footer"),
+            (
+                "flipped byte in the metadata",
+                flipped_metadata_key,
+                "batchplan metadata key 'world_size' is missing or not a int; the plan is corrupt, rebuild it",
+            ),
+            (
+                "newer format version",
+                newer_plan,
+                "plan format version 99 is newer than this batchplan reads (2); upgrade batchplan",
+            ),
+            (
+                "required column missing",
+                plan_without_column,
+                "required column(s) ['step_loss_tokens'] missing; not a valid plan",
+            ),
+        )
+    },
+}
 
 
 def invoke(root: Path, make: Builder):
@@ -420,15 +463,19 @@ def plan_inputs(draw):
     max_tokens = draw(st.integers(1, 64) | st.integers(64, 4096) | st.just(2**20))  # kernels: O(max_tokens) memory
     world_size = draw(st.integers(1, 70))
     options = {
-        "max_tokens": max_tokens, "mode": mode, "world_size": world_size, "epochs": draw(st.integers(1, 3)),
+        "max_tokens": max_tokens,
+        "mode": mode,
+        "world_size": world_size,
+        "epochs": draw(st.integers(1, 3)),
         "seed": draw(st.integers(0, 2**32)),
         "oversize": draw(st.sampled_from(OVERSIZE_POLICIES + ("drop", "truncate", "split") * 2)),  # fewer errors
-        "drop_empty": draw(st.sampled_from([True, True, False])), "drop_last": draw(st.booleans()),
+        "drop_empty": draw(st.sampled_from([True, True, False])),
+        "drop_last": draw(st.booleans()),
         "batch_multiple": draw(st.sampled_from([1, 2, 8] if mode == "pad" else [1, 1, 1, 4])),
         "shuffle_window": draw(st.sampled_from([1, 7, 16_384])),
         "balance_window": draw(st.sampled_from([1, 64])),
         "hidden_size": draw(st.none() | st.integers(1, 8192)),
-    }  # fmt: skip
+    }
     steps = draw(st.sampled_from(["default", "micro_batches", "tokens_per_step"]))
     if steps == "micro_batches":
         options["micro_batches"] = draw(st.integers(1, 4))
@@ -515,8 +562,11 @@ def test_validate_accepts_the_costs_the_planner_writes(tmp_path):
     """A cost of 9.2e10 then one of 1.08: the second is stored as 1.0833282 instead of 1.0833333."""
     lengths = np.array([2**20, 1], dtype=np.int32)
     path = tmp_path / "plan.arrow"
-    write_plan(build_plan(lengths, PlanConfig(max_tokens=2**20, hidden_size=1)), path,
-               lengths_fingerprint=fingerprint_lengths(lengths))  # fmt: skip
+    write_plan(
+        build_plan(lengths, PlanConfig(max_tokens=2**20, hidden_size=1)),
+        path,
+        lengths_fingerprint=fingerprint_lengths(lengths),
+    )
     assert costs_within_rounding(path, lengths)
     assert check_plan(open_plan(path), lengths) == []
 
@@ -530,11 +580,19 @@ def fuzz_seeds(tmp_path_factory) -> list[tuple[bytes, np.ndarray]]:
     root = tmp_path_factory.mktemp("fuzz")
     lengths = np.random.default_rng(3).integers(0, 90, 40).astype(np.int32)
     configs = [
-        PlanConfig(max_tokens=64, world_size=2, epochs=2, oversize="split", drop_empty=True, hidden_size=64,
-                   tokens_per_step=256),
-        PlanConfig(max_tokens=64, mode="pad", world_size=3, oversize="drop", drop_empty=True, drop_last=True,
-                   micro_batches=2),
-    ]  # fmt: skip
+        PlanConfig(
+            max_tokens=64,
+            world_size=2,
+            epochs=2,
+            oversize="split",
+            drop_empty=True,
+            hidden_size=64,
+            tokens_per_step=256,
+        ),
+        PlanConfig(
+            max_tokens=64, mode="pad", world_size=3, oversize="drop", drop_empty=True, drop_last=True, micro_batches=2
+        ),
+    ]
     seeds = []
     for i, config in enumerate(configs):
         path = root / f"seed{i}.arrow"
@@ -549,9 +607,22 @@ MUTATION = st.one_of(
     st.tuples(st.just("insert"), st.integers(0, 2**20), st.binary(min_size=1, max_size=9)),
     st.tuples(st.just("delete"), st.integers(0, 2**20), st.integers(1, 9)),
     # An aligned 4- or 8-byte field (offset, length, count) set to an extreme value.
-    st.tuples(st.just("overwrite"), st.integers(0, 2**20), st.sampled_from(
-        [b"\xff" * 4, b"\x00" * 4, b"\xff\xff\xff\x7f", b"\x00\x00\x00\x80", b"\x01\x00\x00\x00",
-         b"\xff" * 8, b"\x00" * 8, b"\xff\xff\xff\xff\xff\xff\xff\x7f"])),
+    st.tuples(
+        st.just("overwrite"),
+        st.integers(0, 2**20),
+        st.sampled_from(
+            [
+                b"\xff" * 4,
+                b"\x00" * 4,
+                b"\xff\xff\xff\x7f",
+                b"\x00\x00\x00\x80",
+                b"\x01\x00\x00\x00",
+                b"\xff" * 8,
+                b"\x00" * 8,
+                b"\xff\xff\xff\xff\xff\xff\xff\x7f",
+            ]
+        ),
+    ),
 )
 
 

@@ -100,8 +100,12 @@ def assert_continues(parent_path, child_path, from_step: int, lengths) -> None:
         drops = dropped_pieces(parent if epoch < resumed else child, epoch, lengths)
         epochs.append(before[epoch] + after[epoch] + drops)
     dropped = parent.metadata["dropped"]
-    assert_exact_cover(lengths, PlanConfig.from_dict(parent.metadata["config"]), epochs,
-                       dropped.get("empty", []) + dropped.get("oversize", []))  # fmt: skip
+    assert_exact_cover(
+        lengths,
+        PlanConfig.from_dict(parent.metadata["config"]),
+        epochs,
+        dropped.get("empty", []) + dropped.get("oversize", []),
+    )
 
 
 LENGTHS_OF: dict[str, np.ndarray] = {}
@@ -130,21 +134,53 @@ def step_at(path, epoch: int, where: str) -> int:
 
 CASES = {
     "pack-split-2to3": (dict(mode="pack", world_size=2, epochs=2, micro_batches=2, oversize="split"), 3, 0, "middle"),
-    "pad-truncate-4to2": (dict(mode="pad", max_tokens=512, world_size=4, epochs=2, micro_batches=1,
-                               oversize="truncate", shuffle_window=64), 2, 1, "middle"),
-    "pack-droplast-8to1": (dict(mode="pack", world_size=8, epochs=2, micro_batches=1, oversize="drop",
-                                drop_last=True), 1, 1, "start"),
-    "pad-droplast-tokens-1to8": (dict(mode="pad", max_tokens=512, world_size=1, epochs=2, tokens_per_step=4096,
-                                      oversize="split", drop_last=True), 8, 0, "middle"),
-    "pack-split-droplast-2to3-3epochs": (dict(mode="pack", world_size=2, epochs=3, micro_batches=3, oversize="split",
-                                              drop_last=True), 3, 1, "middle"),
-    "pack-cost-4to3": (dict(mode="pack", world_size=4, epochs=1, micro_batches=2, oversize="split",
-                            hidden_size=64), 3, 0, "middle"),
-    "pad-split-3to2-boundary": (dict(mode="pad", max_tokens=512, world_size=3, epochs=2, micro_batches=2,
-                                     oversize="split", batch_multiple=2), 2, 1, "start"),
-    "pack-empty-1to8-at-start": (dict(mode="pack", world_size=1, epochs=2, micro_batches=4, oversize="drop",
-                                      drop_empty=True), 8, 0, "start"),
-}  # fmt: skip
+    "pad-truncate-4to2": (
+        dict(
+            mode="pad", max_tokens=512, world_size=4, epochs=2, micro_batches=1, oversize="truncate", shuffle_window=64
+        ),
+        2,
+        1,
+        "middle",
+    ),
+    "pack-droplast-8to1": (
+        dict(mode="pack", world_size=8, epochs=2, micro_batches=1, oversize="drop", drop_last=True),
+        1,
+        1,
+        "start",
+    ),
+    "pad-droplast-tokens-1to8": (
+        dict(
+            mode="pad", max_tokens=512, world_size=1, epochs=2, tokens_per_step=4096, oversize="split", drop_last=True
+        ),
+        8,
+        0,
+        "middle",
+    ),
+    "pack-split-droplast-2to3-3epochs": (
+        dict(mode="pack", world_size=2, epochs=3, micro_batches=3, oversize="split", drop_last=True),
+        3,
+        1,
+        "middle",
+    ),
+    "pack-cost-4to3": (
+        dict(mode="pack", world_size=4, epochs=1, micro_batches=2, oversize="split", hidden_size=64),
+        3,
+        0,
+        "middle",
+    ),
+    "pad-split-3to2-boundary": (
+        dict(mode="pad", max_tokens=512, world_size=3, epochs=2, micro_batches=2, oversize="split", batch_multiple=2),
+        2,
+        1,
+        "start",
+    ),
+    "pack-empty-1to8-at-start": (
+        dict(mode="pack", world_size=1, epochs=2, micro_batches=4, oversize="drop", drop_empty=True),
+        8,
+        0,
+        "start",
+    ),
+}
 
 
 def case_lengths(name: str) -> np.ndarray:
@@ -219,8 +255,9 @@ def test_a_loss_tokens_column_keeps_exact_counts(tmp_path):
     lengths = dataset()
     loss_tokens = (lengths // 3).astype(np.int32)
     parent = tmp_path / "parent.arrow"
-    build_and_write(lengths, PlanConfig(max_tokens=1024, world_size=2, epochs=2, micro_batches=2), parent,
-                    loss_tokens=loss_tokens)  # fmt: skip
+    build_and_write(
+        lengths, PlanConfig(max_tokens=1024, world_size=2, epochs=2, micro_batches=2), parent, loss_tokens=loss_tokens
+    )
     child = tmp_path / "child.arrow"
     reshard_plan_file(parent, child, world_size=3, from_step=step_at(parent, 0, "middle"))
     assert check_plan(open_plan(child), lengths, loss_tokens) == []
@@ -230,16 +267,20 @@ def test_a_loss_tokens_column_keeps_exact_counts(tmp_path):
 # --------------------------------------------------------------------------- step size
 
 
-@pytest.mark.parametrize(("world_size", "micro_batches", "new_world", "expected"), [
-    (4, 2, 2, 4),  # the same global step: 8 micro-batches
-    (2, 2, 4, 1),
-    (8, 1, 1, 8),
-    (4, 1, 3, 1),  # the nearest whole number per rank: 3 instead of 4
-    (2, 1, 8, 1),  # one per rank is the least a step holds
-    (3, 3, 2, 5),  # 9 / 2 = 4.5 rounds up
-])  # fmt: skip
-def test_fixed_micro_batches_are_redivided_over_the_new_ranks(make_parent, world_size, micro_batches, new_world,
-                                                              expected):  # fmt: skip
+@pytest.mark.parametrize(
+    ("world_size", "micro_batches", "new_world", "expected"),
+    [
+        (4, 2, 2, 4),  # the same global step: 8 micro-batches
+        (2, 2, 4, 1),
+        (8, 1, 1, 8),
+        (4, 1, 3, 1),  # the nearest whole number per rank: 3 instead of 4
+        (2, 1, 8, 1),  # one per rank is the least a step holds
+        (3, 3, 2, 5),  # 9 / 2 = 4.5 rounds up
+    ],
+)
+def test_fixed_micro_batches_are_redivided_over_the_new_ranks(
+    make_parent, world_size, micro_batches, new_world, expected
+):
     parent, _ = make_parent(max_tokens=256, world_size=world_size, micro_batches=micro_batches, oversize="split")
     assert default_step_sizing(open_plan(parent), new_world) == {"micro_batches": expected, "tokens_per_step": None}
 
@@ -369,8 +410,11 @@ def test_validate_catches_a_consumed_piece_planned_again(make_parent, tmp_path):
     resharded = reshard_plan(open_plan(parent), world_size=3, from_step=4)
     planned = resharded.plan.epochs[0]
     entry = int(planned.members[0])
-    piece = [int(resharded.plan.entries.sample[entry]), int(resharded.plan.entries.start[entry]),
-             int(resharded.plan.entries.length[entry])]  # fmt: skip
+    piece = [
+        int(resharded.plan.entries.sample[entry]),
+        int(resharded.plan.entries.start[entry]),
+        int(resharded.plan.entries.length[entry]),
+    ]
     consumed = resharded.lineage["consumed"]
     lineage = {**resharded.lineage, "consumed": {**consumed, "spans": sorted(consumed["spans"] + [piece])}}
     forged = tmp_path / "forged.arrow"
@@ -382,10 +426,22 @@ def test_validate_catches_a_consumed_piece_planned_again(make_parent, tmp_path):
 def test_validate_catches_rows_in_an_epoch_the_parent_finished_and_a_malformed_lineage(tmp_path):
     lengths = dataset()
     plan = build_plan(lengths, PlanConfig(max_tokens=256, world_size=2, epochs=2, oversize="split"))
-    parent = {"content_hash": "crc32:00000000", "config_fingerprint": "0" * 16, "world_size": 2, "config": {},
-              "from_step": 0, "epoch": 1, "position": 0, "rows_per_rank": [1, 1]}  # fmt: skip
-    lineage = {"first_step": 0, "tokens_before_first_step": 0, "resharded_from": parent,
-               "consumed": {"epoch": 1, "samples": "", "spans": []}}  # fmt: skip
+    parent = {
+        "content_hash": "crc32:00000000",
+        "config_fingerprint": "0" * 16,
+        "world_size": 2,
+        "config": {},
+        "from_step": 0,
+        "epoch": 1,
+        "position": 0,
+        "rows_per_rank": [1, 1],
+    }
+    lineage = {
+        "first_step": 0,
+        "tokens_before_first_step": 0,
+        "resharded_from": parent,
+        "consumed": {"epoch": 1, "samples": "", "spans": []},
+    }
     forged = tmp_path / "forged.arrow"
     write_plan(plan, forged, lineage=lineage)
     assert any("trained on the parent plan" in v.message for v in check_plan(open_plan(forged), lengths))
@@ -481,8 +537,9 @@ def test_a_parent_state_in_the_middle_of_a_step_is_refused(make_parent, tmp_path
 
 def test_other_states_are_still_refused_strictly(make_parent, tmp_path):
     parent, lengths = make_parent(max_tokens=256, world_size=2, micro_batches=2, oversize="split")
-    other, _ = make_parent(lengths, name="other.arrow", max_tokens=256, world_size=2, micro_batches=2,
-                           oversize="split", seed=9)  # fmt: skip
+    other, _ = make_parent(
+        lengths, name="other.arrow", max_tokens=256, world_size=2, micro_batches=2, oversize="split", seed=9
+    )
     child = tmp_path / "child.arrow"
     reshard_plan_file(parent, child, world_size=3, from_step=6)
     sampler = PlanSampler(child, rank=0, world_size=3)
@@ -544,8 +601,9 @@ def test_the_command_writes_a_valid_plan_and_fails_in_one_line(make_parent, tmp_
     assert result.exit_code == 0, result.output
     assert "wrote" in result.stdout and "steps 4.. on 3 ranks (was 2)" in result.stdout
     assert check_plan(open_plan(child), lengths) == []
-    result = runner.invoke(app, ["reshard", str(parent), "--world-size", "3", "--from-step", "9999", "-o",
-                                 str(tmp_path / "x.arrow")])  # fmt: skip
+    result = runner.invoke(
+        app, ["reshard", str(parent), "--world-size", "3", "--from-step", "9999", "-o", str(tmp_path / "x.arrow")]
+    )
     assert result.exit_code == 1
     assert result.stderr.count("\n") == 1 and "error: --from-step 9999 is not a step" in result.stderr
     result = runner.invoke(app, ["reshard", str(parent), "--world-size", "3", "--from-step", "4", "-o", str(parent)])
@@ -556,11 +614,18 @@ def test_the_command_writes_a_valid_plan_and_fails_in_one_line(make_parent, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("old_world", "new_world", "options", "steps"), [
-    (2, 3, dict(max_tokens=64, epochs=2, tokens_per_step=400, oversize="split", seed=3), 3),
-    (4, 2, dict(max_tokens=96, mode="pad", epochs=2, micro_batches=1, oversize="truncate", shuffle_window=8,
-                seed=5), 9),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("old_world", "new_world", "options", "steps"),
+    [
+        (2, 3, dict(max_tokens=64, epochs=2, tokens_per_step=400, oversize="split", seed=3), 3),
+        (
+            4,
+            2,
+            dict(max_tokens=96, mode="pad", epochs=2, micro_batches=1, oversize="truncate", shuffle_window=8, seed=5),
+            9,
+        ),
+    ],
+)
 def test_ddp_processes_resume_on_another_world_size(tmp_path, old_world, new_world, options, steps):
     lengths = sample_lengths()
     parent = write_test_plan(tmp_path / "parent.arrow", lengths, world_size=old_world, **options)
@@ -571,21 +636,30 @@ def test_ddp_processes_resume_on_another_world_size(tmp_path, old_world, new_wor
     child = tmp_path / "child.arrow"
     reshard_plan_file(parent, child, world_size=new_world, from_step=from_step)
     torch.save([result["state"] for result in old], tmp_path / "states.pt")
-    launch(resume_on, (new_world, free_port(), str(child), lengths, str(tmp_path / "states.pt"), str(tmp_path)),
-           world_size=new_world)  # fmt: skip
+    launch(
+        resume_on,
+        (new_world, free_port(), str(child), lengths, str(tmp_path / "states.pt"), str(tmp_path)),
+        world_size=new_world,
+    )
     new = [torch.load(tmp_path / f"new{rank}.pt", weights_only=False) for rank in range(new_world)]
     plan = open_plan(child)
     for rank, result in enumerate(new):  # each rank ran exactly its rows of the new plan
-        expected = [(epoch, row["step"], row["micro"], tuple(row["samples"]))
-                    for epoch in range(plan.num_epochs) for row in plan.read_rank(epoch, rank).to_pylist()]  # fmt: skip
+        expected = [
+            (epoch, row["step"], row["micro"], tuple(row["samples"]))
+            for epoch in range(plan.num_epochs)
+            for row in plan.read_rank(epoch, rank).to_pylist()
+        ]
         assert [entry[:4] for entry in result["seen"]] == expected
     ran = defaultdict(list)  # epoch -> pieces, over both runs and all ranks
     for result in old + new:
         for epoch, _, _, samples, starts, spans in result["seen"]:
             ran[epoch] += list(zip(samples, starts, spans))
     dropped = [dropped_pieces(plan, epoch, lengths) for epoch in range(plan.num_epochs)]
-    assert_exact_cover(lengths, PlanConfig(**options, world_size=old_world),
-                       [ran[epoch] + dropped[epoch] for epoch in range(plan.num_epochs)])  # fmt: skip
+    assert_exact_cover(
+        lengths,
+        PlanConfig(**options, world_size=old_world),
+        [ran[epoch] + dropped[epoch] for epoch in range(plan.num_epochs)],
+    )
 
 
 # --------------------------------------------------------------------------- balance on real data

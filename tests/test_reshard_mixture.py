@@ -112,8 +112,15 @@ def micro_batches_by_step(path: Path, bounds: np.ndarray, keep=lambda step: True
     found: dict[int, Counter] = defaultdict(Counter)
     for row in rows_of(path):
         if row["samples"] and keep(row["step"]):
-            found[row["step"]][(source_of(row["samples"], bounds), tuple(row["samples"]), tuple(row["starts"]),
-                                row["tokens"], row["loss_tokens"])] += 1  # fmt: skip
+            found[row["step"]][
+                (
+                    source_of(row["samples"], bounds),
+                    tuple(row["samples"]),
+                    tuple(row["starts"]),
+                    row["tokens"],
+                    row["loss_tokens"],
+                )
+            ] += 1
     return found
 
 
@@ -127,8 +134,13 @@ def tokens_by_step_and_source(path: Path, bounds: np.ndarray, keep=lambda step: 
 
 def uses(path: Path, keep=lambda step: True) -> list[tuple[int, int]]:
     """Every use as (step, sample): each entry that starts a sample (a split sample's first piece)."""
-    return [(row["step"], sample) for row in rows_of(path) if keep(row["step"])
-            for sample, start in zip(row["samples"], row["starts"]) if start == 0]  # fmt: skip
+    return [
+        (row["step"], sample)
+        for row in rows_of(path)
+        if keep(row["step"])
+        for sample, start in zip(row["samples"], row["starts"])
+        if start == 0
+    ]
 
 
 def assert_repetition_in_order(steps_and_samples: list[tuple[int, int]], meta: dict) -> None:
@@ -229,8 +241,11 @@ def test_each_step_holds_the_parent_tokens_per_source_and_token_counts(mixture, 
     assert tokens_by_step_and_source(child, bounds) == tokens_by_step_and_source(mixture["parent"], bounds, later)
 
     def per_step(path, keep):
-        return {(row["step"], row["step_tokens"], row["step_loss_tokens"], row["tokens_before_step"])
-                for row in rows_of(path) if keep(row["step"])}  # fmt: skip
+        return {
+            (row["step"], row["step_tokens"], row["step_loss_tokens"], row["tokens_before_step"])
+            for row in rows_of(path)
+            if keep(row["step"])
+        }
 
     assert per_step(child, lambda step: True) == per_step(mixture["parent"], later)
 
@@ -262,8 +277,10 @@ def test_the_prefix_is_the_parents(mixture, reshard, world_size, where):
     epoch = at_step[0]["epoch"]
     assert meta["steps_per_epoch"][:epoch] == [0] * epoch
     first_of_epoch = sum(parent.metadata["steps_per_epoch"][:epoch])
-    assert meta["steps_per_epoch"][epoch:] == [parent.metadata["steps_per_epoch"][epoch] - (from_step - first_of_epoch),
-                                               *parent.metadata["steps_per_epoch"][epoch + 1 :]]  # fmt: skip
+    assert meta["steps_per_epoch"][epoch:] == [
+        parent.metadata["steps_per_epoch"][epoch] - (from_step - first_of_epoch),
+        *parent.metadata["steps_per_epoch"][epoch + 1 :],
+    ]
     used = {s for row in parent_rows if row["epoch"] == epoch and row["step"] < from_step for s in row["samples"]}
     consumed = meta["consumed"]
     assert consumed["epoch"] == epoch and consumed["spans"] == []
@@ -325,8 +342,21 @@ def test_a_step_size_is_refused_for_a_mixture_in_one_line(mixture, tmp_path):
     for size in ({"micro_batches": 4}, {"tokens_per_step": 4096}):
         with pytest.raises(ConfigError, match="keeps its steps"):
             reshard_plan_file(mixture["parent"], tmp_path / "x.arrow", world_size=2, from_step=3, **size)
-    result = CliRunner().invoke(app, ["reshard", str(mixture["parent"]), "--world-size", "2", "--from-step", "3",
-                                      "--micro-batches", "4", "-o", str(tmp_path / "x.arrow")])  # fmt: skip
+    result = CliRunner().invoke(
+        app,
+        [
+            "reshard",
+            str(mixture["parent"]),
+            "--world-size",
+            "2",
+            "--from-step",
+            "3",
+            "--micro-batches",
+            "4",
+            "-o",
+            str(tmp_path / "x.arrow"),
+        ],
+    )
     assert result.exit_code == 1
     assert result.stderr.count("\n") == 1 and "leave --micro-batches and --tokens-per-step out" in result.stderr
     assert not (tmp_path / "x.arrow").exists()
@@ -361,8 +391,7 @@ def test_records_and_mixture_dataset_give_the_parent_loss_tokens_per_source(mixt
 
     child, from_step = reshard(3, "epoch 0")
     sources = open_plan(mixture["parent"]).metadata["mixture"]["sources"]
-    datasets = {s["name"]: [{"source": k, "row": r} for r in range(s["num_samples"])]
-                for k, s in enumerate(sources)}  # fmt: skip
+    datasets = {s["name"]: [{"source": k, "row": r} for r in range(s["num_samples"])] for k, s in enumerate(sources)}
     dataset = MixtureDataset(child, datasets)
     assert source_names(child) == ["s0", "s1", "s2"]
     state = states_after(mixture["parent"], 4, from_step)[1]

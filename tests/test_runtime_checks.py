@@ -141,10 +141,14 @@ def test_with_the_datasets_lengths_spans_and_token_counts_are_checked_against_th
         drain(sampler)
     # A swapped index stays inside the dataset but not inside the lengths the plan was built on.
     shortest = int(np.argmin(lengths))  # one token
-    swap = {"split": lambda v: v.__setitem__(np.flatnonzero(v == 3)[-1], shortest),  # a piece of 150-token sample 3
-            "whole": lambda v: v.__setitem__(0, 3 if v[0] != 3 else 4)}
-    patterns = {"split": rf"takes tokens \[\d+, \d+\) of sample {shortest}, which has 1;",
-                "whole": r"the micro-batch at step \d+, micro \d+ counts [0-9,]+ tokens but its entries hold"}
+    swap = {
+        "split": lambda v: v.__setitem__(np.flatnonzero(v == 3)[-1], shortest),  # a piece of 150-token sample 3
+        "whole": lambda v: v.__setitem__(0, 3 if v[0] != 3 else 4),
+    }
+    patterns = {
+        "split": rf"takes tokens \[\d+, \d+\) of sample {shortest}, which has 1;",
+        "whole": r"the micro-batch at step \d+, micro \d+ counts [0-9,]+ tokens but its entries hold",
+    }
     for name in ("split", "whole"):
         rewrite(tmp_path / f"{name}.arrow", tmp_path / "bad.arrow", 0, 0, "samples", swap[name])
         next(iter(PlanSampler(tmp_path / "bad.arrow", rank=0, world_size=2)))  # without the lengths: plausible

@@ -32,8 +32,13 @@ def flattening_reference(features: list[dict]) -> dict:
         labels += [-100] + list(feature.get("labels", tokens))[1:]
         positions += list(range(len(tokens)))
         cu.append(cu[-1] + len(tokens))
-    return {"input_ids": [ids], "labels": [labels], "position_ids": [positions], "cu": cu,
-            "max_length": max(len(f["input_ids"]) for f in features)}  # fmt: skip
+    return {
+        "input_ids": [ids],
+        "labels": [labels],
+        "position_ids": [positions],
+        "cu": cu,
+        "max_length": max(len(f["input_ids"]) for f in features),
+    }
 
 
 # -- PackCollator -------------------------------------------------------------------
@@ -162,8 +167,10 @@ def test_token_loss_sum_is_the_shifted_cross_entropy_sum():
     labels = torch.tensor([[-100, 3, 4, -100, 1], [-100, 2, -100, -100, -100]])
     expected = sum(
         -torch.log_softmax(logits[b, t - 1], dim=-1)[labels[b, t]]
-        for b in range(2) for t in range(1, 5) if labels[b, t] != -100
-    )  # fmt: skip
+        for b in range(2)
+        for t in range(1, 5)
+        if labels[b, t] != -100
+    )
     torch.testing.assert_close(token_loss_sum(logits, labels), expected)
     torch.testing.assert_close(token_loss_sum(logits, {"labels": labels}), expected)
     assert count_loss_tokens(labels) == 4

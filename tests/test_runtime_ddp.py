@@ -43,8 +43,17 @@ def test_each_rank_replays_exactly_its_rows_of_the_plan(ddp):
         expected = []
         for epoch in range(plan.num_epochs):
             for row in plan.read_rank(epoch, rank).to_pylist():
-                expected.append((epoch, row["step"], row["micro"], row["num_micro"], tuple(row["samples"]),
-                                 tuple(row["starts"]), tuple(row["lengths"])))  # fmt: skip
+                expected.append(
+                    (
+                        epoch,
+                        row["step"],
+                        row["micro"],
+                        row["num_micro"],
+                        tuple(row["samples"]),
+                        tuple(row["starts"]),
+                        tuple(row["lengths"]),
+                    )
+                )
         assert [entry[:7] for entry in result["coverage"]] == expected
 
 

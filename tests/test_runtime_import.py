@@ -27,8 +27,17 @@ def test_importing_the_runtime_loads_no_numba_and_no_typer():
 def test_the_public_api_is_exported():
     import batchplan.runtime as runtime
 
-    for name in ("PlanSampler", "PackCollator", "PadCollator", "PlanDataset", "MicroBatch", "PlanBatch",
-                 "with_record", "token_lr_scheduler", "token_loss_sum"):  # fmt: skip
+    for name in (
+        "PlanSampler",
+        "PackCollator",
+        "PadCollator",
+        "PlanDataset",
+        "MicroBatch",
+        "PlanBatch",
+        "with_record",
+        "token_lr_scheduler",
+        "token_loss_sum",
+    ):
         assert name in runtime.__all__
         assert getattr(runtime, name) is not None
 

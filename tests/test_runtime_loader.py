@@ -106,7 +106,11 @@ def test_collate_kwargs_the_collator_does_not_take_are_refused(plans):
 def test_collate_fn_with_collate_kwargs_is_refused(plans):
     with pytest.raises(ConfigError, match="both collate_fn and collate_kwargs"):
         plan_loader(
-            make_dataset(), plans["pack"], rank=0, world_size=2, collate_fn=PackCollator(),
+            make_dataset(),
+            plans["pack"],
+            rank=0,
+            world_size=2,
+            collate_fn=PackCollator(),
             collate_kwargs={"pad_token_id": 1},
         )
 

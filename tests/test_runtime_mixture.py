@@ -34,8 +34,14 @@ def mixture(tmp_path_factory) -> dict:
         lengths = rng.integers(1, 60, size).astype(np.int32)
         pq.write_table(pa.table({"length": lengths}), directory / f"s{index}.parquet")
         np.save(directory / f"s{index}.npy", lengths)
-        sources.append({"name": f"s{index}", "paths": [f"s{index}.parquet"], "weight": weight,
-                        "lengths": str(directory / f"s{index}.npy")})  # fmt: skip
+        sources.append(
+            {
+                "name": f"s{index}",
+                "paths": [f"s{index}.parquet"],
+                "weight": weight,
+                "lengths": str(directory / f"s{index}.npy"),
+            }
+        )
     spec = {"sources": [{k: v for k, v in s.items() if k != "lengths"} for s in sources], "tokens": 12_000}
     (directory / "mix.json").write_text(json.dumps(spec))
     (directory / "sources.json").write_text(json.dumps({"sources": sources}))
@@ -111,9 +117,11 @@ def test_records_say_their_source_and_hold_only_its_samples(mixture):
                     assert record.source == -1
     assert sum(loss.values()) == sum(
         batch.column("loss_tokens").to_numpy().sum()
-        for plan in [open_plan(mixture["plan"])] for e in range(plan.num_epochs) for r in range(2)
+        for plan in [open_plan(mixture["plan"])]
+        for e in range(plan.num_epochs)
+        for r in range(2)
         for batch in [plan.read_rank(e, r)]
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.slow
@@ -126,8 +134,9 @@ def test_two_gloo_processes_replay_the_mixture_exactly_with_resume(mixture, tmp_
     dataset = MixtureDataset(mixture["plan"], datasets_of(mixture))
     for rank, rows in enumerate(seen):
         expected = [row for e in range(plan.num_epochs) for row in plan.read_rank(e, rank).to_pylist()]
-        assert [(r["epoch"], r["step"], r["micro"]) for r in rows] == [(r["epoch"], r["step"], r["micro"])
-                                                                       for r in expected]  # fmt: skip
+        assert [(r["epoch"], r["step"], r["micro"]) for r in rows] == [
+            (r["epoch"], r["step"], r["micro"]) for r in expected
+        ]
         for got, want in zip(rows, expected):
             located = [list(dataset.locate(i)) for i in want["samples"]]
             assert got["located"] == located and got["source"] == want["source"]

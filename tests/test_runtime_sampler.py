@@ -49,8 +49,17 @@ def test_iteration_yields_this_ranks_rows_in_plan_order(plans, rank, epoch):
         assert record.indices == row["samples"]
         assert (record.starts, record.lengths) == (row["starts"], row["lengths"])
         assert record.spans == list(zip(row["starts"], row["lengths"]))
-        for field in ("epoch", "step", "micro", "num_micro", "tokens", "loss_tokens", "step_loss_tokens",
-                      "tokens_before_step", "step_tokens"):  # fmt: skip
+        for field in (
+            "epoch",
+            "step",
+            "micro",
+            "num_micro",
+            "tokens",
+            "loss_tokens",
+            "step_loss_tokens",
+            "tokens_before_step",
+            "step_tokens",
+        ):
             assert getattr(record, field) == row[field], field
         assert "padded_tokens" not in row  # a pack plan: no padding, the record says tokens
         assert record.padded_tokens == row["tokens"]
@@ -368,8 +377,9 @@ def test_loader_workers_give_the_same_batches(plans):
     sampler = PlanSampler(plans["pack"], rank=0, world_size=2)
     dataset, collate = PlanDataset(make_dataset()), PackCollator()
     plain = [b["input_ids"] for b in DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)]
-    workers = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=2,
-                         multiprocessing_context="fork")  # fmt: skip
+    workers = DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=collate, num_workers=2, multiprocessing_context="fork"
+    )
     sampler.set_epoch(0)
     records = list(sampler.schedule())
     together = list(workers)
@@ -441,8 +451,10 @@ def test_check_dataset_with_lengths_names_both_fingerprints(built, change):
         lengths = np.roll(lengths, 1)
     sampler = PlanSampler(built["plain"], rank=0, world_size=2)
     found, recorded = fingerprint_lengths(lengths), fingerprint_lengths(built["lengths"])
-    message = (f"the dataset's lengths have fingerprint {found} but the plan was built for {recorded}; "
-               "same row count, other data")  # fmt: skip
+    message = (
+        f"the dataset's lengths have fingerprint {found} but the plan was built for {recorded}; "
+        "same row count, other data"
+    )
     with pytest.raises(PlanMismatchError, match=message):
         sampler.check_dataset(50, lengths)
     with pytest.raises(PlanMismatchError, match="lengths and loss tokens have fingerprint"):

@@ -79,11 +79,17 @@ def plan_matrix(directory) -> list:
     )
     for mode, drop_last, schedule, hidden_size in options:
         config = PlanConfig(
-            max_tokens=1024, mode=mode, world_size=4, epochs=2, micro_batches=2, drop_last=drop_last,
-            hidden_size=hidden_size, seed=len(paths),
+            max_tokens=1024,
+            mode=mode,
+            world_size=4,
+            epochs=2,
+            micro_batches=2,
+            drop_last=drop_last,
+            hidden_size=hidden_size,
+            seed=len(paths),
             **({"rampup_start": 4096, "rampup_tokens": 60_000} if schedule == "rampup" else {}),
             **({"seqlen_warmup_min": 128, "seqlen_warmup_tokens": 40_000} if schedule == "warmup" else {}),
-        )  # fmt: skip
+        )
         path = directory / f"plan{len(paths)}.arrow"
         write_plan(build_plan(lengths, config), path)
         paths.append(path)

@@ -92,8 +92,15 @@ def good(request, write_built_plan, small_lengths, tmp_path):
     config = PlanConfig(max_tokens=1024, mode=request.param, world_size=2, micro_batches=2, epochs=2)
     path, _ = write_built_plan(small_lengths, config)
     schema, metadata, batches = read_rows(path)
-    return {"path": path, "schema": schema, "metadata": metadata, "batches": batches,
-            "lengths": small_lengths, "config": config, "broken": tmp_path / "broken.arrow"}  # fmt: skip
+    return {
+        "path": path,
+        "schema": schema,
+        "metadata": metadata,
+        "batches": batches,
+        "lengths": small_lengths,
+        "config": config,
+        "broken": tmp_path / "broken.arrow",
+    }
 
 
 def forge(good, batches=None, metadata=None, *, rehash=True, count=True) -> Path:
@@ -125,7 +132,9 @@ def test_duplicated_sample_is_a_coverage_violation(good):
     rows = [(batch, i) for batch in epoch0 for i in range(len(batch["samples"]))]
     everything = sorted((s for batch in epoch0 for row in batch["samples"] for s in row), key=lambda s: lengths[s])
     batch, row, extra = next(
-        (batch, i, s) for s in everything for batch, i in rows
+        (batch, i, s)
+        for s in everything
+        for batch, i in rows
         if s not in batch["samples"][i] and load(lengths, batch["samples"][i] + [s], mode) <= 1024
     )
     batch["samples"][row].append(extra)
@@ -248,8 +257,11 @@ def test_sample_planned_three_times_is_named_with_its_count(good):
     lengths, mode = good["lengths"], good["config"].mode
     rows = [(batch, i) for batch in good["batches"][:2] for i in range(len(batch["samples"]))]
     extra = min((s for batch, i in rows for s in batch["samples"][i]), key=lambda s: lengths[s])
-    hosts = [(batch, i) for batch, i in rows if extra not in batch["samples"][i]
-             and load(lengths, batch["samples"][i] + [extra], mode) <= 1024][:2]  # fmt: skip
+    hosts = [
+        (batch, i)
+        for batch, i in rows
+        if extra not in batch["samples"][i] and load(lengths, batch["samples"][i] + [extra], mode) <= 1024
+    ][:2]
     for batch, i in hosts:
         batch["samples"][i].append(extra)
     path = forge(good)

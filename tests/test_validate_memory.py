@@ -31,11 +31,20 @@ LENGTHS = np.random.default_rng(3).integers(1, 700, 2_000).astype(np.int32)
 LENGTHS[::97] = 2_500  # oversize: split or truncated
 
 CONFIGS = {
-    "split": PlanConfig(max_tokens=1024, world_size=4, epochs=2, oversize="split", micro_batches=2, hidden_size=256,
-                        seqlen_warmup_min=256, seqlen_warmup_tokens=100_000, drop_last=True),
+    "split": PlanConfig(
+        max_tokens=1024,
+        world_size=4,
+        epochs=2,
+        oversize="split",
+        micro_batches=2,
+        hidden_size=256,
+        seqlen_warmup_min=256,
+        seqlen_warmup_tokens=100_000,
+        drop_last=True,
+    ),
     "pad": PlanConfig(max_tokens=1024, mode="pad", world_size=3, epochs=2, oversize="truncate"),
     "pack": PlanConfig(max_tokens=1024, world_size=5, epochs=2, oversize="drop", drop_last=True),
-}  # fmt: skip
+}
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +103,9 @@ def test_checks_hold_about_one_byte_per_sample(tmp_path, oversize):
 # -- add_counts -------------------------------------------------------------------------------------
 
 
-@given(st.lists(st.integers(0, 9), max_size=60), st.lists(st.integers(0, 5), min_size=10, max_size=10),
-       st.integers(1, 5))  # fmt: skip
+@given(
+    st.lists(st.integers(0, 9), max_size=60), st.lists(st.integers(0, 5), min_size=10, max_size=10), st.integers(1, 5)
+)
 def test_add_counts_counts_every_occurrence_up_to_the_limit(values, before, limit):
     counts = np.minimum(np.array(before), limit).astype(np.uint8)
     expected = [min(int(count) + values.count(i), limit) for i, count in enumerate(counts)]
@@ -169,8 +179,17 @@ def epochs(draw) -> dict:
     then a few entries added, removed or moved, dealt to one to three ranks."""
     num_samples = draw(st.integers(1, 9))
     lengths = draw(st.lists(st.integers(0, 6), min_size=num_samples, max_size=num_samples))
-    case = {"num_samples": num_samples, "has_spans": draw(st.booleans()), "cap": draw(st.sampled_from([None, 3])),
-            "lengths": lengths, "whole": [], "trained": [], "always": [], "last": [], "last_spans": []}  # fmt: skip
+    case = {
+        "num_samples": num_samples,
+        "has_spans": draw(st.booleans()),
+        "cap": draw(st.sampled_from([None, 3])),
+        "lengths": lengths,
+        "whole": [],
+        "trained": [],
+        "always": [],
+        "last": [],
+        "last_spans": [],
+    }
     kept = kept_lengths(case)
     entries = []
     for sample in range(num_samples):
@@ -223,13 +242,21 @@ def test_coverage_rank_by_rank_matches_a_whole_epoch_count(case):
     lengths = None if case["lengths"] is None else np.array(case["lengths"], dtype=np.int32)
     whole = np.zeros(case["num_samples"], dtype=bool)
     whole[case["whole"]] = True
-    coverage = EpochCoverage(case["num_samples"], case["has_spans"], lengths,
-                             None if lengths is None else case["cap"], whole if whole.any() else None,
-                             np.array(case["trained"], dtype=np.int64).reshape(-1, 3))  # fmt: skip
+    coverage = EpochCoverage(
+        case["num_samples"],
+        case["has_spans"],
+        lengths,
+        None if lengths is None else case["cap"],
+        whole if whole.any() else None,
+        np.array(case["trained"], dtype=np.int64).reshape(-1, 3),
+    )
     ranks = [columns(rank, case["has_spans"]) for rank in case["ranks"]]
     for rank in ranks:
         coverage.add(*rank)
-    found = coverage.check(np.array(case["always"], dtype=np.int64), np.array(case["last"], dtype=np.int64),
-                           np.array(case["last_spans"], dtype=np.int64).reshape(-1, 3),
-                           lambda: iter(ranks))  # fmt: skip
+    found = coverage.check(
+        np.array(case["always"], dtype=np.int64),
+        np.array(case["last"], dtype=np.int64),
+        np.array(case["last_spans"], dtype=np.int64).reshape(-1, 3),
+        lambda: iter(ranks),
+    )
     assert found == reference_coverage(case)

@@ -24,9 +24,14 @@ from batchplan.formats.arrow_layout import ARROW_MAGIC, SMALLEST_ARROW_FILE
 from batchplan.formats.plan_format import BATCH_CRC_KEY, METADATA_KEY, batch_checksum, content_hash, decode_metadata
 
 __all__ = [
-    "check_batch_count", "open_arrow", "read_batch", "read_metadata", "shift_columns", "unreadable_schema",
+    "check_batch_count",
+    "open_arrow",
+    "read_batch",
+    "read_metadata",
+    "shift_columns",
+    "unreadable_schema",
     "verify_batches",
-]  # fmt: skip
+]
 
 
 def open_arrow(path: Path) -> pa.ipc.RecordBatchFileReader:

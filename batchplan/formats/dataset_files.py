@@ -189,8 +189,10 @@ class ParquetSource:
             self._file = storage.open_parquet(path)
         except (pa.ArrowException, OSError) as error:
             raise read_error(
-                path, error, "not a readable Parquet file", "give Parquet files or directories of them, "
-                "or a folder written by Hugging Face Dataset.save_to_disk"
+                path,
+                error,
+                "not a readable Parquet file",
+                "give Parquet files or directories of them, or a folder written by Hugging Face Dataset.save_to_disk",
             ) from error
         self.schema: pa.Schema = self._file.schema_arrow
 

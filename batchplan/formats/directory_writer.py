@@ -256,8 +256,7 @@ def _usable_directory(directory: Path) -> Path:
 def _not_writable(directory: Path, error: OSError, what: str) -> ConfigError:
     reason = os.strerror(error.errno) if error.errno else str(error)
     return ConfigError(
-        f"output directory {directory} is not writable: {what} ({reason}); make it writable or choose "
-        "another output"
+        f"output directory {directory} is not writable: {what} ({reason}); make it writable or choose another output"
     )
 
 

@@ -72,9 +72,7 @@ def read_mixture(path: PathLike) -> Mixture:
     except ConfigError as error:
         raise ConfigError(f"{path}: {error}") from None
     directory = path.parent
-    return dataclasses.replace(
-        mixture, sources=tuple(_resolved(source, directory) for source in mixture.sources)
-    )
+    return dataclasses.replace(mixture, sources=tuple(_resolved(source, directory) for source in mixture.sources))
 
 
 def _resolved(source: MixtureSource, directory: Path) -> MixtureSource:
@@ -152,6 +150,7 @@ def read_mixture_lengths(
         DatasetError: naming the source: a missing path, a column missing, an unreadable
             file, a source with no samples whose weight (or epochs) is positive.
     """
+
     def read(source: MixtureSource) -> SampleLengths | None:
         columns = {
             "length_column": source.length_column or length_column,

@@ -26,23 +26,52 @@ from batchplan.errors import PlanFormatError
 from batchplan.formats.arrow import numpy_of
 
 __all__ = [
-    "BATCH_CRC_KEY", "FORMAT_VERSION", "INT32_LIMIT", "METADATA_KEY", "REQUIRED_COLUMNS", "batch_checksum",
-    "batch_crc", "check_columns", "check_metadata", "content_hash", "decode_metadata", "dump_json",
-    "expected_schema", "hash_text", "metadata_crc", "plan_schema",
-]  # fmt: skip
+    "BATCH_CRC_KEY",
+    "FORMAT_VERSION",
+    "INT32_LIMIT",
+    "METADATA_KEY",
+    "REQUIRED_COLUMNS",
+    "batch_checksum",
+    "batch_crc",
+    "check_columns",
+    "check_metadata",
+    "content_hash",
+    "decode_metadata",
+    "dump_json",
+    "expected_schema",
+    "hash_text",
+    "metadata_crc",
+    "plan_schema",
+]
 
 # 2: pack plans have no padded_tokens column (in version 1 both modes have it). Readers
 # take every version up to this one.
 FORMAT_VERSION = 2
 METADATA_KEY = b"batchplan"
 REQUIRED_COLUMNS = (
-    "epoch", "step", "rank", "micro", "samples", "tokens", "loss_tokens", "step_loss_tokens",
-)  # fmt: skip
+    "epoch",
+    "step",
+    "rank",
+    "micro",
+    "samples",
+    "tokens",
+    "loss_tokens",
+    "step_loss_tokens",
+)
 INT32_LIMIT = 2**31
 _REQUIRED_METADATA = {
-    "num_samples": int, "world_size": int, "max_tokens": int, "mode": str, "epochs": int, "seed": int,
-    "config": dict, "steps_per_epoch": list, "rows_per_rank": list, "dropped": dict, "content_hash": str,
-}  # fmt: skip
+    "num_samples": int,
+    "world_size": int,
+    "max_tokens": int,
+    "mode": str,
+    "epochs": int,
+    "seed": int,
+    "config": dict,
+    "steps_per_epoch": list,
+    "rows_per_rank": list,
+    "dropped": dict,
+    "content_hash": str,
+}
 # The key of a record batch's custom metadata holding the checksum of its values.
 BATCH_CRC_KEY = "batchplan_crc"
 
@@ -91,8 +120,13 @@ def expected_schema(metadata: dict[str, Any]) -> pa.Schema:
     """The columns a plan with this metadata has (without schema metadata)."""
     has_cost = metadata.get("attention_coefficient") is not None
     has_padded = metadata["mode"] == "pad"  # format-version-1 pack plans have it too: allowed
-    return plan_schema(int(metadata["num_samples"]), bool(metadata.get("has_spans")), has_cost=has_cost,
-                       has_padded=has_padded, has_source=metadata.get("mixture") is not None)  # fmt: skip
+    return plan_schema(
+        int(metadata["num_samples"]),
+        bool(metadata.get("has_spans")),
+        has_cost=has_cost,
+        has_padded=has_padded,
+        has_source=metadata.get("mixture") is not None,
+    )
 
 
 def dump_json(metadata: dict[str, Any]) -> bytes:

@@ -39,9 +39,15 @@ if TYPE_CHECKING:
     from batchplan.plan import Entries, EpochPlan, Plan
 
 __all__ = [
-    "epoch_batches", "epoch_metadata", "header_metadata", "merge_metadata", "plan_metadata", "plan_schema",
-    "write_batches", "write_plan",
-]  # fmt: skip
+    "epoch_batches",
+    "epoch_metadata",
+    "header_metadata",
+    "merge_metadata",
+    "plan_metadata",
+    "plan_schema",
+    "write_batches",
+    "write_plan",
+]
 
 
 def write_plan(
@@ -78,8 +84,10 @@ def write_plan(
     schema = _schema_of(plan.num_samples, plan.entries.has_spans, plan.config, has_source=mixture is not None)
     batches = _record_batches(schema, plan, on_batch)
     if lineage:
-        shifts = {"step": lineage.get("first_step", 0),
-                  "tokens_before_step": lineage.get("tokens_before_first_step", 0)}  # fmt: skip
+        shifts = {
+            "step": lineage.get("first_step", 0),
+            "tokens_before_step": lineage.get("tokens_before_first_step", 0),
+        }
         batches = (shift_columns(batch, shifts) for batch in batches)
     return write_batches(path, schema, metadata, batches)
 
@@ -140,9 +148,7 @@ def _write_failed(path: Path, error: OSError, existed: bool) -> OSError:
     return failed
 
 
-def plan_metadata(
-    plan: Plan, *, dataset=None, lengths_fingerprint=None, lineage=None, mixture=None
-) -> dict[str, Any]:
+def plan_metadata(plan: Plan, *, dataset=None, lengths_fingerprint=None, lineage=None, mixture=None) -> dict[str, Any]:
     """The JSON metadata of a plan (everything but the content hash); ``lineage`` keys last."""
     header = header_metadata(plan.config, plan.num_samples, plan.entries, dataset, lengths_fingerprint, mixture)
     parts = [epoch_metadata(plan.entries, epoch) for epoch in plan.epochs]
@@ -307,9 +313,13 @@ def _rank_batch(schema, entries: Entries, epoch: EpochPlan, rank: int, rows: sli
         columns["starts"] = _list_array(list_offsets, entries.start[members], schema.field("starts").type)
         columns["lengths"] = _list_array(list_offsets, entries.length[members], schema.field("lengths").type)
     arrays = [
-        shared[f.name] if f.name in shared else columns[f.name] if pa.types.is_list(f.type)
-        else arrow_array(columns[f.name], f.type) for f in schema
-    ]  # fmt: skip
+        shared[f.name]
+        if f.name in shared
+        else columns[f.name]
+        if pa.types.is_list(f.type)
+        else arrow_array(columns[f.name], f.type)
+        for f in schema
+    ]
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 

@@ -220,8 +220,7 @@ def _store_of(uri: str) -> str:
     scheme = _scheme(uri)
     if scheme not in _STORES:
         raise DatasetError(
-            f"{uri}: unsupported URI scheme {scheme!r}; expected s3://BUCKET/PREFIX, gs://BUCKET/PREFIX "
-            "or a local path"
+            f"{uri}: unsupported URI scheme {scheme!r}; expected s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or a local path"
         )
     return _STORES[scheme]
 

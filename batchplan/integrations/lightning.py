@@ -98,8 +98,15 @@ class PlanDataModule(_LightningDataModule):
         PlanMismatchError: the plan was built for another world size or dataset.
     """
 
-    def __init__(self, plan: str | os.PathLike | PlanSampler, dataset: Any, *, collate_fn: Any = None,
-                 num_workers: int = 0, pin_memory: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        plan: str | os.PathLike | PlanSampler,
+        dataset: Any,
+        *,
+        collate_fn: Any = None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
         super().__init__()
         if not isinstance(plan, (str, os.PathLike, PlanSampler)):
             raise ConfigError(f"plan must be a plan file path or a PlanSampler, got {type(plan).__name__}")
@@ -150,9 +157,12 @@ class PlanDataModule(_LightningDataModule):
         self._apply_pending_state()
         collate = self.collate_fn or (PackCollator() if sampler.mode == "pack" else PadCollator())
         loader = _PlanLoader(
-            PlanDataset(self.dataset), batch_sampler=sampler, collate_fn=collate, num_workers=self.num_workers,
+            PlanDataset(self.dataset),
+            batch_sampler=sampler,
+            collate_fn=collate,
+            num_workers=self.num_workers,
             pin_memory=self.pin_memory,
-        )  # fmt: skip
+        )
         loader.steps_done = self._steps_done
         return loader
 
@@ -199,9 +209,11 @@ class PlanDataModule(_LightningDataModule):
             )
         sampler = self.sampler
         metadata = sampler.plan.metadata
-        for name, ours in (("content_hash", metadata.get("content_hash")),
-                           ("config_fingerprint", metadata.get("config_fingerprint")),
-                           ("world_size", sampler.world_size)):  # fmt: skip
+        for name, ours in (
+            ("content_hash", metadata.get("content_hash")),
+            ("config_fingerprint", metadata.get("config_fingerprint")),
+            ("world_size", sampler.world_size),
+        ):
             if state_dict.get(name) != ours:
                 raise PlanMismatchError(
                     f"the checkpoint was saved with a plan of {name} {state_dict.get(name)!r} but {sampler.path} has "

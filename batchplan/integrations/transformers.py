@@ -90,8 +90,9 @@ class PlanTrainerMixin(_TrainerBase):
 
     compute_loss_func: Any  # Trainer's; set here for a model that returns only logits
 
-    def __init__(self, *args: Any, plan: str | os.PathLike | PlanSampler, plan_collator: Any = None,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self, *args: Any, plan: str | os.PathLike | PlanSampler, plan_collator: Any = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         if self.args.gradient_accumulation_steps != 1:
             raise ConfigError(
@@ -104,9 +105,11 @@ class PlanTrainerMixin(_TrainerBase):
                 "average_tokens_across_devices=False divides each rank's loss by its own tokens; the plan's "
                 "step_loss_tokens counts all ranks, so leave it True"
             )
-        self.plan_sampler = plan if isinstance(plan, PlanSampler) else PlanSampler(
-            plan, rank=self.args.process_index, world_size=self.args.world_size
-        )  # fmt: skip
+        self.plan_sampler = (
+            plan
+            if isinstance(plan, PlanSampler)
+            else PlanSampler(plan, rank=self.args.process_index, world_size=self.args.world_size)
+        )
         if self.plan_sampler.first_step != 0:
             raise ConfigError(
                 f"{self.plan_sampler.path} is a resharded plan (it starts at step {self.plan_sampler.first_step}); "
@@ -159,8 +162,15 @@ class PlanTrainerMixin(_TrainerBase):
         epochs = int(np.searchsorted(np.cumsum(steps), max_steps, side="left")) + 1
         num_examples = len(self.train_dataset)
         longest = max(steps)  # Trainer loops this many steps per epoch; a shorter epoch ends early
-        return epochs, longest, num_examples, num_examples * epochs, self.get_total_train_batch_size(args), \
-            longest, max_steps  # fmt: skip
+        return (
+            epochs,
+            longest,
+            num_examples,
+            num_examples * epochs,
+            self.get_total_train_batch_size(args),
+            longest,
+            max_steps,
+        )
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         step = next(epoch_iterator, None)
@@ -229,10 +239,12 @@ class PlanTrainerMixin(_TrainerBase):
         with open(path, "w") as file:
             json.dump(sampler.state_at_step(self.state.global_step), file)
 
-    def _init_training_state(self, max_steps, num_update_steps_per_epoch, num_train_epochs,
-                             resume_from_checkpoint, trial):  # fmt: skip
-        super()._init_training_state(max_steps, num_update_steps_per_epoch, num_train_epochs,
-                                     resume_from_checkpoint, trial)  # fmt: skip
+    def _init_training_state(
+        self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+    ):
+        super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
         sampler = self.plan_sampler
         if resume_from_checkpoint is None or self.state.global_step == 0:
             sampler.load_state_dict(sampler.state_at_step(0))

@@ -23,9 +23,21 @@ __all__ = ["lay_out_rows", "take_scheduled"]
 
 @njit(cache=True, nogil=True)
 def take_scheduled(
-    schedule, begin, end, window, round_order, world_size, table, values, by_values, max_tokens, out, out_values,
-    part, parts,
-):  # fmt: skip
+    schedule,
+    begin,
+    end,
+    window,
+    round_order,
+    world_size,
+    table,
+    values,
+    by_values,
+    max_tokens,
+    out,
+    out_values,
+    part,
+    parts,
+):
     """Per scheduled position, its micro-batch's id, tokens, entry count and ``values``,
     gathered in one pass (the only random reads), with positions ``begin:end`` balanced.
 
@@ -98,9 +110,22 @@ def _put(out, out_values, target, k, table, values):
 
 @njit(cache=True, nogil=True)
 def lay_out_rows(
-    step_offsets, costs, batch, tokens, sizes, loss, compute, world_size, order_rows, rows, row_compute, rank_rows,
-    step_sums, part, parts,
-):  # fmt: skip
+    step_offsets,
+    costs,
+    batch,
+    tokens,
+    sizes,
+    loss,
+    compute,
+    world_size,
+    order_rows,
+    rows,
+    row_compute,
+    rank_rows,
+    step_sums,
+    part,
+    parts,
+):
     """Assign ranks in each step and lay the rows out by (rank, step, micro), in one pass.
 
     Args:

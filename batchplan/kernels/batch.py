@@ -35,8 +35,9 @@ __all__ = ["split_batch"]
 
 
 @njit(cache=True, nogil=True)
-def split_batch(lengths, loss, item_offsets, shuffled, coefficient, by_tokens, world_size, max_tokens, num_micro,
-                exchange):  # fmt: skip
+def split_batch(
+    lengths, loss, item_offsets, shuffled, coefficient, by_tokens, world_size, max_tokens, num_micro, exchange
+):
     """Every rank's micro-batches of one batch.
 
     Args:

@@ -33,8 +33,9 @@ _PASSES = 4
 
 
 @njit(cache=True, nogil=True)
-def compose_steps(source_offsets, tokens, phase_starts, phase_weights, shares, world_size, max_tokens, sizing, out,
-                  step_offsets):
+def compose_steps(
+    source_offsets, tokens, phase_starts, phase_weights, shares, world_size, max_tokens, sizing, out, step_offsets
+):
     """Fill ``out`` with micro-batch ids step by step and ``step_offsets`` with the steps'
     bounds over it; return the number of steps.
 
@@ -60,13 +61,37 @@ def compose_steps(source_offsets, tokens, phase_starts, phase_weights, shares, w
         step_offsets: int64, at least ``len(out) + 1`` long.
     """
     limits = source_offsets[1:].copy().reshape((1, source_offsets.shape[0] - 1))
-    return compose_segments(source_offsets, limits, np.zeros(1), tokens, phase_starts, phase_weights, shares,
-                            world_size, max_tokens, sizing, out, step_offsets)
+    return compose_segments(
+        source_offsets,
+        limits,
+        np.zeros(1),
+        tokens,
+        phase_starts,
+        phase_weights,
+        shares,
+        world_size,
+        max_tokens,
+        sizing,
+        out,
+        step_offsets,
+    )
 
 
 @njit(cache=True, nogil=True)
-def compose_segments(source_offsets, limits, joins, tokens, phase_starts, phase_weights, shares, world_size,
-                     max_tokens, sizing, out, step_offsets):
+def compose_segments(
+    source_offsets,
+    limits,
+    joins,
+    tokens,
+    phase_starts,
+    phase_weights,
+    shares,
+    world_size,
+    max_tokens,
+    sizing,
+    out,
+    step_offsets,
+):
     """`compose_steps` over queues in segments: ``limits`` (int64, (segments, sources),
     non-decreasing down each column, the last row ``source_offsets[1:]``): segment ``g`` of
     source ``s`` ends at ``limits[g, s]``. A step takes micro-batches of the segments so far
@@ -91,20 +116,37 @@ def compose_segments(source_offsets, limits, joins, tokens, phase_starts, phase_
     step_offsets[0] = 0
     clock = shares.copy()
     while position < total:
-        phase = _enter_phase(phase, done, remaining, phase_starts, phase_weights, tokens, cursor, source_offsets,
-                             taken, clock)
+        phase = _enter_phase(
+            phase, done, remaining, phase_starts, phase_weights, tokens, cursor, source_offsets, taken, clock
+        )
         due = (phase_starts, phase_weights, phase, done)
         while True:  # the step's seats, and the segments it takes from (module docstring)
             ends = limits[segment]
             left, ahead = total - position, remaining
             if limits.shape[0] > 1:
                 left, ahead = _available(cursor, ends, cumulative)
-            seats = world_size * _step_rounds(rounds, done, sizing, tokens, cursor, ends, due, clock, taken,
-                                              world_size, max_tokens, left, ahead, count)
+            seats = world_size * _step_rounds(
+                rounds,
+                done,
+                sizing,
+                tokens,
+                cursor,
+                ends,
+                due,
+                clock,
+                taken,
+                world_size,
+                max_tokens,
+                left,
+                ahead,
+                count,
+            )
             if segment + 1 == limits.shape[0]:
                 break
-            if seats < left and not (done >= joins[segment + 1] and _short(
-                    seats, seats * ahead / left, tokens, cursor, ends, cumulative, due, max_tokens)):
+            if seats < left and not (
+                done >= joins[segment + 1]
+                and _short(seats, seats * ahead / left, tokens, cursor, ends, cumulative, due, max_tokens)
+            ):
                 break
             segment += 1
         if seats >= left:  # the epoch's last step takes what is left
@@ -189,8 +231,9 @@ def _enter_phase(phase, done, remaining, phase_starts, phase_weights, tokens, cu
 
 
 @njit(cache=True, nogil=True)
-def _step_rounds(rounds, done, sizing, tokens, cursor, ends, due, shares, taken, world_size, max_tokens, left,
-                 remaining, count):
+def _step_rounds(
+    rounds, done, sizing, tokens, cursor, ends, due, shares, taken, world_size, max_tokens, left, remaining, count
+):
     """Rounds of the next step: fixed, or those whose composed tokens come nearest the goal
     (``left`` micro-batches of ``remaining`` tokens to take, each source's before its ``ends``)."""
     if rounds > 0:

@@ -114,20 +114,22 @@ def mixture_metadata(mixture: Mixture, read_sources, selections, columns: dict[s
     for source, read, selection in zip(mixture.sources, read_sources, selections):
         if (read.name, selection.name) != (source.name, source.name):
             raise ConfigError(f"sources out of order: {source.name!r}, {read.name!r}, {selection.name!r}")
-        sources.append({
-            "name": source.name,
-            "paths": list(source.paths),
-            "offset": read.offset,
-            "num_samples": read.num_samples,
-            "files": [[path, rows] for path, rows in read.files],
-            "lengths_fingerprint": read.fingerprint,
-            "length_column": source.length_column or columns["length_column"],
-            "loss_tokens_column": source.loss_tokens_column or columns["loss_tokens_column"],
-            "weight": selection.weight,
-            "target_tokens": selection.target_tokens,
-            "planned_tokens": selection.planned_tokens,
-            "passes": selection.passes,
-        })
+        sources.append(
+            {
+                "name": source.name,
+                "paths": list(source.paths),
+                "offset": read.offset,
+                "num_samples": read.num_samples,
+                "files": [[path, rows] for path, rows in read.files],
+                "lengths_fingerprint": read.fingerprint,
+                "length_column": source.length_column or columns["length_column"],
+                "loss_tokens_column": source.loss_tokens_column or columns["loss_tokens_column"],
+                "weight": selection.weight,
+                "target_tokens": selection.target_tokens,
+                "planned_tokens": selection.planned_tokens,
+                "passes": selection.passes,
+            }
+        )
     described = {"fingerprint": mixture.fingerprint(), "spec": mixture.to_dict(), "sources": sources}
     if mixture.phases:
         starts, weights = mixture.phase_weights()

@@ -50,8 +50,15 @@ class EpochCoverage:
         trained_spans: shape (n, 3): ``[sample, start, length]`` pieces trained before it.
     """
 
-    def __init__(self, num_samples: int, has_spans: bool, lengths: NDArray[np.integer] | None, cap: int | None,
-                 trained_whole: NDArray[np.bool_] | None, trained_spans: NDArray[np.int64]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        num_samples: int,
+        has_spans: bool,
+        lengths: NDArray[np.integer] | None,
+        cap: int | None,
+        trained_whole: NDArray[np.bool_] | None,
+        trained_spans: NDArray[np.int64],
+    ) -> None:
         self.has_spans, self.lengths, self.cap = has_spans, lengths, cap
         self.trained_whole, self.trained_spans = trained_whole, trained_spans
         self.counts = np.zeros(num_samples, dtype=np.uint8)  # whole entries per sample: 0, 1, 2 = more
@@ -79,8 +86,13 @@ class EpochCoverage:
         self.counts[samples] = 1  # a repeat stores 1 again: ``num_whole`` tells
         self.num_whole += samples.shape[0]
 
-    def check(self, always: NDArray[np.int64], last: NDArray[np.int64], last_spans: NDArray[np.int64],
-              reread: Callable[[], Iterable[RankEntries]]) -> str | None:  # fmt: skip
+    def check(
+        self,
+        always: NDArray[np.int64],
+        last: NDArray[np.int64],
+        last_spans: NDArray[np.int64],
+        reread: Callable[[], Iterable[RankEntries]],
+    ) -> str | None:
         """The first coverage violation, or None.
 
         Args:
@@ -134,8 +146,10 @@ class EpochCoverage:
         self.counts[last] = _DROPPED
         wrong, first = self._scan(self._not_once)
         if wrong:
-            return (f"{wrong:,} samples are not planned exactly once "
-                    f"(sample {first:,} appears {self._times(first, reread)} times)")  # fmt: skip
+            return (
+                f"{wrong:,} samples are not planned exactly once "
+                f"(sample {first:,} appears {self._times(first, reread)} times)"
+            )
         if last_held:
             return "a sample dropped by drop_last is in the plan (or was trained before it)"
         return None
@@ -164,8 +178,9 @@ class EpochCoverage:
         if not np.array_equal(np.unique(last_spans[:, 0]), np.unique(last)):
             return "drop_last lists other samples than its dropped pieces"
         whole = self.trained_whole
-        if whole is not None and (self.whole_again or whole[last_spans[:, 0]].any()
-                                  or whole[self.trained_spans[:, 0]].any()):  # fmt: skip
+        if whole is not None and (
+            self.whole_again or whole[last_spans[:, 0]].any() or whole[self.trained_spans[:, 0]].any()
+        ):
             return "a sample trained whole before the plan's first step is planned again"
         sample, start, length = self._sorted_pieces(last_spans, reread)
         same = sample[1:] == sample[:-1]

@@ -250,8 +250,9 @@ class EpochChecker:
         if over.size:
             if not tally.first_over_warmup:
                 row = int(over[0])
-                tally.first_over_warmup = (f"step {int(step[row]) + self.step_base}: "
-                                           f"{int(longest[row]):,} > {int(caps[step[row]]):,}")  # fmt: skip
+                tally.first_over_warmup = (
+                    f"step {int(step[row]) + self.step_base}: {int(longest[row]):,} > {int(caps[step[row]]):,}"
+                )
             tally.over_warmup += over.size
 
     def report(self, tally: _Tally) -> list[Violation]:
@@ -259,8 +260,11 @@ class EpochChecker:
         found = []
         if tally.over_cap:
             what = "count x longest" if self.meta["mode"] == "pad" else "tokens"
-            found += self.fail("max_tokens", f"{tally.over_cap:,} micro-batches exceed max_tokens "
-                               f"{self.meta['max_tokens']:,} ({what} up to {tally.heaviest:,})")  # fmt: skip
+            found += self.fail(
+                "max_tokens",
+                f"{tally.over_cap:,} micro-batches exceed max_tokens "
+                f"{self.meta['max_tokens']:,} ({what} up to {tally.heaviest:,})",
+            )
         found += [v for key, message in _COUNTS.items() if key in tally.wrong for v in self.fail("counts", message)]
         config = self.meta["config"]
         if config.get("seqlen_warmup_min") is not None and "resharded_from" not in self.meta and not self.has_spans:
@@ -276,8 +280,9 @@ class EpochChecker:
         cap = None
         if self.lengths is not None and self.meta["config"]["oversize"] == "truncate":
             cap = self.meta["max_tokens"]  # an epoch covers a truncated sample's first max_tokens
-        return EpochCoverage(self.plan.num_samples, self.has_spans, self.lengths, cap,
-                             self.trained_whole, self.trained_spans)  # fmt: skip
+        return EpochCoverage(
+            self.plan.num_samples, self.has_spans, self.lengths, cap, self.trained_whole, self.trained_spans
+        )
 
     def check_coverage(self, coverage: EpochCoverage) -> list[Violation]:
         dropped = self.meta.get("dropped", {})

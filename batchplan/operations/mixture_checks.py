@@ -131,10 +131,16 @@ def _check_planned(plan: OpenedPlan, sources, bounds, trained: NDArray[np.int64]
         np.add.at(dropped, np.searchsorted(bounds, samples, side="right") - 1, tokens)
     for index, source in enumerate(sources):
         if trained[index] + dropped[index] != source["planned_tokens"]:
-            return [Violation("mixture_planned", (
-                f"source {source['name']!r}: the plan trains {int(trained[index]):,} of its tokens and drop_last drops "
-                f"{int(dropped[index]):,}, but its planned tokens are {source['planned_tokens']:,}"
-            ))]  # fmt: skip
+            return [
+                Violation(
+                    "mixture_planned",
+                    (
+                        f"source {source['name']!r}: the plan trains {int(trained[index]):,} of its tokens and "
+                        f"drop_last drops {int(dropped[index]):,}, but its planned tokens are "
+                        f"{source['planned_tokens']:,}"
+                    ),
+                )
+            ]
     return []
 
 
@@ -188,8 +194,9 @@ def _due(before: NDArray[np.int64], totals: NDArray[np.int64], starts: NDArray[n
     return due
 
 
-def _check_shares(per_step: NDArray[np.int64], due, step_phase, max_tokens: int, epoch: int,
-                  step_base: int) -> list[Violation]:  # fmt: skip
+def _check_shares(
+    per_step: NDArray[np.int64], due, step_phase, max_tokens: int, epoch: int, step_base: int
+) -> list[Violation]:
     found = []
     totals = per_step.sum(axis=1)
     target = due
@@ -198,11 +205,16 @@ def _check_shares(per_step: NDArray[np.int64], due, step_phase, max_tokens: int,
     if off.any():
         step, source = np.argwhere(off)[0]
         share = per_step[step, source] / max(totals[step], 1)
-        found.append(Violation("mixture_shares", (
-            f"{int(off.sum()):,} (step, source) pairs off their share; first: step {step_base + step:,}, source "
-            f"{source}: {share:.2%} of {totals[step]:,} tokens against a weight of "
-            f"{due[step, source] / max(totals[step], 1):.2%}"
-        )))
+        found.append(
+            Violation(
+                "mixture_shares",
+                (
+                    f"{int(off.sum()):,} (step, source) pairs off their share; first: step {step_base + step:,}, "
+                    f"source {source}: {share:.2%} of {totals[step]:,} tokens against a weight of "
+                    f"{due[step, source] / max(totals[step], 1):.2%}"
+                ),
+            )
+        )
     step_tokens = max(totals.mean() if totals.shape[0] else 0, max_tokens)
     # A stretch: the epoch's steps of one phase. What its own tokens of each source miss its
     # weight by (whole documents: sizing and the epoch's cut) is where the source ends whatever
@@ -215,12 +227,17 @@ def _check_shares(per_step: NDArray[np.int64], due, step_phase, max_tokens: int,
         allowed_drift = step_tokens + own_miss[None, :] + 1e-6
         if (drift > allowed_drift).any():
             step, source = np.argwhere(drift > allowed_drift)[0]
-            found.append(Violation("mixture_drift", (
-                f"after step {step_base + first + step:,}, source {source} is {drift[step, source]:,.0f} tokens off "
-                f"its weight in epoch {epoch} since step {step_base + first:,} (allowed: one step, "
-                f"{step_tokens:,.0f}, and the {own_miss[source]:,.0f} the stretch's own tokens of it miss its "
-                "weight by)"
-            )))
+            found.append(
+                Violation(
+                    "mixture_drift",
+                    (
+                        f"after step {step_base + first + step:,}, source {source} is {drift[step, source]:,.0f} "
+                        f"tokens off its weight in epoch {epoch} since step {step_base + first:,} (allowed: one step, "
+                        f"{step_tokens:,.0f}, and the {own_miss[source]:,.0f} the stretch's own tokens of it miss its "
+                        "weight by)"
+                    ),
+                )
+            )
             break
     return found
 
@@ -252,9 +269,12 @@ def _check_repetition(steps, samples, bounds, sources, never: NDArray[np.int64],
         kept = np.ones(source["num_samples"], dtype=bool)
         kept[never[(never >= bounds[index]) & (never < bounds[index + 1])] - bounds[index]] = False
         if uses[kept].max() - uses[kept].min() > 1:
-            found.append(Violation("mixture_repetition", (
-                f"source {source['name']!r}: samples are used from {uses[kept].min()} to {uses[kept].max()} times"
-            )))
+            found.append(
+                Violation(
+                    "mixture_repetition",
+                    f"source {source['name']!r}: samples are used from {uses[kept].min()} to {uses[kept].max()} times",
+                )
+            )
             continue
         if uses[~kept].any():
             found.append(Violation("mixture_repetition", f"source {source['name']!r}: a dropped sample is used"))
@@ -265,10 +285,15 @@ def _check_repetition(steps, samples, bounds, sources, never: NDArray[np.int64],
             last_kth = used_steps[nth == k].max()
             first_next = used_steps[nth == k + 1].min()
             if first_next < last_kth:
-                found.append(Violation("mixture_repetition", (
-                    f"source {source['name']!r}: a sample is used a {k + 2}th time {_when(first_next)}, before every "
-                    f"sample was used {k + 1} times (the last {_when(last_kth)})"
-                )))
+                found.append(
+                    Violation(
+                        "mixture_repetition",
+                        (
+                            f"source {source['name']!r}: a sample is used a {k + 2}th time {_when(first_next)}, "
+                            f"before every sample was used {k + 1} times (the last {_when(last_kth)})"
+                        ),
+                    )
+                )
                 break
     return found
 

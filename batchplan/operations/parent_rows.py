@@ -15,9 +15,15 @@ from batchplan.kernels.pack import pack_segments
 from batchplan.plan import Entries, index_dtype
 
 __all__ = [
-    "ParentRows", "always_dropped", "concat_rows", "index_entries", "merge_epoch_end", "parent_drops", "read_epoch",
+    "ParentRows",
+    "always_dropped",
+    "concat_rows",
+    "index_entries",
+    "merge_epoch_end",
+    "parent_drops",
+    "read_epoch",
     "segment_positions",
-]  # fmt: skip
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,26 +60,39 @@ class ParentRows:
         flat = segment_positions(self.offsets, rows)
         counts = np.diff(self.offsets)[rows]
         return ParentRows(
-            step=self.step[rows], offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-            sample=self.sample[flat], start=_pick(self.start, flat), length=_pick(self.length, flat),
-            tokens=self.tokens[rows], loss_tokens=self.loss_tokens[rows], padded_tokens=self.padded_tokens[rows],
-            cost=_pick(self.cost, rows), source=_pick(self.source, rows),
-        )  # fmt: skip
+            step=self.step[rows],
+            offsets=np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+            sample=self.sample[flat],
+            start=_pick(self.start, flat),
+            length=_pick(self.length, flat),
+            tokens=self.tokens[rows],
+            loss_tokens=self.loss_tokens[rows],
+            padded_tokens=self.padded_tokens[rows],
+            cost=_pick(self.cost, rows),
+            source=_pick(self.source, rows),
+        )
 
 
 def read_epoch(plan: OpenedPlan, epoch: int) -> ParentRows:
     """Every non-empty micro-batch of one parent epoch, in the order the run trains them."""
     columns = plan.epoch_rows(epoch)
-    numbers = {name: columns.numbers(name).astype(np.int64)
-               for name in ("step", "rank", "micro", "tokens", "loss_tokens", "padded_tokens")}  # fmt: skip
+    numbers = {
+        name: columns.numbers(name).astype(np.int64)
+        for name in ("step", "rank", "micro", "tokens", "loss_tokens", "padded_tokens")
+    }
     spans = columns.has_spans
     rows = ParentRows(
-        step=numbers["step"], offsets=columns.offsets("samples"), sample=_entries(columns, "samples"),
-        start=_entries(columns, "starts") if spans else None, length=_entries(columns, "lengths") if spans else None,
-        tokens=numbers["tokens"], loss_tokens=numbers["loss_tokens"], padded_tokens=numbers["padded_tokens"],
+        step=numbers["step"],
+        offsets=columns.offsets("samples"),
+        sample=_entries(columns, "samples"),
+        start=_entries(columns, "starts") if spans else None,
+        length=_entries(columns, "lengths") if spans else None,
+        tokens=numbers["tokens"],
+        loss_tokens=numbers["loss_tokens"],
+        padded_tokens=numbers["padded_tokens"],
         cost=columns.numbers("cost") if "cost" in columns else None,
         source=columns.numbers("source") if "source" in columns else None,
-    )  # fmt: skip
+    )
     order = np.lexsort((numbers["micro"], numbers["rank"], numbers["step"]))
     return rows.take(order[np.diff(rows.offsets)[order] > 0])
 
@@ -98,11 +117,16 @@ def merge_epoch_end(part: ParentRows, max_tokens: int) -> ParentRows:
         return np.bincount(group_of, weights=values).astype(values.dtype)
 
     ends = ParentRows(
-        step=merged.step[offsets[1:] - 1], offsets=np.concatenate([[0], np.cumsum(summed(np.diff(merged.offsets)))]),
-        sample=merged.sample, start=merged.start, length=merged.length, tokens=summed(merged.tokens),
-        loss_tokens=summed(merged.loss_tokens), padded_tokens=summed(merged.padded_tokens),
+        step=merged.step[offsets[1:] - 1],
+        offsets=np.concatenate([[0], np.cumsum(summed(np.diff(merged.offsets)))]),
+        sample=merged.sample,
+        start=merged.start,
+        length=merged.length,
+        tokens=summed(merged.tokens),
+        loss_tokens=summed(merged.loss_tokens),
+        padded_tokens=summed(merged.padded_tokens),
         cost=None if merged.cost is None else summed(merged.cost),
-    )  # fmt: skip
+    )
     return concat_rows(part.take(np.flatnonzero(part.step != part.step.max())), ends)
 
 
@@ -113,12 +137,15 @@ def concat_rows(first: ParentRows, second: ParentRows) -> ParentRows:
     return ParentRows(
         step=both(first.step, second.step),
         offsets=np.concatenate([first.offsets, first.offsets[-1] + second.offsets[1:]]),
-        sample=both(first.sample, second.sample), start=both(first.start, second.start),
-        length=both(first.length, second.length), tokens=both(first.tokens, second.tokens),
+        sample=both(first.sample, second.sample),
+        start=both(first.start, second.start),
+        length=both(first.length, second.length),
+        tokens=both(first.tokens, second.tokens),
         loss_tokens=both(first.loss_tokens, second.loss_tokens),
-        padded_tokens=both(first.padded_tokens, second.padded_tokens), cost=both(first.cost, second.cost),
+        padded_tokens=both(first.padded_tokens, second.padded_tokens),
+        cost=both(first.cost, second.cost),
         source=both(first.source, second.source),
-    )  # fmt: skip
+    )
 
 
 def _pick(values: NDArray | None, positions: NDArray[np.int64]) -> NDArray | None:
@@ -176,8 +203,12 @@ def index_entries(plan: OpenedPlan, rows: list[ParentRows], drops: list[NDArray[
     inverse[order] = np.cumsum(new) - 1
     unique = ordered[new]
     length = unique[:, 2].astype(np.int32)
-    entries = Entries(sample=unique[:, 0].astype(index_dtype(plan.num_samples)), start=unique[:, 1].copy(),
-                      length=length, dropped=always)  # fmt: skip
+    entries = Entries(
+        sample=unique[:, 0].astype(index_dtype(plan.num_samples)),
+        start=unique[:, 1].copy(),
+        length=length,
+        dropped=always,
+    )
     bounds = np.cumsum([0] + [p.shape[0] for p in pieces])
     ids = [inverse[bounds[i] : bounds[i + 1]] for i in range(len(pieces))]
     return entries, ids[: len(rows)], ids[len(rows) :]

@@ -73,9 +73,14 @@ def replan_mixture_file(
     parent = open_parent(plan_path, output, "re-planned")
     mixture = mixture if isinstance(mixture, Mixture) else read_mixture(mixture)
     replanned = replan_mixture(
-        parent, mixture, from_step=from_step, world_size=world_size, micro_batches=micro_batches,
-        tokens_per_step=tokens_per_step, threads=num_threads(),
-    )  # fmt: skip
+        parent,
+        mixture,
+        from_step=from_step,
+        world_size=world_size,
+        micro_batches=micro_batches,
+        tokens_per_step=tokens_per_step,
+        threads=num_threads(),
+    )
     return replanned.write(output)
 
 
@@ -160,8 +165,9 @@ def _check_reach(mixture: Mixture, config: PlanConfig, tokens_before: int, from_
         )
 
 
-def _prepare_rest(mixture, sources, config: PlanConfig, resume, num_epochs: int, epoch: int, tokens_before: int,
-                  threads: int):  # fmt: skip
+def _prepare_rest(
+    mixture, sources, config: PlanConfig, resume, num_epochs: int, epoch: int, tokens_before: int, threads: int
+):
     """The entries of the run from ``tokens_before`` on (epochs ``epoch..num_epochs - 1``;
     the ones before hold nothing), phases at run tokens, and no warmup: the run is past it
     (`_check_reach`)."""
@@ -171,10 +177,12 @@ def _prepare_rest(mixture, sources, config: PlanConfig, resume, num_epochs: int,
     lengths, loss_tokens = sources.lengths()
     rest = _rest_mixture(mixture, sources, tokens_before)
     start_numba()
-    rest_config = dataclasses.replace(config, epochs=num_epochs - epoch, seqlen_warmup_min=None,
-                                      seqlen_warmup_tokens=None)  # fmt: skip
-    prepared = prepare_mixture_entries(rest, lengths, sources.offsets(), rest_config, loss_tokens=loss_tokens,
-                                       threads=threads, resume=resume)  # fmt: skip
+    rest_config = dataclasses.replace(
+        config, epochs=num_epochs - epoch, seqlen_warmup_min=None, seqlen_warmup_tokens=None
+    )
+    prepared = prepare_mixture_entries(
+        rest, lengths, sources.offsets(), rest_config, loss_tokens=loss_tokens, threads=threads, resume=resume
+    )
     # Epochs before the resumed one hold nothing; phases at run tokens (the rest's begin at from_step).
     return dataclasses.replace(
         prepared,
@@ -233,8 +241,10 @@ class SourcesInPlan:
             source = by_name.get(name)
             if source is None:
                 continue
-            part, mine = slice(int(offsets[index]), int(offsets[index + 1])), slice(
-                source.offset, source.offset + source.num_samples)  # fmt: skip
+            part, mine = (
+                slice(int(offsets[index]), int(offsets[index + 1])),
+                slice(source.offset, source.offset + source.num_samples),
+            )
             lengths[part] = read.lengths[mine]
             if loss is not None:
                 loss[part] = read.loss_tokens[mine]
@@ -244,8 +254,10 @@ class SourcesInPlan:
         """As `MixtureLengths.fingerprint`, over every source in index order (a left-out one
         with the parent's record of it)."""
         read = {source.name: source.fingerprint for source in self.read.sources}
-        rows = [[name, size, read.get(name) or self.recorded[name]["lengths_fingerprint"]]
-                for name, size in zip(self.names, self.sizes)]  # fmt: skip
+        rows = [
+            [name, size, read.get(name) or self.recorded[name]["lengths_fingerprint"]]
+            for name, size in zip(self.names, self.sizes)
+        ]
         return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()[:32]
 
 
@@ -265,21 +277,25 @@ def sources_in_plan(parent_sources: list[dict[str, Any]], mixture: Mixture, *, w
             source,
             length_column=source.length_column or recorded[source.name]["length_column"],
             loss_tokens_column=source.loss_tokens_column or recorded[source.name].get("loss_tokens_column"),
-        ) if source.name in recorded else source
+        )
+        if source.name in recorded
+        else source
         for source in mixture.sources
-    )  # fmt: skip
+    )
     read = read_mixture_lengths(dataclasses.replace(mixture, sources=reading))
     by_name = {source.name: source for source in read.sources}
     for name, old in recorded.items():
         source = by_name.get(name)
-        if source is not None and (source.num_samples, source.fingerprint) != (old["num_samples"],
-                                                                               old["lengths_fingerprint"]):
+        if source is not None and (source.num_samples, source.fingerprint) != (
+            old["num_samples"],
+            old["lengths_fingerprint"],
+        ):
             raise DatasetError(
                 f"source {name!r} has other rows{where} ({source.num_samples:,} rows, lengths fingerprint "
                 f"{source.fingerprint}; the plan's: {old['num_samples']:,}, {old['lengths_fingerprint']}); a "
                 "sample index must keep its row, so give the changed data a new name to add it as a new source "
                 f"(and leave {name!r} out)"
-            )  # fmt: skip
+            )
     added = [source.name for source in read.sources if source.name not in recorded]
     names = [source["name"] for source in parent_sources] + added
     sizes = [int(source["num_samples"]) for source in parent_sources] + [by_name[name].num_samples for name in added]
@@ -318,10 +334,12 @@ def _rest_mixture(mixture: Mixture, sources: SourcesInPlan, tokens_before: int) 
         source = given.get(name) or MixtureSource(name=name, paths=("(not in the new mixture)",))
         rows.append(dataclasses.replace(source, weight=in_force.get(name, 0.0), epochs=None))
     moved = tuple(
-        MixturePhase(from_tokens=phase.from_tokens - tokens_before,
-                     weights={name: phase.weights.get(name, 0.0) for name in sources.names})
+        MixturePhase(
+            from_tokens=phase.from_tokens - tokens_before,
+            weights={name: phase.weights.get(name, 0.0) for name in sources.names},
+        )
         for phase in later
-    )  # fmt: skip
+    )
     return Mixture(sources=tuple(rows), tokens=mixture.tokens - tokens_before, phases=moved)
 
 
@@ -355,20 +373,22 @@ def _mixture_metadata(mixture: Mixture, described, sources: SourcesInPlan, selec
             "num_samples": int(sources.sizes[index]),
             "files": [[path, count] for path, count in lengths.files] if lengths is not None else old["files"],
             "lengths_fingerprint": lengths.fingerprint if lengths is not None else old["lengths_fingerprint"],
-            "length_column": (source.length_column if source is not None else None) or old.get(
-                "length_column", "length"),
-            "loss_tokens_column": (source.loss_tokens_column if source is not None else None) or old.get(
-                "loss_tokens_column"),
+            "length_column": (source.length_column if source is not None else None)
+            or old.get("length_column", "length"),
+            "loss_tokens_column": (source.loss_tokens_column if source is not None else None)
+            or old.get("loss_tokens_column"),
             "weight": selection.weight,
             "target_tokens": selection.target_tokens,
             "planned_tokens": selection.planned_tokens,
             "passes": selection.passes,
-        }  # fmt: skip
+        }
         rows.append(row)
     starts, weights = mixture.phase_weights()
     position = {name: index for index, name in enumerate(mixture.names)}
-    phases = [{"from_tokens": start, "weights": [row[position[n]] if n in position else 0.0 for n in sources.names]}
-              for start, row in zip(starts, weights)]  # fmt: skip
+    phases = [
+        {"from_tokens": start, "weights": [row[position[n]] if n in position else 0.0 for n in sources.names]}
+        for start, row in zip(starts, weights)
+    ]
     return {
         "fingerprint": mixture.fingerprint(),
         "spec": mixture.to_dict(),

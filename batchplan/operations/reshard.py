@@ -124,9 +124,13 @@ class ReshardedPlan:
     def write(self, path: str | os.PathLike) -> dict[str, Any]:
         """Write the plan atomically; return its metadata."""
         return write_plan(
-            self.plan, path, dataset=self.dataset, lengths_fingerprint=self.lengths_fingerprint, lineage=self.lineage,
+            self.plan,
+            path,
+            dataset=self.dataset,
+            lengths_fingerprint=self.lengths_fingerprint,
+            lineage=self.lineage,
             mixture=self.mixture,
-        )  # fmt: skip
+        )
 
 
 def reshard_plan_file(
@@ -362,11 +366,22 @@ def empty_epoch(epoch: int, config: PlanConfig, dropped: NDArray[np.int64], mixt
     (``mixture``: of a mixture's plan, whose rows say their source)."""
     none64, none32 = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32)
     return EpochPlan(
-        epoch=epoch, world_size=config.world_size, offsets=np.zeros(1, dtype=np.int64), member_store=Members(none64),
-        rank_step=none64, rank_micro=none32, rank_num_micro=none32, tokens=none64, loss_tokens=none64,
-        padded_tokens=none64, cost=None if config.cost_coefficient is None else np.zeros(0), step_tokens=none64,
-        step_loss_tokens=none64, dropped_entries=dropped, source=np.zeros(0, dtype=np.int16) if mixture else None,
-    )  # fmt: skip
+        epoch=epoch,
+        world_size=config.world_size,
+        offsets=np.zeros(1, dtype=np.int64),
+        member_store=Members(none64),
+        rank_step=none64,
+        rank_micro=none32,
+        rank_num_micro=none32,
+        tokens=none64,
+        loss_tokens=none64,
+        padded_tokens=none64,
+        cost=None if config.cost_coefficient is None else np.zeros(0),
+        step_tokens=none64,
+        step_loss_tokens=none64,
+        dropped_entries=dropped,
+        source=np.zeros(0, dtype=np.int16) if mixture else None,
+    )
 
 
 def _consumed(plan: OpenedPlan, rows: ParentRows, from_step: int, epoch: int) -> dict[str, Any]:

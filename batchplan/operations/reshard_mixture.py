@@ -50,8 +50,16 @@ def deal_steps(part: ParentRows, config: PlanConfig, epoch: int, tokens_before: 
     if part.cost is not None:
         costs = np.zeros(total, dtype=np.float64)
         costs[held == 1] = part.cost
-    return schedule_epoch(entries, batches, config, epoch, tokens_before=tokens_before, costs=costs,
-                          steps=step_offsets, order=np.arange(total, dtype=np.int64))  # fmt: skip
+    return schedule_epoch(
+        entries,
+        batches,
+        config,
+        epoch,
+        tokens_before=tokens_before,
+        costs=costs,
+        steps=step_offsets,
+        order=np.arange(total, dtype=np.int64),
+    )
 
 
 def mixture_consumed(

@@ -131,16 +131,22 @@ def _validate_mixture_plan(plan: OpenedPlan, mixture: PathLike) -> list[Violatio
     missing = [s["name"] for s in recorded if s["planned_tokens"] > 0 and s["name"] not in given.names]
     if unknown or missing:
         why = ([f"the plan has no source {unknown}"] if unknown else []) + (
-            [f"the mixture leaves out {missing}, which the plan uses"] if missing else [])  # fmt: skip
+            [f"the mixture leaves out {missing}, which the plan uses"] if missing else []
+        )
         return [Violation("dataset", f"the mixture's sources are not the plan's: {'; '.join(why)}")]
     try:
         sources = sources_in_plan(recorded, given, where=" than the plan's")
     except DatasetError as error:
         return [Violation("dataset", str(error))]
     if plan.metadata.get("lengths_fingerprint") not in (None, sources.fingerprint()):
-        return [Violation("dataset", f"the mixture's lengths fingerprint {sources.fingerprint()} differs from the "
-                          f"plan's {plan.metadata['lengths_fingerprint']}; the plan was built for other sources or "
-                          "data")]  # fmt: skip
+        return [
+            Violation(
+                "dataset",
+                f"the mixture's lengths fingerprint {sources.fingerprint()} differs from the "
+                f"plan's {plan.metadata['lengths_fingerprint']}; the plan was built for other sources or "
+                "data",
+            )
+        ]
     lengths, loss_tokens = sources.lengths()
     return check_plan(plan, lengths, loss_tokens)
 
@@ -184,8 +190,10 @@ def _read_lineage(plan: OpenedPlan) -> tuple[_Lineage, list[Violation]]:
         if consumed["epoch"] != lineage.first_epoch or lineage.first_epoch >= plan.num_epochs:
             raise ValueError(f"consumed epoch {consumed['epoch']} / resumed epoch {lineage.first_epoch} mismatch")
         spans = lineage.consumed_spans
-        if spans.size and ((spans[:, 0] < 0) | (spans[:, 0] >= plan.num_samples) | (spans[:, 1] < 0)
-                           | (spans[:, 2] < 1)).any():  # fmt: skip
+        if (
+            spans.size
+            and ((spans[:, 0] < 0) | (spans[:, 0] >= plan.num_samples) | (spans[:, 1] < 0) | (spans[:, 2] < 1)).any()
+        ):
             raise ValueError("a consumed piece lies outside the dataset")
     except (KeyError, TypeError, ValueError, binascii.Error) as error:
         message = f"the lineage of a resharded plan (first_step, resharded_from, consumed) is malformed ({error})"
@@ -210,8 +218,13 @@ def _non_negative(value) -> int:
 def _check_trained_on_parent(plan: OpenedPlan, epoch: int) -> list[Violation]:
     rows = sum(plan.rank_rows(epoch, rank).num_rows for rank in range(plan.world_size))
     if rows or plan.metadata["steps_per_epoch"][epoch] or plan.metadata["rows_per_rank"][epoch]:
-        return [Violation("integrity", f"epoch {epoch}: trained on the parent plan before step "
-                          f"{plan.metadata.get('first_step')}, but it holds rows or steps")]  # fmt: skip
+        return [
+            Violation(
+                "integrity",
+                f"epoch {epoch}: trained on the parent plan before step "
+                f"{plan.metadata.get('first_step')}, but it holds rows or steps",
+            )
+        ]
     return []
 
 
@@ -223,8 +236,13 @@ def _check_dataset(plan: OpenedPlan, lengths, loss_tokens) -> list[Violation]:
         return []
     actual = fingerprint_lengths(lengths, loss_tokens)
     if recorded is not None and recorded != actual:
-        return [Violation("dataset", f"lengths fingerprint {actual} differs from the plan's {recorded}; "
-                          "the plan was built for other data (or another loss-tokens column)")]  # fmt: skip
+        return [
+            Violation(
+                "dataset",
+                f"lengths fingerprint {actual} differs from the plan's {recorded}; "
+                "the plan was built for other data (or another loss-tokens column)",
+            )
+        ]
     return []
 
 

@@ -112,8 +112,18 @@ def plan_batch(
     shuffled = batch_rng(seed).permutation(entries.item_offsets.shape[0] - 1)
     wanted = 0 if micro_batches is None else int(micro_batches)
     exchange = (EXCHANGE_ROUNDS, EXCHANGE_POOL, EXCHANGE_TRIES, EXCHANGE_GOOD_ENOUGH)
-    split = split_batch(entries.length, entries.loss, entries.item_offsets, shuffled, coefficient, groups is None,
-                        world_size, max_tokens, wanted, exchange)  # fmt: skip
+    split = split_batch(
+        entries.length,
+        entries.loss,
+        entries.item_offsets,
+        shuffled,
+        coefficient,
+        groups is None,
+        world_size,
+        max_tokens,
+        wanted,
+        exchange,
+    )
     return _result(entries, split, world_size, max_tokens, wanted)
 
 
@@ -131,11 +141,19 @@ def _result(entries: _Entries, split, world_size: int, max_tokens: int, wanted: 
     rank_costs = costs.sum(axis=1)
     balance, bound = _balance(rank_costs, item_costs, world_size)
     return BatchPlan(
-        samples=order if entries.sample is None else entries.sample[order], offsets=offsets,
+        samples=order if entries.sample is None else entries.sample[order],
+        offsets=offsets,
         spans=None if entries.start is None else np.stack((entries.start[order], entries.length[order]), axis=1),
-        tokens=tokens, loss_tokens=loss, costs=costs, rank_costs=rank_costs, step_tokens=int(tokens.sum()),
-        step_loss_tokens=int(loss.sum()), num_micro=num_micro, balance=balance, balance_bound=bound,
-    )  # fmt: skip
+        tokens=tokens,
+        loss_tokens=loss,
+        costs=costs,
+        rank_costs=rank_costs,
+        step_tokens=int(tokens.sum()),
+        step_loss_tokens=int(loss.sum()),
+        num_micro=num_micro,
+        balance=balance,
+        balance_bound=bound,
+    )
 
 
 def _check_arguments(world_size, max_tokens, hidden_size, attention_coefficient, micro_batches, oversize) -> float:

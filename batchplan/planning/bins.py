@@ -34,9 +34,16 @@ from batchplan.planning.randomness import KeyStream, unshuffle_by_group
 from batchplan.planning.threads import run_in_parts
 
 __all__ = [
-    "MEMBERS_AT_ONCE", "PARK_FROM_ENTRIES", "PackedBins", "PendingMembers", "Placed", "SlotRuns", "bin_destinations_of",
-    "count_by_group", "left_to_right_sum",
-]  # fmt: skip
+    "MEMBERS_AT_ONCE",
+    "PARK_FROM_ENTRIES",
+    "PackedBins",
+    "PendingMembers",
+    "Placed",
+    "SlotRuns",
+    "bin_destinations_of",
+    "count_by_group",
+    "left_to_right_sum",
+]
 
 
 class PackedBins:

@@ -45,8 +45,12 @@ def form_micro_batches(
         # the bins' offsets and tokens are int32 where they fit (held until members are laid out).
         bound = most_bins(histogram, capacity)
         index = index_dtype(count)
-        buffers = (new_buffer(count, index), np.zeros(bound + 1, dtype=index),
-                   new_buffer(bound, index), new_buffer(bound, index))  # fmt: skip
+        buffers = (
+            new_buffer(count, index),
+            np.zeros(bound + 1, dtype=index),
+            new_buffer(bound, index),
+            new_buffer(bound, index),
+        )
         packed = pack_histogram(histogram, capacity, buffers=buffers)
         del buffers
         bins = PackedBins(lengths, start, keys, packed.slot_bin, packed.offsets, packed.tokens, capacity)

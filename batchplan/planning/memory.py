@@ -193,8 +193,16 @@ def estimate_build_memory(
         counts = length_counts(np.asarray(lengths), config.max_tokens)
         num_entries, rows, has_spans = estimate_layout(np.asarray(lengths), config, counts)
         tokens = counts[0]
-    estimate = MemoryEstimate(num_entries, rows, config.epochs, 1, has_spans, config.cost_coefficient is not None,
-                              kernel_bytes(config, tokens), complete=lengths is not None)  # fmt: skip
+    estimate = MemoryEstimate(
+        num_entries,
+        rows,
+        config.epochs,
+        1,
+        has_spans,
+        config.cost_coefficient is not None,
+        kernel_bytes(config, tokens),
+        complete=lengths is not None,
+    )
     return estimate.with_epochs(config.epochs, num_threads)
 
 
@@ -240,8 +248,9 @@ def check_build_memory(estimate: MemoryEstimate) -> None:
     if estimate.at_once > 1:
         one = estimate.with_epochs(estimate.epochs, 1).num_bytes
         fixes.append(f"BATCHPLAN_THREADS=1 (one epoch planned at a time: ~{_gib(one)})")
-    fitting = next((e for e in range(estimate.epochs - 1, 0, -1)
-                    if estimate.with_epochs(e, estimate.at_once).num_bytes <= free), 0)  # fmt: skip
+    fitting = next(
+        (e for e in range(estimate.epochs - 1, 0, -1) if estimate.with_epochs(e, estimate.at_once).num_bytes <= free), 0
+    )
     if fitting:
         fixes.append(f"`epochs={fitting}` (a plan of fewer epochs)")
     fixes.append("a machine with more memory")
@@ -282,9 +291,12 @@ def _cgroup_available() -> int | None:
     """A container's memory limit less its working set (usage less reclaimable file cache)."""
     for limit_file, usage_file, inactive_key in (
         ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current", "inactive_file"),  # cgroup v2
-        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes",
-         "total_inactive_file"),  # cgroup v1
-    ):  # fmt: skip
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+            "total_inactive_file",
+        ),  # cgroup v1
+    ):
         try:
             raw = Path(limit_file).read_text().strip()
             if raw == "max" or int(raw) >= 2**60:  # no limit

@@ -172,15 +172,23 @@ def prepare_mixture_entries(
         raise DatasetError("no samples left to plan in the mixture after dropping empty and oversize ones")
     starts, weights = _phases(mixture, selections)
     prepared = MixtureEntries(
-        entries, chunk_bounds, np.array([source for source, _, _ in chunks], dtype=np.int64),
-        np.asarray(epoch_chunks, dtype=np.int64), selections, starts, weights,
-        np.array([first for _, first, _ in chunks], dtype=np.int64), members_are_samples, uses,
-    )  # fmt: skip
+        entries,
+        chunk_bounds,
+        np.array([source for source, _, _ in chunks], dtype=np.int64),
+        np.asarray(epoch_chunks, dtype=np.int64),
+        selections,
+        starts,
+        weights,
+        np.array([first for _, first, _ in chunks], dtype=np.int64),
+        members_are_samples,
+        uses,
+    )
     if not config.has_seqlen_warmup:
         return prepared
     epoch_0 = slice(int(prepared.epoch_chunks[0]), int(prepared.epoch_chunks[1]))
-    first = FirstEpoch(prepared.chunk_bounds[epoch_0.start : epoch_0.stop + 1], prepared.chunk_source[epoch_0],
-                       starts, weights)  # fmt: skip
+    first = FirstEpoch(
+        prepared.chunk_bounds[epoch_0.start : epoch_0.stop + 1], prepared.chunk_source[epoch_0], starts, weights
+    )
     entries, warmup = add_mixture_warmup(prepared.entries, first, config)
     return dataclasses.replace(prepared, entries=entries, warmup=warmup)
 
@@ -202,9 +210,11 @@ def _named(entries: Entries, uses, use_bounds: NDArray[np.int64], config: PlanCo
     samples (or None: drawn again), where their members are the samples
     (`MixtureEntries.members_are_samples`); else entries that name their samples, and None."""
     members_are_samples = (
-        config.mode == "pack" and not _names_samples(config) and entries.sample is None
+        config.mode == "pack"
+        and not _names_samples(config)
+        and entries.sample is None
         and not any(which.size for which in entries.dropped.values())
-    )  # fmt: skip
+    )
     if members_are_samples:
         return entries, use_bounds, uses
     assert uses is not None  # the orders were kept: `_draw_uses` kept them
@@ -227,18 +237,24 @@ def _draw_uses(mixture, lengths, offsets, config: PlanConfig, loss_tokens, threa
     # Orders and lengths are drawn into arrays of room for the most uses: pages never written
     # are never resident. The shuffles carry the lengths along when sizing counts them as they are.
     # A large run keeps no order where each use will be one packed entry (members are samples).
-    one_each = config.mode == "pack" and not _names_samples(config) and (
-        lengths.size == 0 or (int(lengths.min()) > 0 and int(lengths.max()) <= config.max_tokens)
-    )  # fmt: skip
+    one_each = (
+        config.mode == "pack"
+        and not _names_samples(config)
+        and (lengths.size == 0 or (int(lengths.min()) > 0 and int(lengths.max()) <= config.max_tokens))
+    )
     out = None if about >= DRAW_AGAIN_FROM_USES and one_each else new_buffer(most, sample_dtype)
     along = new_buffer(most, lengths.dtype)
     carried = along if sized is lengths else None
     return _Gathered.of(
-        draw_sources(mixture, sized, offsets, seed=config.seed, threads=threads, resume=resume, out=out,
-                     along=carried),
-        out, lengths if carried is None else None, along, None if loss_tokens is None else np.asarray(loss_tokens),
-        config.epochs, run_fractions(mixture, config.epochs), lambda used: sizing_lengths(used, config),
-    )  # fmt: skip
+        draw_sources(mixture, sized, offsets, seed=config.seed, threads=threads, resume=resume, out=out, along=carried),
+        out,
+        lengths if carried is None else None,
+        along,
+        None if loss_tokens is None else np.asarray(loss_tokens),
+        config.epochs,
+        run_fractions(mixture, config.epochs),
+        lambda used: sizing_lengths(used, config),
+    )
 
 
 def _phases(mixture: Mixture, selections) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
@@ -269,8 +285,11 @@ class _Gathered:
         there), and its loss tokens; its epochs are cut on the tokens sizing counts
         (``sized``: `sizing_lengths` of lengths along an order)."""
         used_loss = None if loss is None else new_buffer(used.shape[0], loss.dtype)
-        gathers = [(values, into) for values, into in ((lengths, used), (loss, used_loss))
-                   if values is not None and into is not None]  # fmt: skip
+        gathers = [
+            (values, into)
+            for values, into in ((lengths, used), (loss, used_loss))
+            if values is not None and into is not None
+        ]
         selections, base, cuts, at = [], [0], [], 0
         for source, selection in enumerate(drawn):
             order, count = selection.order, selection.num_uses

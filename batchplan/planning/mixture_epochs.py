@@ -96,8 +96,17 @@ def plan_mixture_epoch(
     del parts, values  # each part's order (8 bytes per micro-batch): not while the epoch is scheduled
     if config.drop_last:
         composed = drop_incomplete_end(composed, config, epoch)
-    return schedule_epoch(entries, composed.batches, config, epoch, tokens_before=tokens_before,
-                          order=composed.order, steps=composed.steps, sources=sources, threads=threads)  # fmt: skip
+    return schedule_epoch(
+        entries,
+        composed.batches,
+        config,
+        epoch,
+        tokens_before=tokens_before,
+        order=composed.order,
+        steps=composed.steps,
+        sources=sources,
+        threads=threads,
+    )
 
 
 def form_parts(mixture: MixtureEntries, config: PlanConfig, epoch: int, threads: int = 1) -> list[Part]:
@@ -114,8 +123,9 @@ def form_parts(mixture: MixtureEntries, config: PlanConfig, epoch: int, threads:
     parts = []
     if warmup is not None:
         stage_rng = epoch_rng(config.seed, 0, STREAM_SEQLEN_WARMUP)
-        for stage, position, first, last in zip(warmup.part_stage, warmup.part_chunk, warmup.part_bounds[:-1],
-                                                warmup.part_bounds[1:]):  # fmt: skip
+        for stage, position, first, last in zip(
+            warmup.part_stage, warmup.part_chunk, warmup.part_bounds[:-1], warmup.part_bounds[1:]
+        ):
             parts.append(form(chunks[position], int(first), int(last), stage_rng, stage_rng, int(stage)))
     for position, chunk in enumerate(chunks):
         first = int(mixture.chunk_bounds[chunk]) + (0 if warmup is None else int(warmup.region[position]))
@@ -125,16 +135,36 @@ def form_parts(mixture: MixtureEntries, config: PlanConfig, epoch: int, threads:
     return parts
 
 
-def _form(mixture: MixtureEntries, config: PlanConfig, chunk: int, first: int, last: int, rng, order_rng,
-          segment: int, *, park: bool, threads: int) -> Part:  # fmt: skip
+def _form(
+    mixture: MixtureEntries,
+    config: PlanConfig,
+    chunk: int,
+    first: int,
+    last: int,
+    rng,
+    order_rng,
+    segment: int,
+    *,
+    park: bool,
+    threads: int,
+) -> Part:
     """Entries ``first:last`` (of ``chunk``) formed into micro-batches with ``rng`` and
     shuffled with ``order_rng``; packed, their bins (parked in a large epoch)."""
     formed = form_micro_batches(mixture.entries.length[first:last], config, rng, threads_for(last - first, threads))
     kept: MicroBatches | PackedBins | ParkedBins = formed
     if isinstance(formed.layout, PackedBins):  # packed: the bins, parked in a large epoch
         kept = ParkedBins(formed.layout) if park else formed.layout
-    part = Part(int(mixture.chunk_source[chunk]), kept, formed.count, formed.packing, first, last - first,
-                order_rng.permutation(formed.count), chunk, segment)  # fmt: skip
+    part = Part(
+        int(mixture.chunk_source[chunk]),
+        kept,
+        formed.count,
+        formed.packing,
+        first,
+        last - first,
+        order_rng.permutation(formed.count),
+        chunk,
+        segment,
+    )
     del formed, kept
     if park:
         release_free_heap()  # the bins' slots, freed among what the parts keep

@@ -47,8 +47,18 @@ class Drawn(NamedTuple):
 
 
 def draw_order(
-    name: str, lengths: NDArray, start: int, end: int, tokens: int, target: int, seed: int, dtype: np.dtype,
-    threads: int, resume: SourceResume | None = None, room: NDArray | None = None, along: NDArray | None = None,
+    name: str,
+    lengths: NDArray,
+    start: int,
+    end: int,
+    tokens: int,
+    target: int,
+    seed: int,
+    dtype: np.dtype,
+    threads: int,
+    resume: SourceResume | None = None,
+    room: NDArray | None = None,
+    along: NDArray | None = None,
 ) -> Drawn:
     """What is left of a pass under way (``resume``), whole passes, then the prefix of one more
     nearest the rest; the order is drawn into the start of ``room`` when given, and the
@@ -81,8 +91,9 @@ def draw_order(
     for index in range(whole):
         at = head.shape[0] + index * count
         carried = {} if values is None else {"values": lengths[start:end], "carried": values[at : at + count]}
-        permute(source_pass_rng(seed, name, whole_from + index), order[at : at + count], start, **carried,
-                threads=threads)  # fmt: skip
+        permute(
+            source_pass_rng(seed, name, whole_from + index), order[at : at + count], start, **carried, threads=threads
+        )
     order[head.shape[0] + whole * count :] = partial
     if values is not None:
         values[head.shape[0] + whole * count :] = partial_lengths
@@ -108,7 +119,14 @@ def pass_order(name: str, start: int, count: int, index: int, seed: int, dtype: 
 
 
 def _partial_pass(
-    name: str, lengths: NDArray, start: int, count: int, index: int, rest: int, seed: int, dtype: np.dtype,
+    name: str,
+    lengths: NDArray,
+    start: int,
+    count: int,
+    index: int,
+    rest: int,
+    seed: int,
+    dtype: np.dtype,
     threads: int,
 ) -> tuple[NDArray, NDArray, int]:
     """The prefix of pass ``index`` whose tokens are nearest ``rest`` (`_nearest_prefix`):

@@ -36,8 +36,14 @@ from batchplan.planning.mixture_orders import SourceResume, draw_order, pass_ord
 from batchplan.planning.randomness import PermutedPrefix, source_pass_rng
 
 __all__ = [
-    "SourceResume", "SourceSelection", "count_uses", "draw_sources", "run_fractions", "select_sources", "with_shares",
-]  # fmt: skip
+    "SourceResume",
+    "SourceSelection",
+    "count_uses",
+    "draw_sources",
+    "run_fractions",
+    "select_sources",
+    "with_shares",
+]
 
 _T = TypeVar("_T")
 
@@ -170,8 +176,20 @@ def draw_sources(
             )
         where = (resume or {}).get(source.name)
         room = None if out is None else out[at:]
-        drawn = draw_order(source.name, lengths, start, end, tokens, target, seed, dtype, threads, where, room,
-                            None if along is None else along[at:])  # fmt: skip
+        drawn = draw_order(
+            source.name,
+            lengths,
+            start,
+            end,
+            tokens,
+            target,
+            seed,
+            dtype,
+            threads,
+            where,
+            room,
+            None if along is None else along[at:],
+        )
         at += drawn.order.shape[0]
         yield SourceSelection(
             name=source.name,

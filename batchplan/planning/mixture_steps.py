@@ -57,8 +57,9 @@ class Composed:
         return self.part_source[np.searchsorted(self.part_bounds, ids, side="right") - 1]
 
 
-def compose_epoch(parts: list, num_entries: int, config: PlanConfig, tokens_before: int, phases, values=None,
-                  dtype=None) -> Composed:  # fmt: skip
+def compose_epoch(
+    parts: list, num_entries: int, config: PlanConfig, tokens_before: int, phases, values=None, dtype=None
+) -> Composed:
     """Every part's micro-batches in one `MicroBatches` (packed: `PartedBins`, the parts' bins
     as they are; padded: laid out one part after another), and their order and steps (the
     module docstring); ``parts``: each a `batchplan.planning.mixture_epochs.Part`.
@@ -76,18 +77,29 @@ def compose_epoch(parts: list, num_entries: int, config: PlanConfig, tokens_befo
     sources = sorted({part.source for part in parts})
     segments = sorted({part.segment for part in parts})
     # shape (segments, sources): each source's queue, segment after segment
-    pieces = [[[base[index] + part.order for index, part in enumerate(parts)
-                if part.source == source and part.segment == segment] for source in sources]
-              for segment in segments]  # fmt: skip
+    pieces = [
+        [
+            [
+                base[index] + part.order
+                for index, part in enumerate(parts)
+                if part.source == source and part.segment == segment
+            ]
+            for source in sources
+        ]
+        for segment in segments
+    ]
     sizes = np.array([[sum(piece.shape[0] for piece in queue) for queue in row] for row in pieces], dtype=np.int64)
     source_offsets = np.zeros(len(sources) + 1, dtype=np.int64)
     np.cumsum(sizes.sum(axis=0), out=source_offsets[1:])
-    queue = np.concatenate([np.zeros(0, dtype=np.int64)] + [piece for column in range(len(sources))
-                                                            for row in pieces for piece in row[column]])  # fmt: skip
+    queue = np.concatenate(
+        [np.zeros(0, dtype=np.int64)]
+        + [piece for column in range(len(sources)) for row in pieces for piece in row[column]]
+    )
     del pieces
     tokens = batches.tokens().astype(np.int64, copy=False)[queue]
-    source_tokens = np.array([tokens[a:b].sum() for a, b in zip(source_offsets[:-1], source_offsets[1:])],
-                             dtype=np.float64)  # fmt: skip
+    source_tokens = np.array(
+        [tokens[a:b].sum() for a, b in zip(source_offsets[:-1], source_offsets[1:])], dtype=np.float64
+    )
     shares = source_tokens / max(float(source_tokens.sum()), 1.0)
     starts, weights = phases
     asked = weights[:, sources] / np.maximum(weights[:, sources].sum(axis=1, keepdims=True), 1e-300)
@@ -103,8 +115,14 @@ def compose_epoch(parts: list, num_entries: int, config: PlanConfig, tokens_befo
         num_steps = compose_segments(source_offsets, limits, joins, *arguments)
     del tokens
     part_source = np.array([part.source for part in parts], dtype=np.int64)
-    return Composed(batches, queue[order].astype(index_dtype(queue.shape[0])), steps[: num_steps + 1].copy(), base,
-                    part_source, sizing)  # fmt: skip
+    return Composed(
+        batches,
+        queue[order].astype(index_dtype(queue.shape[0])),
+        steps[: num_steps + 1].copy(),
+        base,
+        part_source,
+        sizing,
+    )
 
 
 def _joined(parts: list, num_entries: int, values, dtype) -> MicroBatches:
@@ -116,8 +134,10 @@ def _joined(parts: list, num_entries: int, values, dtype) -> MicroBatches:
         packings = [part.packing for part in parts if part.packing is not None]
         batches.packing = sum(packings[1:], packings[0])
         return batches
-    laid = [(part.formed, part.first + np.arange(part.entries, dtype=np.int64), np.arange(part.num_batches))
-            for part in parts]  # fmt: skip
+    laid = [
+        (part.formed, part.first + np.arange(part.entries, dtype=np.int64), np.arange(part.num_batches))
+        for part in parts
+    ]
     return concatenate_parts(laid, num_entries)
 
 

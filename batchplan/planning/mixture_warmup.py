@@ -153,21 +153,28 @@ def _stages(entries: Entries, first: FirstEpoch, span: int, stages: int):
     sources = first.chunk_source
     present = np.unique(sources)
     chunks = np.arange(sources.shape[0])
-    ranges = [(int(first.chunk_bounds[chunks[sources == s][0]]),
-               int(first.chunk_bounds[chunks[sources == s][-1] + 1])) for s in present]  # fmt: skip
+    ranges = [
+        (int(first.chunk_bounds[chunks[sources == s][0]]), int(first.chunk_bounds[chunks[sources == s][-1] + 1]))
+        for s in present
+    ]
     sums = [np.cumsum(entries.length[a:b], dtype=np.int64) for a, b in ranges]
     begins = [np.concatenate([[0], held[:-1]]) for held in sums]
     supply = np.array([int(held[-1]) if held.size else 0 for held in sums], dtype=np.float64)
     by_weight = functools.partial(_due_at, first.phase_starts, first.phase_weights[:, present])
     limits = _reach(begins, sums, by_weight, span, stages)
     if limits is None:  # the sources the phases ask for run out: every source by its tokens
-        limits = _reach(begins, sums, lambda points: np.outer(points, supply / max(float(supply.sum()), 1.0)),
-                        span, stages)  # fmt: skip
+        limits = _reach(
+            begins, sums, lambda points: np.outer(points, supply / max(float(supply.sum()), 1.0)), span, stages
+        )
     assert limits is not None  # every source with tokens has a share
     counts = [int(np.searchsorted(begin, limit[-1], side="left")) for begin, limit in zip(begins, limits.T)]
     region = np.concatenate([np.arange(a, a + count, dtype=np.int64) for (a, _), count in zip(ranges, counts)])
-    stage = np.concatenate([np.searchsorted(limit[1:-1], begin[:count], side="right")
-                            for begin, limit, count in zip(begins, limits.T, counts)])  # fmt: skip
+    stage = np.concatenate(
+        [
+            np.searchsorted(limit[1:-1], begin[:count], side="right")
+            for begin, limit, count in zip(begins, limits.T, counts)
+        ]
+    )
     return region, stage.astype(np.int64)
 
 

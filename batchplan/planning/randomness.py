@@ -17,10 +17,21 @@ from batchplan.kernels.shuffle import count_groups, scatter_groups, shuffle_grou
 from batchplan.planning.threads import THREADED_FROM, run_in_parts
 
 __all__ = [
-    "STREAM_ENTRY_ORDER", "STREAM_MICRO_BATCH_ORDER", "STREAM_ROUND_ORDER", "STREAM_SEQLEN_WARMUP", "KeyStream",
-    "PermutedPrefix", "epoch_rng", "permute", "shuffle_by_group", "unshuffle_by_group",
-    "STREAM_SOURCE_PASS", "source_pass_rng", "STREAM_BATCH_ORDER", "batch_rng",
-]  # fmt: skip
+    "STREAM_ENTRY_ORDER",
+    "STREAM_MICRO_BATCH_ORDER",
+    "STREAM_ROUND_ORDER",
+    "STREAM_SEQLEN_WARMUP",
+    "KeyStream",
+    "PermutedPrefix",
+    "epoch_rng",
+    "permute",
+    "shuffle_by_group",
+    "unshuffle_by_group",
+    "STREAM_SOURCE_PASS",
+    "source_pass_rng",
+    "STREAM_BATCH_ORDER",
+    "batch_rng",
+]
 
 # Keys drawn at a time when a `KeyStream` is read: 1 MiB (small beside any array of one
 # value per entry, and few calls: 4,000 for 10^9 keys).
@@ -197,8 +208,10 @@ def shuffle_by_group(
     count = groups.shape[0]
     # The kernels do not check bounds: a wrong size or dtype here writes outside the arrays.
     if keys.shape[0] != count or items.shape[0] != count or (carried is not None and carried.shape[0] != count):
-        raise ValueError(f"groups, keys, items (and carried) must have one entry per item: {count:,} groups, "
-                         f"{keys.shape[0]:,} keys, {items.shape[0]:,} items")  # fmt: skip
+        raise ValueError(
+            f"groups, keys, items (and carried) must have one entry per item: {count:,} groups, "
+            f"{keys.shape[0]:,} keys, {items.shape[0]:,} items"
+        )
     if (values is None) != (carried is None) or (values is not None and values.shape[0] != count):
         raise ValueError("give values and carried together, one value per item")
     start, cursors, parts = _group_cursors(groups, num_groups, threads)

@@ -104,8 +104,7 @@ def schedule_epoch(
     return _assemble(config, epoch, batches, rows, dropped, threads, sources)
 
 
-def _shuffle(batches: MicroBatches, config: PlanConfig, epoch: int, ordered: int, threads: int, order=None,
-             steps=None):
+def _shuffle(batches: MicroBatches, config: PlanConfig, epoch: int, ordered: int, threads: int, order=None, steps=None):
     """The micro-batches after the first ``ordered`` shuffled (or all in ``order``), and the
     epoch's end completed or dropped (`epoch_end`): ``(room, schedule, whole rounds'
     micro-batches, dropped entries)``; the schedule is written in ``room``, which has room to
@@ -166,16 +165,29 @@ class Rows:
         rank_rows = np.empty((3, count // config.world_size), dtype=np.int64)
         step_sums = np.zeros((2, step_offsets.shape[0] - 1), dtype=np.int64)
         run_in_parts(
-            lay_out_rows, threads,
-            step_offsets, at.costs, at.batch, at.tokens, at.sizes, loss, compute, config.world_size, order, values,
-            cost, rank_rows, step_sums,
-        )  # fmt: skip
+            lay_out_rows,
+            threads,
+            step_offsets,
+            at.costs,
+            at.batch,
+            at.tokens,
+            at.sizes,
+            loss,
+            compute,
+            config.world_size,
+            order,
+            values,
+            cost,
+            rank_rows,
+            step_sums,
+        )
         padded = None if longest is None else order[1] * longest[order[0]]
         return cls(order, values, padded, None if at.compute is None else cost, rank_rows, step_sums)
 
 
-def _assemble(config: PlanConfig, epoch: int, batches: MicroBatches, rows: Rows, dropped, threads: int,
-              sources) -> EpochPlan:  # fmt: skip
+def _assemble(
+    config: PlanConfig, epoch: int, batches: MicroBatches, rows: Rows, dropped, threads: int, sources
+) -> EpochPlan:
     """The epoch's plan: the rows, and the members laid out in row order. The micro-batches
     are used up, and each array is let go as soon as it is used, before the members are made."""
     tokens, loss_tokens = rows.values

@@ -58,10 +58,21 @@ class Scheduled:
         out = new_buffer((3, schedule.shape[0]), index_dtype(most + 1))
         out_values = np.empty(schedule.shape[0] if compute is not None else 0, dtype=np.float64)
         run_in_parts(
-            take_scheduled, threads,
-            schedule, begin, end, window, round_order, config.world_size, table, values, by_compute, config.max_tokens,
-            out, out_values,
-        )  # fmt: skip
+            take_scheduled,
+            threads,
+            schedule,
+            begin,
+            end,
+            window,
+            round_order,
+            config.world_size,
+            table,
+            values,
+            by_compute,
+            config.max_tokens,
+            out,
+            out_values,
+        )
         return cls(out[0], out[1], out[2], None if compute is None else out_values, by_compute)
 
     @property

@@ -60,8 +60,13 @@ def cut_steps(tokens: NDArray[np.integer], config: PlanConfig, sizing: StepSizin
         start, ramp_tokens = config.rampup_start, config.rampup_tokens
         if start is not None and ramp_tokens is not None:  # a ramp-up (`has_rampup`)
             round_offsets = ramp_steps(
-                round_tokens, sizing.tokens_before, float(start), sizing.full_step, ramp_tokens, per_step or 0,
-            )  # fmt: skip
+                round_tokens,
+                sizing.tokens_before,
+                float(start),
+                sizing.full_step,
+                ramp_tokens,
+                per_step or 0,
+            )
         else:
             round_offsets = steps_by_tokens(round_tokens, config.tokens_per_step)
     return round_offsets.astype(np.int64) * world_size

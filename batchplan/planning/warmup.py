@@ -80,9 +80,7 @@ def num_stages(config: PlanConfig) -> int:
     return max(1, min(MAX_STAGES, config.seqlen_warmup_tokens // stage_tokens))
 
 
-def add_warmup_pieces(
-    entries: Entries, config: PlanConfig, rng: np.random.Generator
-) -> tuple[Entries, SeqlenWarmup]:
+def add_warmup_pieces(entries: Entries, config: PlanConfig, rng: np.random.Generator) -> tuple[Entries, SeqlenWarmup]:
     """Append epoch 0's warmup pieces to ``entries`` (steps 1-2 of the module docstring).
 
     Raises:

@@ -140,8 +140,15 @@ def compare_strategies(
     if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
         raise ConfigError(f"`hidden_size` must be a positive integer, got {hidden_size!r}")
     # batchplan's rows balance ranks by compute for this model width (what `hidden_size` does).
-    config = PlanConfig(max_tokens=max_tokens, world_size=world_size, micro_batches=micro_batches,
-                        oversize=oversize, drop_empty=drop_empty, seed=seed, hidden_size=hidden_size)  # fmt: skip
+    config = PlanConfig(
+        max_tokens=max_tokens,
+        world_size=world_size,
+        micro_batches=micro_batches,
+        oversize=oversize,
+        drop_empty=drop_empty,
+        seed=seed,
+        hidden_size=hidden_size,
+    )
     lengths = np.asarray(lengths)
     entries = make_entries(lengths, config)
     if entries.num_entries == 0:
@@ -174,9 +181,9 @@ def compare_strategies(
         longest=longest,
         baseline_batch_size=batch_size,
         strategies=tuple(results),
-        packing_bound=None if bound is None else {
-            "micro_batches": bound.bound, "kind": bound.kind, "fill": bound.bound_fill(max_tokens)
-        },
+        packing_bound=None
+        if bound is None
+        else {"micro_batches": bound.bound, "kind": bound.kind, "fill": bound.bound_fill(max_tokens)},
     )
 
 
@@ -192,9 +199,19 @@ def _measure_baselines(entry_lengths, batch_size: int, config: PlanConfig, coeff
     results = []
     for name, (offsets, members) in baselines.items():
         step, rank = deal_round_robin(offsets.shape[0] - 1, world_size, world_size * (config.micro_batches or 1))
-        results.append(measure_strategy(name, entry_lengths[members], offsets, step, rank, mode="pad",
-                                        max_tokens=config.max_tokens, world_size=world_size,
-                                        coefficient=coefficient))  # fmt: skip
+        results.append(
+            measure_strategy(
+                name,
+                entry_lengths[members],
+                offsets,
+                step,
+                rank,
+                mode="pad",
+                max_tokens=config.max_tokens,
+                world_size=world_size,
+                coefficient=coefficient,
+            )
+        )
     return results
 
 
@@ -355,7 +372,14 @@ def _measure_batchplan(lengths, config: PlanConfig, mode: Mode, coefficient: flo
     plan = build_plan(lengths, dataclasses.replace(config, mode=mode))
     epoch = plan.epochs[0]
     result = measure_strategy(
-        f"batchplan_{mode}", plan.entries.length[epoch.members], epoch.offsets, epoch.step, epoch.rank,
-        mode=mode, max_tokens=config.max_tokens, world_size=config.world_size, coefficient=coefficient,
-    )  # fmt: skip
+        f"batchplan_{mode}",
+        plan.entries.length[epoch.members],
+        epoch.offsets,
+        epoch.step,
+        epoch.rank,
+        mode=mode,
+        max_tokens=config.max_tokens,
+        world_size=config.world_size,
+        coefficient=coefficient,
+    )
     return result, epoch.packing

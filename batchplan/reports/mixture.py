@@ -132,8 +132,10 @@ def summarize_sources(plan: OpenedPlan, per_step: NDArray[np.int64] | None = Non
             "planned_tokens": source["planned_tokens"],
             "tokens": int(per_step[:, index].sum()),
             "passes": source["passes"],
-            "mean_share": None, "worst_miss": None, "worst_miss_bound": None,
-        }  # fmt: skip
+            "mean_share": None,
+            "worst_miss": None,
+            "worst_miss_bound": None,
+        }
         row["dropped_tokens"] = source["planned_tokens"] - row["tokens"] if own_numbers else None
         if shares.shape[0]:
             at = int(misses[:, index].argmax())

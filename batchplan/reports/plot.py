@@ -99,8 +99,9 @@ def plan_lengths(
 
         source = plan.metadata.get("dataset") or {}
         column = source.get("length_column", "length")
-        read = read_lengths(dataset, length_column=column, tokens_column=column,
-                            loss_tokens_column=source.get("loss_tokens_column"))  # fmt: skip
+        read = read_lengths(
+            dataset, length_column=column, tokens_column=column, loss_tokens_column=source.get("loss_tokens_column")
+        )
         recorded = plan.metadata.get("lengths_fingerprint")
         if recorded and fingerprint_lengths(read.lengths, read.loss_tokens) != recorded:
             raise PlanMismatchError(
@@ -194,8 +195,16 @@ def _lengths_panel(ax: Axes, data, lengths, label: str) -> None:
     else:
         ax.axvline(cap, color="tab:red", linestyle="--", label=f"max_tokens {cap:,}")
         ax.legend(loc="upper right", fontsize=8)
-    ax.text(0.5, 0.97, note, transform=ax.transAxes, ha="center", va="top", fontsize=8,
-            bbox={"facecolor": "white", "alpha": 0.8, "linewidth": 0})  # fmt: skip
+    ax.text(
+        0.5,
+        0.97,
+        note,
+        transform=ax.transAxes,
+        ha="center",
+        va="top",
+        fontsize=8,
+        bbox={"facecolor": "white", "alpha": 0.8, "linewidth": 0},
+    )
     ax.set_yscale("log")
     bottom, top = ax.get_ylim()
     ax.set_ylim(bottom, top * 10)  # headroom for the note
@@ -212,8 +221,14 @@ def _fill_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     title = f"micro-batch fill: {format_share(summary['fill'])} of max_tokens (steps but each epoch's last)"
     if data["mode"] == "pad":
         padded, weights = _counted_values(data["histograms"]["padded"])
-        ax.hist(100.0 * padded / cap, bins=bins, weights=weights, histtype="step", color="black",
-                label="with padding (count x longest)")  # fmt: skip
+        ax.hist(
+            100.0 * padded / cap,
+            bins=bins,
+            weights=weights,
+            histtype="step",
+            color="black",
+            label="with padding (count x longest)",
+        )
         title += f", padding {format_share(summary['padding_fraction'])}"
     ax.set_yscale("log")
     ax.set_xlabel(f"% of max_tokens ({cap:,})")
@@ -258,17 +273,23 @@ def _imbalance_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     top = float(tokens[regular].max()) if regular.any() else 0.0
     if "cost_imbalance" in data:
         cost = 100.0 * np.nan_to_num(data["cost_imbalance"])
-        _series(ax, np.where(regular, cost, np.nan), "tab:orange",
-                f"cost (mean {format_share(summary['cost_imbalance'])}, "
-                f"p99 {format_share(summary['cost_imbalance_p99'])})")  # fmt: skip
+        _series(
+            ax,
+            np.where(regular, cost, np.nan),
+            "tab:orange",
+            f"cost (mean {format_share(summary['cost_imbalance'])}, p99 {format_share(summary['cost_imbalance_p99'])})",
+        )
         top = max(top, float(cost[regular].max()) if regular.any() else 0.0)
         title += ": tokens and cost"
     else:
         title += ": tokens (no cost column)"
-    _series(ax, np.where(regular, tokens, np.nan), "tab:blue",
-            f"tokens (mean {format_share(summary['token_imbalance'])}, "
-            f"p99 {format_share(summary['token_imbalance_p99'])})",
-            zorder=3)  # fmt: skip
+    _series(
+        ax,
+        np.where(regular, tokens, np.nan),
+        "tab:blue",
+        f"tokens (mean {format_share(summary['token_imbalance'])}, p99 {format_share(summary['token_imbalance_p99'])})",
+        zorder=3,
+    )
     last = f"each epoch's last step: tokens {format_share(summary['token_imbalance_last_step'])}"
     if summary.get("cost_imbalance_last_step") is not None:
         last += f", cost {format_share(summary['cost_imbalance_last_step'])}"
@@ -294,8 +315,11 @@ def _micro_per_step_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
         ax.set_xlabel("step")
         ax.set_ylabel("tokens seen (all ranks)")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"tokens seen; micro-batches per step: always {low} per rank, "
-                     f"{per_step.sum() * data['world_size']:,} in all", fontsize=10)  # fmt: skip
+        ax.set_title(
+            f"tokens seen; micro-batches per step: always {low} per rank, "
+            f"{per_step.sum() * data['world_size']:,} in all",
+            fontsize=10,
+        )
         return
     _series(ax, per_step.astype(np.float64), "tab:purple", "micro-batches")
     _schedule_ends(ax, summary)
@@ -303,8 +327,9 @@ def _micro_per_step_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("micro-batches per rank")
     ax.set_ylim(bottom=0, top=max(1, high) * 1.15 + 0.5)
-    ax.set_title(f"micro-batches per step: {low}..{high} per rank, {per_step.sum() * data['world_size']:,} in all",
-                 fontsize=10)  # fmt: skip
+    ax.set_title(
+        f"micro-batches per step: {low}..{high} per rank, {per_step.sum() * data['world_size']:,} in all", fontsize=10
+    )
 
 
 def _shares_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
@@ -360,9 +385,11 @@ def _summary_panel(ax: Axes, summary: dict[str, Any]) -> None:
         f"(p99 {format_share(summary['token_imbalance_p99'])}, max {format_share(summary['token_imbalance_max'])})",
     ]
     if summary.get("cost_imbalance") is not None:
-        lines.append(f"cost imbalance     {format_share(summary['cost_imbalance'])} "
-                     f"(p99 {format_share(summary['cost_imbalance_p99'])}, "
-                     f"max {format_share(summary['cost_imbalance_max'])})")
+        lines.append(
+            f"cost imbalance     {format_share(summary['cost_imbalance'])} "
+            f"(p99 {format_share(summary['cost_imbalance_p99'])}, "
+            f"max {format_share(summary['cost_imbalance_max'])})"
+        )
     last = f"epochs' last step  tokens {format_share(summary['token_imbalance_last_step'])}"
     if summary.get("cost_imbalance_last_step") is not None:
         last += f", cost {format_share(summary['cost_imbalance_last_step'])}"
@@ -389,8 +416,14 @@ def _series(ax: Axes, values: NDArray, color: str, label: str, zorder: float = 2
     centre = (edges[:-1] + edges[1:]) / 2
     ax.fill_between(centre, low, high, color=color, alpha=0.25, linewidth=0, zorder=zorder)
     step_bin = values.shape[0] / _BINS
-    ax.plot(centre, mean, color=color, linewidth=0.8, label=f"{label}; mean per {step_bin:,.0f} steps, band min-max",
-            zorder=zorder)  # fmt: skip
+    ax.plot(
+        centre,
+        mean,
+        color=color,
+        linewidth=0.8,
+        label=f"{label}; mean per {step_bin:,.0f} steps, band min-max",
+        zorder=zorder,
+    )
 
 
 def _epoch_lines(ax: Axes, starts: NDArray) -> None:

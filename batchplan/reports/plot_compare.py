@@ -29,14 +29,29 @@ def plot_comparison(comparison: Comparison) -> Figure:
     _bars(axes[0], positions, [[r.relative_time for r in rows]], ["relative epoch time"], "x baseline 1")
     axes[0].axhline(1.0, color="grey", linestyle=":", linewidth=0.8)
     axes[0].set_title("predicted epoch time (sum over steps of the slowest rank's cost), x baseline 1")
-    _bars(axes[1], positions, [[_percent(r.fill) for r in rows], [100 * r.padding_fraction for r in rows]],
-          ["fill (real tokens / micro-batches x max_tokens)", "padding (of count x longest)"], "%")  # fmt: skip
+    _bars(
+        axes[1],
+        positions,
+        [[_percent(r.fill) for r in rows], [100 * r.padding_fraction for r in rows]],
+        ["fill (real tokens / micro-batches x max_tokens)", "padding (of count x longest)"],
+        "%",
+    )
     axes[1].set_title("fill and padding of micro-batches")
-    _bars(axes[2], positions, [[_percent(r.token_imbalance) for r in rows], [_percent(r.cost_imbalance) for r in rows]],
-          ["tokens", "cost"], "%")  # fmt: skip
+    _bars(
+        axes[2],
+        positions,
+        [[_percent(r.token_imbalance) for r in rows], [_percent(r.cost_imbalance) for r in rows]],
+        ["tokens", "cost"],
+        "%",
+    )
     axes[2].set_title("rank imbalance (mean over steps but the last of max / mean - 1)")
-    _bars(axes[3], positions, [[r.micro_batches for r in rows], [r.steps for r in rows]],
-          ["micro-batches", "steps"], "per epoch")  # fmt: skip
+    _bars(
+        axes[3],
+        positions,
+        [[r.micro_batches for r in rows], [r.steps for r in rows]],
+        ["micro-batches", "steps"],
+        "per epoch",
+    )
     axes[3].set_title("micro-batches and steps per epoch")
     for ax in axes:
         ax.set_xticks(positions, names, fontsize=9)

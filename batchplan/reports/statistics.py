@@ -30,7 +30,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 __all__ = [
-    "Imbalance", "format_share", "imbalance_over_steps", "last_steps_of", "rank_imbalance", "regular_steps",
+    "Imbalance",
+    "format_share",
+    "imbalance_over_steps",
+    "last_steps_of",
+    "rank_imbalance",
+    "regular_steps",
     "step_imbalance",
 ]
 

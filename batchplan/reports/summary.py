@@ -106,10 +106,13 @@ def scan_plan(plan: OpenedPlan, *, histograms: bool = False) -> PlanScan:
     """
     num_steps, world_size = plan.num_steps, plan.world_size
     summed = ("tokens", "cost") if "cost" in plan.schema.names else ("tokens",)
-    scan = PlanScan(step_tokens=np.zeros(num_steps), token_imbalance=np.zeros(num_steps),
-                    cost_imbalance=np.zeros(num_steps) if "cost" in summed else None,
-                    step_micro_batches=np.zeros(num_steps, np.int64),
-                    rank_nonempty=np.zeros(world_size, np.int64))  # fmt: skip
+    scan = PlanScan(
+        step_tokens=np.zeros(num_steps),
+        token_imbalance=np.zeros(num_steps),
+        cost_imbalance=np.zeros(num_steps) if "cost" in summed else None,
+        step_micro_batches=np.zeros(num_steps, np.int64),
+        rank_nonempty=np.zeros(world_size, np.int64),
+    )
     counters = _histogram_counters(plan) if histograms else None
     regular = regular_steps(num_steps, last_steps_of(plan.metadata["steps_per_epoch"]))
     first_step = int(plan.metadata.get("first_step", 0))
@@ -123,12 +126,15 @@ def scan_plan(plan: OpenedPlan, *, histograms: bool = False) -> PlanScan:
             rows = plan.rank_rows(epoch, rank)
             step = rows.numbers("step") - first_step
             if step.size and (step.min() < steps.start or step.max() >= steps.stop):
-                raise PlanFormatError(f"{plan.path}: epoch {epoch} rank {rank} holds steps outside the epoch's "
-                                      f"{first_step + steps.start:,}..{first_step + steps.stop - 1:,}; "
-                                      "run batchplan validate on it")  # fmt: skip
+                raise PlanFormatError(
+                    f"{plan.path}: epoch {epoch} rank {rank} holds steps outside the epoch's "
+                    f"{first_step + steps.start:,}..{first_step + steps.stop - 1:,}; "
+                    "run batchplan validate on it"
+                )
             for name, per_rank in sums.items():  # each (step, rank) lies in this record batch alone
-                per_rank[rank] = np.bincount(step - steps.start, weights=rows.numbers(name),
-                                             minlength=steps.stop - steps.start)  # fmt: skip
+                per_rank[rank] = np.bincount(
+                    step - steps.start, weights=rows.numbers(name), minlength=steps.stop - steps.start
+                )
             scan.rank_nonempty[rank] += _add_rows(scan, rows, step, steps, regular, counters)
             if "lengths" in rows and steps.start == 0:
                 longest.append(_first_step_longest(rows, step))

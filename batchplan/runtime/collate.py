@@ -165,11 +165,14 @@ class PadCollator(_Collator):
         record = getattr(items, "record", None)
         if len(items) == 0:
             dummy = torch.full((1, 1), self.pad_token_id, dtype=torch.int64)
-            return PlanBatch({
-                "input_ids": dummy,
-                "labels": torch.full((1, 1), self.ignore_index, dtype=torch.int64),
-                "attention_mask": torch.ones((1, 1), dtype=torch.int64),
-            }, record)  # fmt: skip
+            return PlanBatch(
+                {
+                    "input_ids": dummy,
+                    "labels": torch.full((1, 1), self.ignore_index, dtype=torch.int64),
+                    "attention_mask": torch.ones((1, 1), dtype=torch.int64),
+                },
+                record,
+            )
         ids, labels = self._sequences(items, record, padded=True)
         longest = max(a.shape[0] for a in ids)
         input_ids = np.full((len(ids), longest), self.pad_token_id, dtype=np.int64)
@@ -179,11 +182,14 @@ class PadCollator(_Collator):
             input_ids[row, : tokens.shape[0]] = tokens
             padded_labels[row, : tokens.shape[0]] = row_labels
             mask[row, : tokens.shape[0]] = 1
-        return PlanBatch({
-            "input_ids": torch.from_numpy(input_ids),
-            "labels": torch.from_numpy(padded_labels),
-            "attention_mask": torch.from_numpy(mask),
-        }, record)  # fmt: skip
+        return PlanBatch(
+            {
+                "input_ids": torch.from_numpy(input_ids),
+                "labels": torch.from_numpy(padded_labels),
+                "attention_mask": torch.from_numpy(mask),
+            },
+            record,
+        )
 
 
 class with_record:  # noqa: N801 - used like a function: with_record(collate_fn)

@@ -71,8 +71,9 @@ class PlanDataset(Dataset):
         record = getattr(indices, "record", None)
         if record is not None and self.input_key is not None:
             self._check(items, indices, record)
-        items = [SpanItem(item, i.start, i.length) if isinstance(i, SpanIndex) else item
-                 for item, i in zip(items, indices)]  # fmt: skip
+        items = [
+            SpanItem(item, i.start, i.length) if isinstance(i, SpanIndex) else item for item, i in zip(items, indices)
+        ]
         return items if record is None else PlannedItems(items, record)
 
     def _check(self, items: list[Any], indices: Sequence[int], record: MicroBatch) -> None:

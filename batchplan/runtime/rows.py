@@ -24,9 +24,16 @@ CHUNK_ROWS = 512
 # Columns the runtime reads beyond the format's required ones.
 RUNTIME_COLUMNS = ("num_micro", "step_tokens", "tokens_before_step")
 _SCALARS = (
-    "step", "micro", "num_micro", "tokens", "loss_tokens", "step_loss_tokens",
-    "tokens_before_step", "step_tokens", "padded_tokens",
-)  # fmt: skip
+    "step",
+    "micro",
+    "num_micro",
+    "tokens",
+    "loss_tokens",
+    "step_loss_tokens",
+    "tokens_before_step",
+    "step_tokens",
+    "padded_tokens",
+)
 
 
 class RankRows:
@@ -89,9 +96,25 @@ class RankRows:
             for j, row in enumerate(zip(*columns)):
                 step, micro, num_micro, tokens, loss, step_loss, before, step_tokens, padded = row  # _SCALARS
                 yield MicroBatch(
-                    samples[j], epoch, step, micro, num_micro, micro == num_micro - 1, tokens, loss, step_loss,
-                    before, step_tokens, padded, first + j, starts[j], lengths[j], world_size, rank, sources[j],
-                )  # fmt: skip
+                    samples[j],
+                    epoch,
+                    step,
+                    micro,
+                    num_micro,
+                    micro == num_micro - 1,
+                    tokens,
+                    loss,
+                    step_loss,
+                    before,
+                    step_tokens,
+                    padded,
+                    first + j,
+                    starts[j],
+                    lengths[j],
+                    world_size,
+                    rank,
+                    sources[j],
+                )
 
     def planned_rows(self, start: int = 0) -> Iterator[PlannedRows]:
         """The dataset rows of each micro-batch from row ``start``, each with its record."""

@@ -64,8 +64,9 @@ class SourceLosses:
     _last: MicroBatch | None
     _planned: int
 
-    def __init__(self, plan: OpenedPlan | PlanSampler | str | os.PathLike, *, device: Any = None,
-                 group: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self, plan: OpenedPlan | PlanSampler | str | os.PathLike, *, device: Any = None, group: Any = None
+    ) -> None:
         self.names = source_names(plan.plan if isinstance(plan, PlanSampler) else plan)
         self._device = device
         self._group = group
@@ -116,8 +117,11 @@ class SourceLosses:
             reduced_over = dist.get_world_size(self._group)
         values = both.tolist()
         num_sources = len(self.names)
-        losses = {name: SourceLoss(values[i], round(values[num_sources + i]))
-                  for i, name in enumerate(self.names) if values[num_sources + i] > 0}  # fmt: skip
+        losses = {
+            name: SourceLoss(values[i], round(values[num_sources + i]))
+            for i, name in enumerate(self.names)
+            if values[num_sources + i] > 0
+        }
         self._check(sum(loss.loss_tokens for loss in losses.values()), reduced_over)
         self._reset()
         return losses

@@ -134,8 +134,9 @@ def _check_parent_state(state: dict[str, Any], parent: dict[str, Any]) -> tuple[
             )
     rows = parent["rows_per_rank"]
     epoch, position = state["epoch"], state["position"]
-    if not (isinstance(epoch, int) and 0 <= epoch < len(rows) and isinstance(position, int)
-            and 0 <= position <= rows[epoch]):  # fmt: skip
+    if not (
+        isinstance(epoch, int) and 0 <= epoch < len(rows) and isinstance(position, int) and 0 <= position <= rows[epoch]
+    ):
         raise PlanMismatchError(
             f"sampler state is at micro-batch {position!r} of epoch {epoch!r}, which the plan it was "
             "saved on does not have; the state is corrupt"
