@@ -153,7 +153,7 @@ class Tracer:
         "batchplan.planning.schedule": ["run_in_parts", "cut_steps"],
         "batchplan.planning.randomness": ["run_in_parts"],
         "batchplan.planning.forming": ["pack_histogram", "cut_padded"],
-        "batchplan.planning.micro_batches": ["lay_out_segments", "scatter_segments"],
+        "batchplan.planning.epoch_batches": ["lay_out_segments", "scatter_segments"],
     }
 
     def __init__(self, base: int, trace: bool) -> None:

@@ -1,7 +1,7 @@
 """The `batchplan` command: thin typed commands over the library.
 
 Known errors (`BatchPlanError`) print one line and exit 1, the library's parameters in it
-written as this command's options (`batchplan_cli.flags`); set BATCHPLAN_DEBUG=1 for
+written as this command's options (`batchplan_cli.failing`); set BATCHPLAN_DEBUG=1 for
 the traceback. Heavy modules (numba, the planner) are imported inside the commands
 so that ``batchplan --help`` stays instant.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,9 +17,10 @@ from typing import Annotated, Any
 import typer
 
 from batchplan.config import DEFAULT_BALANCE_WINDOW
-from batchplan.errors import BatchPlanError, ConfigError
+from batchplan.errors import ConfigError
 
 from .choices import Balance, Layout, Mode, Oversize
+from .failing import fail_cleanly, unwind_on_sigterm
 from .flags import to_cli_words
 
 app = typer.Typer(
@@ -40,34 +40,8 @@ _DATASET_HELP = (
 )
 
 
-def _unwind_on_sigterm() -> None:
-    """SIGTERM unwinds like Ctrl-C, so a half-written temporary plan file is removed."""
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-
-
-def _fail_cleanly(command):
-    """Turn BatchPlanError into one line on stderr and exit code 1."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except (BatchPlanError, OSError) as error:
-            # OSError: the environment (permissions, a full disk), not a bug; one line too.
-            if os.environ.get("BATCHPLAN_DEBUG"):
-                raise
-            from rich.console import Console
-            from rich.text import Text
-
-            line = Text.assemble(("error: ", "bold red"), to_cli_words(str(error)))
-            Console(stderr=True).print(line, highlight=False, soft_wrap=True)
-            raise typer.Exit(1) from None
-
-    return wrapper
-
-
 @app.command()
-@_fail_cleanly
+@fail_cleanly
 def build(
     dataset: Annotated[list[str] | None, typer.Argument(help=_DATASET_HELP + " Or none, with --mixture.")] = None,
     *,  # the required options follow an argument with a default
@@ -133,7 +107,7 @@ def build(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or summary.")] = False,
 ) -> None:
     """Read sample lengths and write a plan for every epoch."""
-    _unwind_on_sigterm()
+    unwind_on_sigterm()
     from batchplan.config import DEFAULT_SHUFFLE_WINDOW, PlanConfig
     from batchplan.operations.build import build_plan_file
 
@@ -182,31 +156,15 @@ def build(
         build_file(output, config, **options)
         return
     from .progress import BuildProgress
+    from .render import print_built
 
     with BuildProgress() as progress:
         written = build_file(output, config, progress=progress, **options)
-    _print_built(output, written)
-
-
-def _print_built(output: Path, written: dict) -> None:
-    """The summary of the plan written, or which epochs a plan directory still misses."""
-    if "missing_epochs" in written:
-        missing = written["missing_epochs"]
-        print(
-            f"wrote part of the plan directory {output}; epochs {', '.join(map(str, missing))} are still missing: "
-            "build them with the same command and --only-epochs (the last build writes the manifest)"
-        )
-        return
-    from batchplan.formats.opening import open_plan
-    from batchplan.reports.summary import summarize_plan
-
-    from .render import print_summary
-
-    print_summary(summarize_plan(open_plan(output)), title=f"wrote {output}")
+    print_built(output, written)
 
 
 @app.command(short_help="Summarise a plan; --plot draws it.")
-@_fail_cleanly
+@fail_cleanly
 def inspect(
     plan: Annotated[Path, typer.Argument(help="Plan file.")],
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
@@ -239,7 +197,7 @@ def inspect(
 
         print_summary(summary, title=str(plan))
     if figure is not None:
-        from batchplan.reports.plot import save_figure
+        from batchplan.reports.figure import save_figure
 
         assert plot is not None  # the figure is drawn only for --plot
         save_figure(figure, plot)
@@ -247,7 +205,7 @@ def inspect(
 
 
 @app.command(short_help="Compare with PyTorch, Hugging Face and fairseq batching.")
-@_fail_cleanly
+@fail_cleanly
 def compare(
     dataset: Annotated[list[str], typer.Argument(help=_DATASET_HELP)],
     max_tokens: Annotated[int, typer.Option(help="Memory budget of one micro-batch, in tokens, for every strategy.")],
@@ -269,7 +227,7 @@ def compare(
     from batchplan.reports.compare import DEFAULT_HIDDEN_SIZE, compare_strategies
 
     if plot is not None:
-        from batchplan.reports.plot import require_matplotlib
+        from batchplan.reports.figure import require_matplotlib
 
         require_matplotlib()
     lengths = read_lengths(dataset, length_column=length_column, tokens_column=tokens_column).lengths
@@ -292,7 +250,7 @@ def compare(
 
         print_comparison(result.to_dict(), hidden_size_given=hidden_size is not None)
     if plot is not None:
-        from batchplan.reports.plot import save_figure
+        from batchplan.reports.figure import save_figure
         from batchplan.reports.plot_compare import plot_comparison
 
         save_figure(plot_comparison(result), plot)
@@ -300,7 +258,7 @@ def compare(
 
 
 @app.command()
-@_fail_cleanly
+@fail_cleanly
 def validate(
     plan: Annotated[Path, typer.Argument(help="Plan file.")],
     dataset: Annotated[
@@ -335,7 +293,7 @@ def validate(
 
 
 @app.command(short_help="Re-plan the remaining steps for another world size or another mixture.")
-@_fail_cleanly
+@fail_cleanly
 def reshard(
     plan: Annotated[Path, typer.Argument(help="The plan the run trained on (the parent).")],
     from_step: Annotated[int, typer.Option(help="First step of the new plan: optimizer steps done at the checkpoint.")],
@@ -355,7 +313,7 @@ def reshard(
 ) -> None:
     """Re-plan the steps from --from-step on for another world size (resume with fewer or more
     machines), or, with --mixture, with another mixture (weights changed, sources added or left out)."""
-    _unwind_on_sigterm()
+    unwind_on_sigterm()
     if mixture is not None:
         from batchplan.operations.replan_mixture import replan_mixture_file
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -300,3 +301,18 @@ def _bound_note(bound: dict[str, Any] | None) -> list[str]:
         f"Packing bound ({bound['kind']}): any packing of these entries needs >= {bound['micro_batches']:,} "
         f"micro-batches, at most {bound['fill']:.3%} fill."
     ]
+
+
+def print_built(output: Path, written: dict) -> None:
+    """The summary of the plan written, or which epochs a plan directory still misses."""
+    if "missing_epochs" in written:
+        missing = written["missing_epochs"]
+        print(
+            f"wrote part of the plan directory {output}; epochs {', '.join(map(str, missing))} are still missing: "
+            "build them with the same command and --only-epochs (the last build writes the manifest)"
+        )
+        return
+    from batchplan.formats.opening import open_plan
+    from batchplan.reports.summary import summarize_plan
+
+    print_summary(summarize_plan(open_plan(output)), title=f"wrote {output}")

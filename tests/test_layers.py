@@ -130,6 +130,33 @@ def test_no_module_imports_itself_through_others():
     assert cycles == []
 
 
+MAX_MODULE_LINES = 400
+MAX_BODY_LINES = 60
+
+
+def body_lines(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines of a function's body: from its first statement after the docstring to its end (a
+    signature of declared options, as a CLI command has, and a docstring are not counted)."""
+    body = function.body
+    if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return function.end_lineno - body[0].lineno + 1  # type: ignore[operator]
+
+
+def test_every_module_and_function_is_short_enough_to_read_at_once():
+    """No module of the package or the CLI over 400 lines, no function body over 60."""
+    long = []
+    for path in sorted([*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "cli").rglob("*.py")]):
+        text = path.read_text()
+        name = path.relative_to(PACKAGE.parent)
+        if text.count("\n") > MAX_MODULE_LINES:
+            long.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and body_lines(node) > MAX_BODY_LINES:
+                long.append(f"{name}:{node.lineno} {node.name}: a body of {body_lines(node)} lines")
+    assert long == []
+
+
 @pytest.mark.slow
 def test_a_build_leaves_pandas_out(tmp_path):
     """Training images carry pandas; pyarrow imports it (0.35 s and more) for ``pa.array`` and

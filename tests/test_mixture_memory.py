@@ -27,8 +27,8 @@ from batchplan.mixture import Mixture, MixtureSource
 from batchplan.operations.build_mixture import build_mixture_plan_file
 from batchplan.operations.replan_mixture import replan_mixture_file
 from batchplan.planning import mixture_entries, mixture_epochs, parted_bins
+from batchplan.planning.epoch_batches import EpochBatches
 from batchplan.planning.forming import form_micro_batches
-from batchplan.planning.micro_batches import MicroBatches
 from batchplan.planning.mixture_entries import prepare_mixture_entries
 from batchplan.planning.mixture_sizing import SourceResume, select_sources
 from batchplan.planning.parted_bins import ParkedBins, PartedBins, RowMembers
@@ -212,8 +212,8 @@ def test_parked_parts_hold_and_lay_out_what_the_parts_hold(seed):
         return [form_micro_batches(part, config, draw).layout for part in parts]
 
     values = [lambda threads, part=part: np.arange(part.shape[0], dtype=np.int32) * 5 for part in parts]
-    kept = MicroBatches.of_bins(PartedBins(formed(), bases[:-1].tolist(), int(bases[-1]), values=values))
-    parked = MicroBatches.of_bins(
+    kept = EpochBatches.of_bins(PartedBins(formed(), bases[:-1].tolist(), int(bases[-1]), values=values))
+    parked = EpochBatches.of_bins(
         PartedBins([ParkedBins(layout) for layout in formed()], bases[:-1].tolist(), int(bases[-1]), values=values)
     )
     split = int(np.flatnonzero(np.diff(kept.layout.offsets) >= 2)[0])

@@ -209,7 +209,7 @@ def test_the_token_lr_schedule_runs_on_across_the_change(run):
     """At every step of the new plan the factor is an unchanged run's at the same tokens: the
     old plan's steps before S count, and the decay ends with the new run's last token."""
     from batchplan.runtime import read_step_tokens
-    from batchplan.runtime.schedule import token_lr_factor, token_lr_lambda
+    from batchplan.runtime.lr_schedule import token_lr_factor, token_lr_lambda
 
     before, tokens = read_step_tokens(run["child"])
     assert before[0] == open_plan(run["child"]).metadata["tokens_before_first_step"] > 0

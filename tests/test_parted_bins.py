@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from batchplan import PlanConfig
 from batchplan.planning import bins as bins_module
+from batchplan.planning.epoch_batches import EpochBatches
 from batchplan.planning.forming import concatenate_parts, form_micro_batches
-from batchplan.planning.micro_batches import MicroBatches
 from batchplan.planning.parted_bins import PartedBins
 
 
@@ -34,7 +34,7 @@ def test_parted_bins_hold_and_lay_out_what_the_parts_laid_out_one_after_another_
     sizes = [lengths.shape[0] for lengths in parts_lengths]
     bases = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     total = int(bases[-1])
-    parted = MicroBatches.of_bins(
+    parted = EpochBatches.of_bins(
         PartedBins([formed.layout for formed in _formed(parts_lengths, config, seed)], bases[:-1].tolist(), total)
     )
     reference = concatenate_parts(

@@ -139,7 +139,7 @@ def test_parallel_epoch_range_builds_are_byte_identical_to_one_build(tmp_path):
 @pytest.mark.slow
 def test_every_reader_takes_a_directory(built):
     from batchplan.runtime import PlanSampler
-    from batchplan.runtime.schedule import read_step_tokens
+    from batchplan.runtime.lr_schedule import read_step_tokens
 
     file, directory = built["file"], built["directory"]
     assert validate_plan(directory, DIALOGUES) == []

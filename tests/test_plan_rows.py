@@ -204,7 +204,7 @@ def replay(path: Path) -> None:
 
 
 def step_tokens(path: Path) -> None:
-    from batchplan.runtime.schedule import read_step_tokens
+    from batchplan.runtime.lr_schedule import read_step_tokens
 
     read_step_tokens(path)
 

@@ -143,7 +143,7 @@ def test_missing_matplotlib_is_a_clear_error(squad_plan, monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_plotting_modules_load_matplotlib_only_when_drawing():
     code = (
-        "import sys, batchplan.reports.plot, batchplan.reports.compare, batchplan_cli.main; "
+        "import sys, batchplan.reports.plot, batchplan.reports.figure, batchplan.reports.compare, batchplan_cli.main; "
         "print(sorted(m for m in ('matplotlib', 'numba') if m in sys.modules))"
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -24,7 +24,7 @@ from batchplan.errors import ConfigError, DatasetError
 from batchplan.formats.opening import open_plan
 from batchplan.operations.validate import check_plan
 from batchplan.reports.summary import summarize_plan
-from batchplan.runtime.schedule import read_step_tokens, token_lr_factor, token_lr_lambda
+from batchplan.runtime.lr_schedule import read_step_tokens, token_lr_factor, token_lr_lambda
 from batchplan_cli.main import app
 
 LENGTHS = dataset_lengths("lognormal")  # 3,000 samples, ~2.5 M tokens, some above 2,048

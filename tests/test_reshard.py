@@ -31,11 +31,12 @@ from batchplan import ConfigError, PlanConfig, PlanMismatchError
 from batchplan.formats.bitmap import decode_bitmap, encode_bitmap
 from batchplan.formats.opening import open_plan
 from batchplan.formats.plan_writer import write_plan
-from batchplan.operations.reshard import default_step_sizing, reshard_plan, reshard_plan_file
+from batchplan.operations.reshard import reshard_plan, reshard_plan_file
+from batchplan.operations.reshard_steps import default_step_sizing
 from batchplan.operations.validate import check_plan
 from batchplan.planning.epochs import build_plan
 from batchplan.runtime import PlanSampler
-from batchplan.runtime.schedule import token_lr_lambda
+from batchplan.runtime.lr_schedule import token_lr_lambda
 from batchplan_cli.main import app
 
 
@@ -573,7 +574,7 @@ def test_the_token_lr_schedule_continues_on_the_new_plan(make_parent, tmp_path):
 
 def test_token_lr_on_the_new_plan_equals_an_unresharded_run_at_the_same_tokens(make_parent, tmp_path):
     from batchplan.runtime import read_step_tokens
-    from batchplan.runtime.schedule import token_lr_factor
+    from batchplan.runtime.lr_schedule import token_lr_factor
 
     parent, _ = make_parent(max_tokens=256, world_size=2, epochs=2, micro_batches=2, oversize="split")
     child = tmp_path / "child.arrow"

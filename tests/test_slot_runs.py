@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from batchplan.kernels.slot_runs import MAX_RUN, decode_runs
-from batchplan.planning import bins
-from batchplan.planning.bins import SlotRuns
+from batchplan.planning import slot_runs
+from batchplan.planning.slot_runs import SlotRuns
 
 
 def reference_runs(values: list[int], parts: int) -> list[tuple[int, int]]:
@@ -35,7 +35,7 @@ slot_bins = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9)), max_size=
 @given(slot_bin=slot_bins, parts=st.integers(1, 9), threads=st.integers(1, 3))
 def test_runs_are_those_of_each_part_and_decode_to_the_bins(slot_bin, parts, threads):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bins, "SLOT_RUN_PARTS", parts)
+        patch.setattr(slot_runs, "SLOT_RUN_PARTS", parts)
         runs = SlotRuns.encode(slot_bin, threads)
     got = [(int(value), int(length)) for bins_, lengths in runs.parts for value, length in zip(bins_, lengths)]
     assert got == reference_runs(slot_bin.tolist(), parts)
@@ -50,7 +50,7 @@ def test_runs_are_those_of_each_part_and_decode_to_the_bins(slot_bin, parts, thr
 def test_a_run_longer_than_a_uint16_is_cut(dtype):
     slot_bin = np.concatenate([np.full(MAX_RUN + 10, 7), np.full(3, 2), np.full(MAX_RUN, 7)]).astype(dtype)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(bins, "SLOT_RUN_PARTS", 1)
+        patch.setattr(slot_runs, "SLOT_RUN_PARTS", 1)
         runs = SlotRuns.encode(slot_bin, 1)
     run_bin, run_length = runs.parts[0]
     assert run_length.tolist() == [MAX_RUN, 10, 3, MAX_RUN]

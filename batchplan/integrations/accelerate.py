@@ -26,8 +26,8 @@ accelerate_utils = require("accelerate.utils")
 
 from batchplan.runtime import PlanBatch, PlanSampler  # noqa: E402
 from batchplan.runtime.batch import record_of  # noqa: E402
+from batchplan.runtime.plan_steps import check_follows  # noqa: E402
 from batchplan.runtime.records import MicroBatch  # noqa: E402
-from batchplan.runtime.steps import check_follows  # noqa: E402
 
 __all__ = ["PreparedPlanLoader", "prepare_plan_loader"]
 

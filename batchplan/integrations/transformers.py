@@ -56,8 +56,8 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from batchplan.runtime import PackCollator, PadCollator, PlanBatch, PlanDataset, PlanSampler  # noqa: E402
 from batchplan.runtime.loss import count_loss_tokens, token_loss_sum  # noqa: E402
+from batchplan.runtime.plan_steps import PlanStep, PlanSteps  # noqa: E402
 from batchplan.runtime.source_loss import SourceLosses  # noqa: E402
-from batchplan.runtime.steps import PlanStep, PlanSteps  # noqa: E402
 
 __all__ = ["PlanTrainer", "PlanTrainerMixin", "SAMPLER_STATE_FILE"]
 

@@ -87,5 +87,5 @@ def steps_by_tokens(round_tokens, target):
         int64 offsets: step ``s`` holds rounds ``offsets[s]:offsets[s + 1]``.
     """
     goal = float(target)
-    zero = np.int64(0)  # int64, as `batchplan.planning.steps` passes them: one compiled specialisation
+    zero = np.int64(0)  # int64, as `batchplan.planning.step_bounds` passes them: one compiled specialisation
     return ramp_steps(round_tokens, zero, goal, goal, zero, zero)

@@ -59,8 +59,6 @@ def build_plan_file(
             reading the lengths and again before planning.
         DatasetError: the dataset cannot be read or breaks a rule.
     """
-    from batchplan.formats.plan_writer import write_plan
-
     layout, epochs = check_layout(layout, only_epochs, config)
     output = Path(output)
     files = find_dataset_files(dataset)
@@ -77,7 +75,6 @@ def build_plan_file(
         # they run while numba is imported and started, which is Python (~0.3 s of every build).
         reading = reader.submit(_read_and_estimate, files, columns, config, threads, advance)
         from batchplan.kernels.startup import start_numba
-        from batchplan.planning.epochs import build_plan
 
         start_numba()
         lengths, estimate = reading.result()
@@ -93,12 +90,7 @@ def build_plan_file(
         }
         if layout == "directory":
             return _build_directory(output, config, lengths, source, hashing.result, epochs, progress)
-        advance = stage(progress, "planning epochs", config.epochs)
-        plan = build_plan(lengths.lengths, config, loss_tokens=lengths.loss_tokens, on_epoch=lambda _: advance(1))
-        advance = stage(progress, "writing plan", config.epochs * config.world_size)
-        return write_plan(
-            plan, output, dataset=source, lengths_fingerprint=hashing.result(), on_batch=lambda _: advance(1)
-        )
+        return _build_file(output, config, lengths, source, hashing.result, progress)
 
 
 def _read_and_estimate(
@@ -108,6 +100,17 @@ def _read_and_estimate(
     lengths = read_lengths(files, **columns, on_file=lambda _: advance(1))
     estimate = estimate_build_memory(lengths.num_samples, config, num_threads=threads, lengths=lengths.lengths)
     return lengths, estimate
+
+
+def _build_file(output: Path, config: PlanConfig, lengths, source, fingerprint: Callable[[], str], progress):
+    """Plan every epoch of one dataset, then write them into one plan file."""
+    from batchplan.formats.plan_writer import write_plan
+    from batchplan.planning.epochs import build_plan
+
+    advance = stage(progress, "planning epochs", config.epochs)
+    plan = build_plan(lengths.lengths, config, loss_tokens=lengths.loss_tokens, on_epoch=lambda _: advance(1))
+    advance = stage(progress, "writing plan", config.epochs * config.world_size)
+    return write_plan(plan, output, dataset=source, lengths_fingerprint=fingerprint(), on_batch=lambda _: advance(1))
 
 
 def _build_directory(

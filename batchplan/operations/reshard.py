@@ -20,15 +20,8 @@ from global step ``S`` gets a new plan:
    parent's count at ``S``. Epochs before ``S``'s stay in the file with no rows, so
    a rank still reads record batch ``epoch * W2 + rank``.
 
-Step size: explicit ``micro_batches`` or ``tokens_per_step``; by default as close to
-the parent's global step as ``W2`` ranks allow. A token target is kept (it does not
-depend on ranks; ``M2 = 1`` if one micro-batch per rank already exceeds it). ``M``
-micro-batches per rank become ``M2 = max(1, round(W * M / W2))``: the same global
-step when ``W2`` divides ``W * M``, else the nearest whole number of micro-batches per
-rank (4 ranks x 1 -> 3 ranks x 1 is 25 % fewer tokens per step). A token target equal
-to the parent's mean step would not do better: a step is a whole number of rounds of
-``W2`` micro-batches, and the target picks that same nearest number, only with more
-variation between steps.
+Step size: explicit ``micro_batches`` or ``tokens_per_step``; by default as close to the
+parent's global step as ``W2`` ranks allow (`batchplan.operations.reshard_steps`).
 
 Guarantees (checked by `batchplan.operations.validate` through the metadata written with the
 plan, ``resharded_from``/``consumed``): what the parent trained before ``S`` plus
@@ -70,7 +63,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
-from batchplan.errors import ConfigError, PlanFormatError
+from batchplan.errors import ConfigError
 from batchplan.formats.bitmap import decode_bitmap, encode_bitmap
 from batchplan.formats.opened_plan import OpenedPlan
 from batchplan.formats.opening import open_plan
@@ -84,12 +77,13 @@ from batchplan.operations.parent_rows import (
     segment_positions,
 )
 from batchplan.operations.reshard_mixture import deal_steps, mixture_consumed
+from batchplan.operations.reshard_steps import step_sizing
 from batchplan.plan import Entries, EpochPlan, Members, Plan, index_dtype
-from batchplan.planning.micro_batches import MicroBatches
+from batchplan.planning.epoch_batches import EpochBatches
 from batchplan.planning.schedule import schedule_epoch
 from batchplan.reduce import sum_by_group
 
-__all__ = ["ReshardedPlan", "default_step_sizing", "reshard_plan", "reshard_plan_file"]
+__all__ = ["ReshardedPlan", "reshard_plan", "reshard_plan_file"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +175,7 @@ def reshard_plan(
         world_size: ranks of the continued run.
         from_step: the first global step the new plan holds: the optimizer steps done
             when the checkpoint to resume from was saved.
-        micro_batches: micro-batches per rank per step; default: see the module docstring.
+        micro_batches: micro-batches per rank per step; default: `batchplan.operations.reshard_steps`.
             Not for a mixture's plan, which keeps its steps.
         tokens_per_step: global token target per step instead (not for a mixture's plan).
 
@@ -196,11 +190,7 @@ def reshard_plan(
         raise ConfigError(f"`world_size` must be an integer >= 1, got {world_size!r}")
     epoch, position, tokens_before = locate_step(plan, from_step)
     mixture = plan.metadata.get("mixture")
-    sizing = {"micro_batches": micro_batches, "tokens_per_step": tokens_per_step}
-    if mixture is not None:
-        sizing = _mixture_step_sizing(plan, world_size, sizing)
-    elif micro_batches is None and tokens_per_step is None:
-        sizing = default_step_sizing(plan, world_size)
+    sizing = step_sizing(plan, world_size, micro_batches, tokens_per_step)
     config = PlanConfig.from_dict({**plan.metadata["config"], "world_size": world_size, **sizing})
     rows = [read_epoch(plan, k) for k in range(epoch, plan.num_epochs)]
     if mixture is None:
@@ -231,40 +221,6 @@ def reshard_plan(
     new_plan = Plan(config=config, num_samples=plan.num_samples, entries=entries, epochs=tuple(epochs))
     meta = plan.metadata
     return ReshardedPlan(new_plan, lineage, meta.get("dataset"), meta.get("lengths_fingerprint"), mixture)
-
-
-def default_step_sizing(plan: OpenedPlan, world_size: int) -> dict[str, int | None]:
-    """``{"micro_batches": M2, "tokens_per_step": T2}`` (one of them None) that keeps the
-    parent's global step for ``world_size`` ranks (rules in the module docstring)."""
-    config = plan.metadata["config"]
-    smallest = world_size * int(config["max_tokens"])  # one micro-batch per rank
-    if config.get("tokens_per_step") is not None:
-        target = int(config["tokens_per_step"])
-        return {"micro_batches": None, "tokens_per_step": target} if target >= smallest else _fixed(1)
-    count = plan.world_size * int(config.get("micro_batches") or 1)
-    return _fixed(max(1, (2 * count + world_size) // (2 * world_size)))  # round half up
-
-
-def _fixed(per_rank: int) -> dict[str, int | None]:
-    return {"micro_batches": per_rank, "tokens_per_step": None}
-
-
-def _mixture_step_sizing(plan: OpenedPlan, world_size: int, asked: dict[str, int | None]) -> dict[str, int | None]:
-    """The config's step size for a mixture's plan, whose steps stay the parent's: its token
-    target (as `default_step_sizing`), or ``ceil(W * M / world_size)`` micro-batches per rank.
-    Refuses a size ``asked`` for, and a mixture's plan without its ``source`` column."""
-    if asked["micro_batches"] is not None or asked["tokens_per_step"] is not None:
-        raise ConfigError(
-            f"{plan.path} is a mixture's plan, which keeps its steps (each holds the sources' shares) when resharded; "
-            "leave `micro_batches` and `tokens_per_step` out"
-        )
-    if "source" not in plan.schema.names:
-        raise PlanFormatError(f"{plan.path}: a mixture's plan without its `source` column; rebuild it")
-    config = plan.metadata["config"]
-    if config.get("tokens_per_step") is not None:
-        return default_step_sizing(plan, world_size)
-    count = plan.world_size * int(config.get("micro_batches") or 1)
-    return _fixed(-(-count // world_size))
 
 
 def locate_step(plan: OpenedPlan, from_step: int) -> tuple[int, int, int]:
@@ -323,7 +279,7 @@ def _schedule(part: ParentRows, entry_ids, dropped_ids, config: PlanConfig, epoc
     parents = Entries(
         sample=starts, start=None, length=length, loss_tokens=part.loss_tokens.astype(np.int32), dropped={}
     )
-    batches = MicroBatches.of_ranges(starts.astype(index_dtype(count)), length, starts, starts + 1)
+    batches = EpochBatches.of_ranges(starts.astype(index_dtype(count)), length, starts, starts + 1)
     scheduled = schedule_epoch(parents, batches, config, epoch, costs=part.cost)
     return _expand(scheduled, part, entry_ids, dropped_ids)
 

@@ -22,7 +22,7 @@ from batchplan.formats.opened_plan import OpenedPlan
 from batchplan.operations.mixture_checks import dropped_uses
 from batchplan.operations.parent_rows import ParentRows, always_dropped
 from batchplan.plan import Entries, EpochPlan, index_dtype
-from batchplan.planning.micro_batches import MicroBatches
+from batchplan.planning.epoch_batches import EpochBatches
 from batchplan.planning.schedule import schedule_epoch
 
 __all__ = ["deal_steps", "mixture_consumed"]
@@ -45,7 +45,7 @@ def deal_steps(part: ParentRows, config: PlanConfig, epoch: int, tokens_before: 
     ends = starts + held
     length = part.tokens.astype(np.int32)
     entries = Entries(sample=np.arange(count), length=length, loss_tokens=part.loss_tokens.astype(np.int32), dropped={})
-    batches = MicroBatches.of_ranges(np.arange(count, dtype=index_dtype(count)), length, starts, ends)
+    batches = EpochBatches.of_ranges(np.arange(count, dtype=index_dtype(count)), length, starts, ends)
     costs = None
     if part.cost is not None:
         costs = np.zeros(total, dtype=np.float64)

@@ -1,5 +1,5 @@
 """Packed micro-batches before their entries are laid out: best-fit decreasing's bins, with
-the methods of a `batchplan.planning.micro_batches` layout.
+the methods of a `batchplan.planning.epoch_batches` layout.
 
 Best fit decreasing packs the length histogram: it places slots (a length in a bin), and
 the k-th slot of length ``s`` takes the k-th entry of length ``s`` in a seeded order (the
@@ -15,9 +15,7 @@ and a window of members.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 from numpy.typing import NDArray
@@ -26,11 +24,11 @@ from batchplan.kernels.bin_layout import bin_lengths, place_slots, scatter_entri
 from batchplan.kernels.pack import bin_destinations, bin_length_sums
 from batchplan.kernels.segments import range_sums
 from batchplan.kernels.shuffle import count_groups
-from batchplan.kernels.slot_runs import count_runs, decode_runs, encode_runs
 from batchplan.plan import Members, index_dtype
 from batchplan.planning.buffers import new_buffer
 from batchplan.planning.destinations import Destinations, check_written
 from batchplan.planning.randomness import KeyStream, unshuffle_by_group
+from batchplan.planning.slot_runs import SlotRuns
 from batchplan.planning.threads import run_in_parts
 
 __all__ = [
@@ -39,7 +37,6 @@ __all__ = [
     "PackedBins",
     "PendingMembers",
     "Placed",
-    "SlotRuns",
     "bin_destinations_of",
     "count_by_group",
     "left_to_right_sum",
@@ -87,7 +84,7 @@ class PackedBins:
     def num_bins(self) -> int:
         return int(self.tokens.shape[0])
 
-    # The micro-batches as formed are the bins; `MicroBatches` hands those added later (pieces
+    # The micro-batches as formed are the bins; `EpochBatches` hands those added later (pieces
     # of bins, empty ones; ids from ``num_bins`` on) to the methods below as ``extra``.
     num_formed = num_bins
 
@@ -178,7 +175,7 @@ class PackedBins:
         return range_sums(laid, starts, ends, np.zeros(starts.shape[0], dtype=np.int64))
 
     def gather(self, extra, order, sizes, threads: int, scratch) -> tuple[NDArray[np.int64], NDArray]:
-        """`MicroBatches.gather`, leaving the bins as they are."""
+        """`EpochBatches.gather`, leaving the bins as they are."""
         where = self.destinations(extra, order, sizes, threads)
         members = new_buffer(where.count, self.slot_bin.dtype)
         check_written(self.write_members(where, members, threads), members)
@@ -199,7 +196,7 @@ class PackedBins:
         """The members at ``where``, to be laid out a window at a time (`PendingMembers`),
         using the bins up: each slot's place is written over its bin, the bins' arrays (and
         ``where``'s per-bin one) are let go, and the shuffle is undone on the places. The
-        micro-batches must hold no view of the bins (`MicroBatches.lay_out` lets them go first)."""
+        micro-batches must hold no view of the bins (`EpochBatches.lay_out` lets them go first)."""
         return PendingMembers([self.placed(where, threads)], where.count)
 
     def placed(self, where: Destinations, threads: int, base: int = 0) -> Placed:
@@ -233,54 +230,6 @@ class PackedBins:
         unshuffle_by_group(self.keys, self.start, block, places, threads=threads)
         counts = count_by_group(self.lengths, self.capacity + 1, threads)
         return block + np.cumsum(counts, axis=0) - counts
-
-
-class SlotRuns:
-    """The bin of each slot, run-length encoded (`batchplan.kernels.slot_runs`) in `SLOT_RUN_PARTS`
-    parts, each with arrays of its own: each run's bin (the bins' dtype) and its slots (uint16).
-    Decoding frees each part's runs once it is decoded, so that the bins and their runs are
-    never all held at once (the peak of laying a large epoch out holds the bins)."""
-
-    def __init__(self, parts: list[tuple[NDArray, NDArray[np.uint16]] | None], count: int, dtype, threads: int):
-        self.parts, self.count, self.dtype, self.threads = parts, count, np.dtype(dtype), threads
-
-    @classmethod
-    def encode(cls, slot_bin: NDArray[np.integer], threads: int) -> SlotRuns:
-        num_parts = SLOT_RUN_PARTS
-
-        def encode_part(part: int) -> tuple[NDArray, NDArray[np.uint16]]:
-            count = count_runs(slot_bin, part, num_parts)
-            run_bin, run_length = np.empty(count, dtype=slot_bin.dtype), np.empty(count, dtype=np.uint16)
-            encode_runs(slot_bin, run_bin, run_length, part, num_parts)
-            return run_bin, run_length
-
-        parts: list[tuple[NDArray, NDArray[np.uint16]] | None] = list(_each_part(encode_part, num_parts, threads))
-        return cls(parts, int(slot_bin.shape[0]), slot_bin.dtype, threads)
-
-    def decode(self) -> NDArray[np.integer]:
-        """The bin of each slot, in a new array (the runs are used up)."""
-        slot_bin = new_buffer(self.count, self.dtype)
-        num_parts = len(self.parts)
-
-        def decode_part(part: int) -> int:
-            runs = self.parts[part]
-            if runs is None:
-                raise ValueError("the runs were decoded already")
-            self.parts[part] = None
-            return decode_runs(*runs, slot_bin, part, num_parts)
-
-        written = list(_each_part(decode_part, num_parts, self.threads))
-        if sum(written) != self.count or min(written) < 0:
-            raise AssertionError(f"runs decoded into {sum(written):,} of {self.count:,} slots")
-        return slot_bin
-
-
-def _each_part(work: Callable[[int], Any], num_parts: int, threads: int) -> Iterator[Any]:
-    """``work(part)`` for each part, in order, on up to ``threads`` threads."""
-    if threads <= 1:
-        return map(work, range(num_parts))
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        return iter(list(pool.map(work, range(num_parts))))
 
 
 class PendingMembers(Members):
@@ -359,10 +308,6 @@ PARK_FROM_ENTRIES = 1 << 27
 # 10^9 (10^9 builds in 7.43 GiB with an eighth, 7.2 with 2^26).
 MEMBERS_AT_ONCE = 1 << 26
 MAX_PASSES = 10
-
-# Parts a parked epoch's runs are kept in (`SlotRuns`): each freed once decoded, so decoding
-# holds the bins and an eighth of the runs (~0.09 bytes per slot), not all of them (0.7).
-SLOT_RUN_PARTS = 8
 
 
 def members_at_once(count: int) -> int:

@@ -14,14 +14,14 @@ from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
 from batchplan.errors import DatasetError
-from batchplan.planning.micro_batches import MicroBatches
+from batchplan.planning.epoch_batches import EpochBatches
 from batchplan.planning.scheduled import Scheduled
-from batchplan.planning.steps import StepSizing, cut_steps
+from batchplan.planning.step_bounds import StepSizing, cut_steps
 
 __all__ = ["complete_last_round", "drop_last_ramp_step", "drop_last_step"]
 
 
-def complete_last_round(batches: MicroBatches, room, count: int, world_size: int):
+def complete_last_round(batches: EpochBatches, room, count: int, world_size: int):
     """Make the scheduled count a multiple of world_size: split micro-batches, then add empties.
 
     The schedule is ``room[:count]``; ``room`` holds ``world_size`` more, so the completed
@@ -74,7 +74,7 @@ def _halving_point(lengths: NDArray[np.int32]) -> int:
     return min(max(cut, 1), lengths.shape[0] - 1)
 
 
-def drop_last_step(batches: MicroBatches, schedule, config: PlanConfig, epoch: int):
+def drop_last_step(batches: EpochBatches, schedule, config: PlanConfig, epoch: int):
     """Drop the micro-batches of an incomplete final step (``drop_last``).
 
     Incomplete: fewer than ``micro_batches`` per rank, or, with a token target, a last
@@ -101,7 +101,7 @@ def drop_last_step(batches: MicroBatches, schedule, config: PlanConfig, epoch: i
     return schedule[:keep], batches.members_of(schedule[keep:])
 
 
-def drop_last_ramp_step(batches: MicroBatches, at: Scheduled, step_offsets, config: PlanConfig, epoch: int, sizing):
+def drop_last_ramp_step(batches: EpochBatches, at: Scheduled, step_offsets, config: PlanConfig, epoch: int, sizing):
     """``drop_last`` under a ramp-up, on the final steps over the whole rounds of the
     schedule: drop the partial round, and the last step if it is incomplete (see
     `_last_step_incomplete`). Returns how many to keep, their step offsets, the dropped entries."""

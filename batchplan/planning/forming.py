@@ -14,7 +14,7 @@ from batchplan.plan import Entries, PackingBound, index_dtype
 from batchplan.planning.bins import PackedBins, count_by_group
 from batchplan.planning.buffers import new_buffer
 from batchplan.planning.cutting_stock import pack_histogram
-from batchplan.planning.micro_batches import MicroBatches
+from batchplan.planning.epoch_batches import EpochBatches
 from batchplan.planning.randomness import KeyStream, permute
 from batchplan.planning.warmup import SeqlenWarmup
 
@@ -23,7 +23,7 @@ __all__ = ["compute_costs", "concatenate_parts", "form_micro_batches", "form_war
 
 def form_micro_batches(
     lengths: NDArray[np.integer], config: PlanConfig, rng: np.random.Generator, threads: int = 1
-) -> MicroBatches:
+) -> EpochBatches:
     """Micro-batches over entries ``0..len(lengths)-1`` (members index ``lengths``); the
     shuffles run on ``threads`` threads (the same result for any number). Packing runs on the
     length histogram (`batchplan.planning.cutting_stock.pack_histogram`, near its lower
@@ -54,7 +54,7 @@ def form_micro_batches(
         packed = pack_histogram(histogram, capacity, buffers=buffers)
         del buffers
         bins = PackedBins(lengths, start, keys, packed.slot_bin, packed.offsets, packed.tokens, capacity)
-        batches = MicroBatches.of_bins(bins)
+        batches = EpochBatches.of_bins(bins)
         tokens = int(packed.tokens.sum())
         batches.packing = PackingBound(batches.count, tokens, packed.bound.bins, packed.bound.kind)
         return batches
@@ -64,7 +64,7 @@ def form_micro_batches(
         member_lengths = np.empty(count, dtype=np.int32)
         permute(rng, members, values=lengths, carried=member_lengths, threads=threads)
         offsets = cut_padded(members, member_lengths, config.shuffle_window, config.max_tokens, config.batch_multiple)
-    return MicroBatches.of_ranges(members, member_lengths, offsets[:-1], offsets[1:])
+    return EpochBatches.of_ranges(members, member_lengths, offsets[:-1], offsets[1:])
 
 
 def form_warmup_micro_batches(
@@ -89,8 +89,8 @@ def form_warmup_micro_batches(
     return concatenate_parts(parts, entries.num_entries), ordered
 
 
-def concatenate_parts(parts, num_entries: int) -> MicroBatches:
-    """One `MicroBatches` of ``(batches, entry_ids, order)`` parts: each part's micro-batches
+def concatenate_parts(parts, num_entries: int) -> EpochBatches:
+    """One `EpochBatches` of ``(batches, entry_ids, order)`` parts: each part's micro-batches
     in ``order``, their members mapped from part-local positions to ``entry_ids``."""
     members, lengths, starts, ends = [], [], [], []
     base = 0
@@ -100,7 +100,7 @@ def concatenate_parts(parts, num_entries: int) -> MicroBatches:
         starts.append(base + batches.starts[order])
         ends.append(base + batches.ends[order])
         base += batches.members.shape[0]
-    joined = MicroBatches.of_ranges(
+    joined = EpochBatches.of_ranges(
         np.concatenate(members), np.concatenate(lengths), np.concatenate(starts), np.concatenate(ends)
     )
     packings = [batches.packing for batches, _, _ in parts]
@@ -109,7 +109,7 @@ def concatenate_parts(parts, num_entries: int) -> MicroBatches:
     return joined
 
 
-def compute_costs(batches: MicroBatches, mode: str, coefficient: float) -> NDArray[np.float64]:
+def compute_costs(batches: EpochBatches, mode: str, coefficient: float) -> NDArray[np.float64]:
     """Predicted compute per micro-batch, in tokens: `batchplan.planning.cost` with the model's
     attention ``coefficient`` (`PlanConfig.cost_coefficient`)."""
     if mode == "pack":

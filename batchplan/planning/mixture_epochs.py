@@ -33,8 +33,8 @@ from batchplan.config import PlanConfig
 from batchplan.errors import DatasetError
 from batchplan.plan import EpochPlan, PackingBound, index_dtype
 from batchplan.planning.bins import PARK_FROM_ENTRIES, PackedBins
+from batchplan.planning.epoch_batches import EpochBatches
 from batchplan.planning.forming import form_micro_batches
-from batchplan.planning.micro_batches import MicroBatches
 from batchplan.planning.mixture_entries import MixtureEntries, prepare_mixture_entries, sizing_lengths
 from batchplan.planning.mixture_epoch_end import drop_incomplete_end
 from batchplan.planning.mixture_steps import compose_epoch
@@ -58,7 +58,7 @@ class Part(NamedTuple):
     segment it is composed in (a warmup stage, or after the warmup: `mixture_steps`)."""
 
     source: int
-    formed: MicroBatches | PackedBins | ParkedBins
+    formed: EpochBatches | PackedBins | ParkedBins
     num_batches: int
     packing: PackingBound | None
     first: int
@@ -151,7 +151,7 @@ def _form(
     """Entries ``first:last`` (of ``chunk``) formed into micro-batches with ``rng`` and
     shuffled with ``order_rng``; packed, their bins (parked in a large epoch)."""
     formed = form_micro_batches(mixture.entries.length[first:last], config, rng, threads_for(last - first, threads))
-    kept: MicroBatches | PackedBins | ParkedBins = formed
+    kept: EpochBatches | PackedBins | ParkedBins = formed
     if isinstance(formed.layout, PackedBins):  # packed: the bins, parked in a large epoch
         kept = ParkedBins(formed.layout) if park else formed.layout
     part = Part(

@@ -1,5 +1,5 @@
 """A mixture's epoch composed into steps: every part's micro-batches (one pass of one source
-each, `batchplan.planning.mixture_epochs`) in one `MicroBatches`, and the order in which
+each, `batchplan.planning.mixture_epochs`) in one `EpochBatches`, and the order in which
 `batchplan.kernels.interleave.compose_steps` takes them, step by step, so that every step
 but the epoch's last holds each source within ``max_tokens`` of its weight.
 
@@ -23,8 +23,8 @@ from numpy.typing import NDArray
 from batchplan.config import PlanConfig
 from batchplan.kernels.interleave import compose_segments, compose_steps
 from batchplan.plan import index_dtype
+from batchplan.planning.epoch_batches import EpochBatches
 from batchplan.planning.forming import concatenate_parts
-from batchplan.planning.micro_batches import MicroBatches
 from batchplan.planning.mixture_warmup import stage_lag
 from batchplan.planning.parted_bins import PartedBins
 
@@ -45,7 +45,7 @@ class Composed:
         sizing: `step_sizing` at the epoch's start.
     """
 
-    batches: MicroBatches
+    batches: EpochBatches
     order: NDArray[np.integer]
     steps: NDArray[np.int64]
     part_bounds: NDArray[np.int64]
@@ -60,7 +60,7 @@ class Composed:
 def compose_epoch(
     parts: list, num_entries: int, config: PlanConfig, tokens_before: int, phases, values=None, dtype=None
 ) -> Composed:
-    """Every part's micro-batches in one `MicroBatches` (packed: `PartedBins`, the parts' bins
+    """Every part's micro-batches in one `EpochBatches` (packed: `PartedBins`, the parts' bins
     as they are; padded: laid out one part after another), and their order and steps (the
     module docstring); ``parts``: each a `batchplan.planning.mixture_epochs.Part`.
 
@@ -125,12 +125,12 @@ def compose_epoch(
     )
 
 
-def _joined(parts: list, num_entries: int, values, dtype) -> MicroBatches:
-    """Every part's micro-batches in one `MicroBatches`, part after part."""
-    bins = [part.formed for part in parts if not isinstance(part.formed, MicroBatches)]
+def _joined(parts: list, num_entries: int, values, dtype) -> EpochBatches:
+    """Every part's micro-batches in one `EpochBatches`, part after part."""
+    bins = [part.formed for part in parts if not isinstance(part.formed, EpochBatches)]
     if len(bins) == len(parts):
         layout = PartedBins(bins, [part.first for part in parts], num_entries, values=values, dtype=dtype)
-        batches = MicroBatches.of_bins(layout)
+        batches = EpochBatches.of_bins(layout)
         packings = [part.packing for part in parts if part.packing is not None]
         batches.packing = sum(packings[1:], packings[0])
         return batches

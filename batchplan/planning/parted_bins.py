@@ -3,7 +3,7 @@ each) are packed on their own and never share a micro-batch.
 
 `PartedBins` holds each part's `batchplan.planning.bins.PackedBins` as they are (their members
 are never laid out to be scheduled) and has the methods of a
-`batchplan.planning.micro_batches` layout over all of them: micro-batch ids are the parts'
+`batchplan.planning.epoch_batches` layout over all of them: micro-batch ids are the parts'
 bins one part after another, member space the parts' member spaces one after another, and
 entry ids global (part ``p``'s entry ``i`` is ``entry_base[p] + i``).
 
@@ -234,7 +234,7 @@ class PartedBins:
         return out
 
     def gather(self, extra, order, sizes, threads: int, scratch) -> tuple[NDArray[np.int64], NDArray]:
-        """`MicroBatches.gather`, leaving the bins as they are."""
+        """`EpochBatches.gather`, leaving the bins as they are."""
         where = self.destinations(extra, order, sizes, threads)
         members = new_buffer(where.count, self._dtype)
         written = 0

@@ -19,12 +19,12 @@ from batchplan.errors import ConfigError
 from batchplan.kernels.assemble import lay_out_rows
 from batchplan.plan import Entries, EpochPlan, index_dtype
 from batchplan.planning.buffers import new_buffer
+from batchplan.planning.epoch_batches import EpochBatches
 from batchplan.planning.epoch_end import complete_last_round, drop_last_ramp_step, drop_last_step
 from batchplan.planning.forming import compute_costs
-from batchplan.planning.micro_batches import MicroBatches
 from batchplan.planning.randomness import STREAM_MICRO_BATCH_ORDER, epoch_rng, permute
 from batchplan.planning.scheduled import Scheduled
-from batchplan.planning.steps import StepSizing, cut_steps
+from batchplan.planning.step_bounds import StepSizing, cut_steps
 from batchplan.planning.threads import run_in_parts
 
 __all__ = ["schedule_epoch"]
@@ -32,7 +32,7 @@ __all__ = ["schedule_epoch"]
 
 def schedule_epoch(
     entries: Entries,
-    batches: MicroBatches,
+    batches: EpochBatches,
     config: PlanConfig,
     epoch: int,
     *,
@@ -82,7 +82,7 @@ def schedule_epoch(
     longest = batches.longest() if config.mode == "pad" else None
     batches.release_lengths()
     # With a loss-tokens column, each micro-batch's loss tokens are summed now, so that large
-    # packed epochs can park their bins until the members are laid out (`MicroBatches.park`).
+    # packed epochs can park their bins until the members are laid out (`EpochBatches.park`).
     loss = None if entries.loss_tokens is None else batches.entry_sums(entries.loss_tokens)  # None: length - 1 each
     batches.park(threads)
     kept = min(num_full, -(-ordered // config.world_size) * config.world_size)  # whole rounds
@@ -99,12 +99,12 @@ def schedule_epoch(
         step_offsets[-1] = at.tokens.shape[0]
     else:
         step_offsets = cut_steps(at.tokens, config, sizing)
-    rows = Rows.lay_out(config, batches, at, step_offsets, longest, loss, threads)
+    rows = EpochRows.lay_out(config, batches, at, step_offsets, longest, loss, threads)
     del at, longest, loss  # not needed once the rows are laid out
     return _assemble(config, epoch, batches, rows, dropped, threads, sources)
 
 
-def _shuffle(batches: MicroBatches, config: PlanConfig, epoch: int, ordered: int, threads: int, order=None, steps=None):
+def _shuffle(batches: EpochBatches, config: PlanConfig, epoch: int, ordered: int, threads: int, order=None, steps=None):
     """The micro-batches after the first ``ordered`` shuffled (or all in ``order``), and the
     epoch's end completed or dropped (`epoch_end`): ``(room, schedule, whole rounds'
     micro-batches, dropped entries)``; the schedule is written in ``room``, which has room to
@@ -127,7 +127,7 @@ def _shuffle(batches: MicroBatches, config: PlanConfig, epoch: int, ordered: int
 
 
 def _costs_of(
-    batches: MicroBatches, config: PlanConfig, coefficient: float, known: NDArray[np.float64] | None
+    batches: EpochBatches, config: PlanConfig, coefficient: float, known: NDArray[np.float64] | None
 ) -> NDArray[np.float64]:
     if known is None:
         return compute_costs(batches, config.mode, coefficient)
@@ -137,7 +137,7 @@ def _costs_of(
 
 
 @dataclasses.dataclass
-class Rows:
+class EpochRows:
     """The rows of an epoch, ordered by (rank, step, micro) (`batchplan.kernels.assemble.lay_out_rows`).
     ``order`` (each row's micro-batch id and entries) is dropped once the members' places are known."""
 
@@ -149,7 +149,7 @@ class Rows:
     step_sums: NDArray[np.int64]  # shape (2, steps): tokens, loss tokens
 
     @classmethod
-    def lay_out(cls, config: PlanConfig, batches: MicroBatches, at: Scheduled, step_offsets, longest, loss, threads):
+    def lay_out(cls, config: PlanConfig, batches: EpochBatches, at: Scheduled, step_offsets, longest, loss, threads):
         """Assign ranks in each step and order the micro-batches by (rank, step, micro).
         ``longest``: pad mode, each micro-batch's longest entry (else None); ``loss``: each
         micro-batch's loss tokens (else None: tokens less entries)."""
@@ -186,7 +186,7 @@ class Rows:
 
 
 def _assemble(
-    config: PlanConfig, epoch: int, batches: MicroBatches, rows: Rows, dropped, threads: int, sources
+    config: PlanConfig, epoch: int, batches: EpochBatches, rows: EpochRows, dropped, threads: int, sources
 ) -> EpochPlan:
     """The epoch's plan: the rows, and the members laid out in row order. The micro-batches
     are used up, and each array is let go as soon as it is used, before the members are made."""

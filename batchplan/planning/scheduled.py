@@ -13,7 +13,7 @@ from batchplan.config import PlanConfig
 from batchplan.kernels.assemble import take_scheduled
 from batchplan.plan import index_dtype
 from batchplan.planning.buffers import new_buffer
-from batchplan.planning.micro_batches import MicroBatches
+from batchplan.planning.epoch_batches import EpochBatches
 from batchplan.planning.randomness import STREAM_ROUND_ORDER, epoch_rng
 from batchplan.planning.threads import run_in_parts
 
@@ -34,7 +34,7 @@ class Scheduled:
     def take(
         cls,
         schedule,
-        batches: MicroBatches,
+        batches: EpochBatches,
         compute,
         config: PlanConfig,
         begin: int,

@@ -1,14 +1,11 @@
-"""The figure of a plan, for `batchplan inspect`'s plot (a comparison's: `plot_compare`).
-
-matplotlib is optional (``pip install -e '.[plot]'``) and imported only here,
-inside the functions. Figures are built without pyplot on the Agg canvas: no window,
-no global state, nothing changes a notebook's backend.
+"""The figure of a plan, for `batchplan inspect`'s plot (a comparison's: `plot_compare`; the
+canvas and saving: `figure`).
 
 `plot_plan` draws six panels from the plan file alone (plus the dataset's lengths
 when given): sample lengths, micro-batch fill, tokens per step, rank imbalance per
 step (tokens, and cost when the plan has a ``cost`` column), micro-batches per step,
 and the summary numbers. Series over steps longer than 2,000 points are drawn as
-the mean per bin of steps with a min-max band, so a 16 M-sample plan plots in seconds.
+the mean per bin of steps with a min-max band (`figure.draw_series`), so a 16 M-sample plan plots in seconds.
 The histograms of per-micro-batch values are drawn from counts of each integer
 0..max_tokens (`scan_plan`'s ``histograms``), with the bins the values themselves would
 get: memory is O(max_tokens) plus one record batch, whatever the plan's size (plus the
@@ -19,14 +16,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from batchplan.errors import BatchPlanError, PlanMismatchError
+from batchplan.errors import PlanMismatchError
 from batchplan.formats.opened_plan import OpenedPlan
+from batchplan.reports.figure import draw_epoch_lines, draw_series, matplotlib_modules
 from batchplan.reports.mixture import step_source_tokens, step_weights
 from batchplan.reports.statistics import format_share, last_steps_of, regular_steps
 from batchplan.reports.summary import PlanScan, scan_plan, summarize_plan
@@ -36,7 +33,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-__all__ = ["PLAN_PANELS", "matplotlib_modules", "plan_lengths", "plot_plan", "require_matplotlib", "save_figure"]
+__all__ = ["PLAN_PANELS", "plan_lengths", "plot_plan"]
 
 PLAN_PANELS = (
     "lengths",
@@ -46,40 +43,6 @@ PLAN_PANELS = (
     "micro-batches per step",  # a mixture's plan: each source's share of the steps
     "summary",
 )
-_MAX_POINTS = 2_000
-_BINS = 1_000
-
-
-def matplotlib_modules():
-    """The Agg-backed Figure class, or a clear error naming the extra to install."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as error:
-        raise BatchPlanError(
-            f"plotting needs matplotlib, which is not installed ({error}); "
-            "install it with, from the batchplan checkout: pip install -e '.[plot]'"
-        ) from error
-    return Figure, FigureCanvasAgg
-
-
-def require_matplotlib() -> None:
-    """Raise `BatchPlanError` now if matplotlib is missing (before a long computation)."""
-    matplotlib_modules()
-
-
-def save_figure(figure: Figure, path: str | os.PathLike) -> Path:
-    """Write ``figure`` (PNG, SVG or PDF by the file extension) and return the path."""
-    _, canvas = matplotlib_modules()
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise BatchPlanError(f"{path}: directory {path.parent} does not exist; create it first")
-    canvas(figure)
-    try:
-        figure.savefig(path, dpi=100)
-    except ValueError as error:  # unknown extension
-        raise BatchPlanError(f"{path}: cannot write this figure ({error}); use .png, .svg or .pdf") from error
-    return path
 
 
 def plan_lengths(
@@ -255,8 +218,8 @@ def _median(values: NDArray, weights: NDArray[np.int64] | None) -> float:
 
 
 def _tokens_per_step_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
-    _series(ax, data["step_tokens"], "tab:blue", "tokens")
-    _epoch_lines(ax, data["epoch_starts"])
+    draw_series(ax, data["step_tokens"], "tab:blue", "tokens")
+    draw_epoch_lines(ax, data["epoch_starts"])
     ax.set_xlabel("step")
     ax.set_ylabel("tokens per step (all ranks)")
     ax.set_title(f"tokens per step: mean {summary['tokens_per_step']['mean']:,.0f}", fontsize=10)
@@ -273,7 +236,7 @@ def _imbalance_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     top = float(tokens[regular].max()) if regular.any() else 0.0
     if "cost_imbalance" in data:
         cost = 100.0 * np.nan_to_num(data["cost_imbalance"])
-        _series(
+        draw_series(
             ax,
             np.where(regular, cost, np.nan),
             "tab:orange",
@@ -283,7 +246,7 @@ def _imbalance_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
         title += ": tokens and cost"
     else:
         title += ": tokens (no cost column)"
-    _series(
+    draw_series(
         ax,
         np.where(regular, tokens, np.nan),
         "tab:blue",
@@ -296,7 +259,7 @@ def _imbalance_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     for step in data["last_steps"]:
         ax.axvline(step, color="tab:red", linestyle="--", linewidth=0.8)
     ax.plot([], [], color="tab:red", linestyle="--", linewidth=0.8, label=last)
-    _epoch_lines(ax, data["epoch_starts"])
+    draw_epoch_lines(ax, data["epoch_starts"])
     ax.set_xlabel("step")
     ax.set_ylabel("imbalance (%)")
     ax.set_ylim(bottom=0, top=max(top * 1.25, 0.01))
@@ -309,9 +272,9 @@ def _micro_per_step_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     low, high = (int(per_step.min()), int(per_step.max())) if per_step.size else (0, 0)
     if low == high:  # one count for every step: the panel shows the tokens seen instead
         seen = np.cumsum(data["step_tokens"])
-        _series(ax, seen.astype(np.float64), "tab:purple", "tokens seen")
+        draw_series(ax, seen.astype(np.float64), "tab:purple", "tokens seen")
         _schedule_ends(ax, summary)
-        _epoch_lines(ax, data["epoch_starts"])
+        draw_epoch_lines(ax, data["epoch_starts"])
         ax.set_xlabel("step")
         ax.set_ylabel("tokens seen (all ranks)")
         ax.set_ylim(bottom=0)
@@ -321,9 +284,9 @@ def _micro_per_step_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
             fontsize=10,
         )
         return
-    _series(ax, per_step.astype(np.float64), "tab:purple", "micro-batches")
+    draw_series(ax, per_step.astype(np.float64), "tab:purple", "micro-batches")
     _schedule_ends(ax, summary)
-    _epoch_lines(ax, data["epoch_starts"])
+    draw_epoch_lines(ax, data["epoch_starts"])
     ax.set_xlabel("step")
     ax.set_ylabel("micro-batches per rank")
     ax.set_ylim(bottom=0, top=max(1, high) * 1.15 + 0.5)
@@ -345,7 +308,7 @@ def _shares_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     colors = [f"C{index % 10}" for index in range(per_step.shape[1])]
     phases = summary.get("mixture_phases")
     for index, source in enumerate(summary["mixture"]):
-        _series(ax, 100 * shares[:, index], colors[index], source["name"])
+        draw_series(ax, 100 * shares[:, index], colors[index], source["name"])
         if phases:
             ax.plot(100 * data["source_weights"][:, index], color=colors[index], linestyle="--", linewidth=0.8)
         else:
@@ -353,7 +316,7 @@ def _shares_panel(ax: Axes, data, summary: dict[str, Any]) -> None:
     for phase in (phases or [])[1:]:
         if phase["first_step"] is not None:
             ax.axvline(phase["first_step"] - summary.get("first_step", 0), color="black", linestyle=":", linewidth=1.0)
-    _epoch_lines(ax, data["epoch_starts"])
+    draw_epoch_lines(ax, data["epoch_starts"])
     ax.set_xlabel("step")
     ax.set_ylabel("% of the step's tokens")
     ax.set_ylim(bottom=0)
@@ -398,37 +361,6 @@ def _summary_panel(ax: Axes, summary: dict[str, Any]) -> None:
     ax.axis("off")
     ax.text(0.02, 0.95, "\n".join(lines), family="monospace", fontsize=10, va="top", transform=ax.transAxes)
     ax.set_title("summary", fontsize=10)
-
-
-def _series(ax: Axes, values: NDArray, color: str, label: str, zorder: float = 2) -> None:
-    """A per-step series (NaN: a step left out); long ones as the mean per bin of steps with a
-    min-max band."""
-    if values.shape[0] <= _MAX_POINTS:
-        ax.plot(np.arange(values.shape[0]), values, color=color, linewidth=0.8, label=label, zorder=zorder)
-        return
-    edges = np.linspace(0, values.shape[0], _BINS + 1).astype(np.int64)
-    known = np.nan_to_num(values, nan=0.0)
-    counted = np.add.reduceat(~np.isnan(values), edges[:-1])
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = np.add.reduceat(known, edges[:-1]) / counted
-    low = np.fmin.reduceat(values, edges[:-1])
-    high = np.fmax.reduceat(values, edges[:-1])
-    centre = (edges[:-1] + edges[1:]) / 2
-    ax.fill_between(centre, low, high, color=color, alpha=0.25, linewidth=0, zorder=zorder)
-    step_bin = values.shape[0] / _BINS
-    ax.plot(
-        centre,
-        mean,
-        color=color,
-        linewidth=0.8,
-        label=f"{label}; mean per {step_bin:,.0f} steps, band min-max",
-        zorder=zorder,
-    )
-
-
-def _epoch_lines(ax: Axes, starts: NDArray) -> None:
-    for start in starts:
-        ax.axvline(start, color="grey", linestyle=":", linewidth=0.8)
 
 
 def _settings_line(plan: OpenedPlan) -> str:

@@ -1,5 +1,5 @@
 """The figure of `batchplan compare`'s plot: each way of batching side by side
-(matplotlib through `batchplan.reports.plot`)."""
+(matplotlib through `batchplan.reports.figure`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from batchplan.reports.plot import matplotlib_modules
+from batchplan.reports.figure import matplotlib_modules
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -22,10 +22,10 @@ from batchplan.runtime.collate import IGNORE_INDEX, PackCollator, PadCollator, w
 from batchplan.runtime.dataset import PlanDataset
 from batchplan.runtime.loader import plan_loader
 from batchplan.runtime.loss import count_loss_tokens, token_loss_sum
+from batchplan.runtime.lr_schedule import read_step_tokens, token_lr_scheduler
 from batchplan.runtime.mixture import MixtureDataset, source_names
 from batchplan.runtime.records import MicroBatch, PlannedItems, PlannedRows, SpanIndex, SpanItem
 from batchplan.runtime.sampler import PlanSampler
-from batchplan.runtime.schedule import read_step_tokens, token_lr_scheduler
 from batchplan.runtime.source_loss import SourceLoss, SourceLosses
 
 __all__ = [

@@ -21,7 +21,7 @@ from batchplan.planning.buffers import new_buffer, scratch_or_new
 from batchplan.planning.destinations import Destinations, check_written
 from batchplan.planning.parted_bins import PartedBins
 
-__all__ = ["LaidOut", "MicroBatches"]
+__all__ = ["LaidOut", "EpochBatches"]
 
 
 class LaidOut:
@@ -105,7 +105,7 @@ def joined(formed: NDArray[np.integer], added: NDArray[np.int64]) -> NDArray[np.
     return np.concatenate([formed, added]) if added.shape[0] else formed
 
 
-class MicroBatches:
+class EpochBatches:
     """Micro-batches of an epoch: micro-batch ``k`` holds entries ``members[starts[k]:ends[k]]``,
     whose lengths are ``lengths[starts[k]:ends[k]]`` (kept beside the members so that sums
     read memory in order instead of gathering lengths at random).
@@ -133,12 +133,12 @@ class MicroBatches:
         self.packing: PackingBound | None = None  # pack mode: as packed, and the bound
 
     @classmethod
-    def of_ranges(cls, members: NDArray[np.integer], lengths: NDArray[np.int32], starts, ends) -> MicroBatches:
+    def of_ranges(cls, members: NDArray[np.integer], lengths: NDArray[np.int32], starts, ends) -> EpochBatches:
         """Micro-batch ``k`` = ``members[starts[k]:ends[k]]`` (of ``lengths``)."""
         return cls(LaidOut(members, lengths, starts, ends))
 
     @classmethod
-    def of_bins(cls, packed: PackedBins | PartedBins) -> MicroBatches:
+    def of_bins(cls, packed: PackedBins | PartedBins) -> EpochBatches:
         """Micro-batch ``k`` = bin ``k`` (of every part, one part after another)."""
         return cls(packed)
 

@@ -12,7 +12,7 @@ import torch
 from batchplan.errors import ConfigError
 from batchplan.formats.opening import open_plan
 from batchplan.runtime import PlanSampler, read_step_tokens, token_lr_scheduler
-from batchplan.runtime.schedule import token_lr_factor, token_lr_lambda
+from batchplan.runtime.lr_schedule import token_lr_factor, token_lr_lambda
 
 
 def test_factor_warms_up_linearly_then_decays_to_the_minimum():

@@ -10,7 +10,7 @@ from numpy.typing import NDArray
 
 from batchplan.config import PlanConfig
 from batchplan.kernels.steps import ramp_steps, ramp_target, steps_by_tokens
-from batchplan.planning.micro_batches import MicroBatches
+from batchplan.planning.epoch_batches import EpochBatches
 
 __all__ = ["StepSizing", "cut_steps"]
 
@@ -23,7 +23,7 @@ class StepSizing:
     full_step: float  # tokens per step once the ramp is over (0.0 without a ramp)
 
     @classmethod
-    def of(cls, config: PlanConfig, tokens_before: int, batches: MicroBatches) -> StepSizing:
+    def of(cls, config: PlanConfig, tokens_before: int, batches: EpochBatches) -> StepSizing:
         """The target is ``tokens_per_step``; with ``micro_batches`` M, the mean tokens of a
         step of M micro-batches per rank, from the micro-batches as formed (before the last
         round is completed or dropped, so the drop decision sees the same steps)."""

@@ -1,6 +1,6 @@
-"""`MicroBatches` over packed bins (members laid out lazily) agrees with the same bins laid out.
+"""`EpochBatches` over packed bins (members laid out lazily) agrees with the same bins laid out.
 
-The planner only ever sees `MicroBatches`; pack mode hands it `PackedBins` and never lays the
+The planner only ever sees `EpochBatches`; pack mode hands it `PackedBins` and never lays the
 members out bin by bin. Every method must give what the materialised form gives, also after
 `extend` adds pieces of bins (several pieces of one bin, a whole bin as a piece) and empties,
 and laying out once (`lay_out`, which uses the micro-batches up) must give what `gather` gives.
@@ -19,12 +19,12 @@ from batchplan.kernels.pack import fill_bins, pack_bins
 from batchplan.plan import index_dtype
 from batchplan.planning import bins, randomness
 from batchplan.planning.bins import PackedBins
+from batchplan.planning.epoch_batches import EpochBatches
 from batchplan.planning.epochs import build_plan
-from batchplan.planning.micro_batches import MicroBatches
 from batchplan.planning.randomness import KeyStream, permute, shuffle_by_group
 
 
-def both_forms(lengths: np.ndarray, cap: int, seed: int) -> tuple[MicroBatches, MicroBatches, PackedBins]:
+def both_forms(lengths: np.ndarray, cap: int, seed: int) -> tuple[EpochBatches, EpochBatches, PackedBins]:
     """The same packing as lazy micro-batches (`PackedBins`: the entries' shuffled order not
     held) and as micro-batches filled from that order (`fill_bins`)."""
     stream = KeyStream.draw_later(np.random.default_rng(seed), lengths.shape[0])
@@ -34,10 +34,10 @@ def both_forms(lengths: np.ndarray, cap: int, seed: int) -> tuple[MicroBatches, 
     start = shuffle_by_group(lengths, capacity + 1, keys, items)
     slot_bin, offsets, tokens = pack_bins(items, start, capacity)
     members, member_lengths = fill_bins(items, start, slot_bin, offsets, capacity)
-    eager = MicroBatches.of_ranges(members, member_lengths, offsets[:-1].astype(np.int64), offsets[1:].astype(np.int64))
+    eager = EpochBatches.of_ranges(members, member_lengths, offsets[:-1].astype(np.int64), offsets[1:].astype(np.int64))
     packed = PackedBins(lengths, start, stream, slot_bin, offsets, tokens, capacity)
     assert [a.tolist() for a in packed.members()] == [members.tolist(), member_lengths.tolist()]
-    return MicroBatches.of_bins(packed), eager, packed
+    return EpochBatches.of_bins(packed), eager, packed
 
 
 @st.composite
