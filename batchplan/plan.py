@@ -59,12 +59,6 @@ class Entries:
         """Dataset rows of the given entries."""
         return entries if self.sample is None else self.sample[entries]
 
-    def loss_of(self, entries: NDArray[np.integer]) -> NDArray[np.int32]:
-        """Loss tokens of the given entries."""
-        if self.loss_tokens is None:
-            return self.length[entries] - np.int32(1)
-        return self.loss_tokens[entries]
-
 
 def index_dtype(count: int) -> np.dtype:
     """int32 for indices below 2^31 (half the memory of int64), else int64."""

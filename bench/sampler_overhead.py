@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.sampler_overhead                  # builds the plan once (~1 min)
 
-The plan: all 16 M samples of /work/shared/data/wikipedia_bert512.parquet, pack
+The plan: all 16 M samples of ../shared/data/wikipedia_bert512.parquet (beside the checkout), pack
 mode, max_tokens 512, world_size 8, one epoch; built once into --plan (reused when
 the file exists). Measured, in one process with the file in the page cache:
 
@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from batchplan.runtime import PlanSampler
 
-DEFAULT_DATA = Path("/work/shared/data/wikipedia_bert512.parquet")
+DEFAULT_DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "wikipedia_bert512.parquet"
 RANK, WORLD_SIZE = 3, 8
 
 

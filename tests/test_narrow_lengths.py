@@ -20,6 +20,7 @@ from batchplan.formats.opening import open_plan
 from batchplan.operations.validate import check_plan
 from batchplan.plan import length_dtype
 from batchplan.planning.entries import make_entries
+from batchplan.planning.epochs import build_plan
 
 
 def write(path, **columns):
@@ -88,9 +89,12 @@ def test_long_lengths_are_held_as_int32(tmp_path):
 
 
 def test_default_loss_tokens_of_narrow_lengths_do_not_wrap():
-    entries = make_entries(np.array([1, 2, 65_535], dtype=np.uint16), PlanConfig(max_tokens=2**16))
-    loss = entries.loss_of(np.arange(3))
-    assert loss.dtype == np.int32 and loss.tolist() == [0, 1, 65_534]
+    """Without a loss-tokens column a sample has its length less one: 0 for a length of 1
+    (uint16 lengths less one would wrap), 65,534 for 65,535."""
+    lengths = np.array([1, 2, 65_535], dtype=np.uint16)
+    epoch = build_plan(lengths, PlanConfig(max_tokens=2**16, world_size=1)).epochs[0]
+    assert int(epoch.loss_tokens.sum()) == int(epoch.step_loss_tokens.sum()) == 0 + 1 + 65_534
+    assert (epoch.loss_tokens >= 0).all()
 
 
 # -- what a user sees -------------------------------------------------------------------------------

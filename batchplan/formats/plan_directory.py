@@ -145,11 +145,6 @@ class PlanDirectory(OpenedPlan):
         }
 
 
-def is_plan_directory(path: Path) -> bool:
-    """Whether ``path`` is a directory holding a manifest or epoch files."""
-    return path.is_dir() and ((path / MANIFEST).exists() or any(path.glob("epoch-*.arrow")))
-
-
 def open_manifest(directory: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The manifest of a plan directory and its epoch files, checked against its content hash.
 
