@@ -6,12 +6,19 @@ trained: ``(epoch, step, micro, samples, starts)``. The plain runtime loop is th
 reference: the tests compare each path's log and final parameters with it, and a
 resumed run (stopped inside epoch 2, restarted from the path's own checkpoint)
 with the uninterrupted one.
+
+One spawn (`every_stack`, the session fixture ``integration_runs``) runs the plain loop once
+per plan, then each stack's checks in turn, and saves them by stack; a stack whose library is
+missing, or whose checks raise, saves why, and `stack_runs` skips or fails only its tests.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
+import traceback
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +70,7 @@ def integration_plans(directory: Path, lengths) -> dict[str, str]:
     }
 
 
-def run_integration(checks, directory: Path, *leading) -> tuple[list[dict], dict[str, str]]:
+def run_integration(checks, directory: Path, *leading, timeout_s: float = 600.0) -> tuple[list[dict], dict[str, str]]:
     """``checks(rank, *leading, plans, lengths, out_dir)`` on 2 real ranks over `integration_plans`:
     each rank's saved results, and the plans."""
     from _ddp_plans import sample_lengths
@@ -71,7 +78,21 @@ def run_integration(checks, directory: Path, *leading) -> tuple[list[dict], dict
 
     lengths = sample_lengths()
     plans = integration_plans(directory / "plans", lengths)
-    return run_ranks(checks, (*leading, plans, lengths), directory), plans
+    return run_ranks(checks, (*leading, plans, lengths), directory, timeout_s=timeout_s), plans
+
+
+def stack_runs(runs: tuple[list[dict], dict[str, str]], stack: str) -> tuple[list[dict], dict[str, str]]:
+    """One stack's results from ``integration_runs``: each rank's, and the plans. A stack whose
+    library is missing skips the test; one that raised fails it with the traceback."""
+    import pytest
+
+    results, plans = runs
+    for rank, result in enumerate(results):
+        if "missing" in result[stack]:
+            pytest.skip(f"{stack} needs {result[stack]['missing']}")
+        if "error" in result[stack]:
+            pytest.fail(f"rank {rank}, {stack}:\n{result[stack]['error']}")
+    return [result[stack] for result in results], plans
 
 
 def planned(path: str, rank: int) -> list[tuple]:
@@ -250,12 +271,11 @@ def run_trainer(
     return {"seen": trainer.seen, "params": params(trainer.model), "global_step": trainer.state.global_step}
 
 
-def trainer_checks(rank: int, base: str, plans: dict[str, str], lengths, out_dir: str) -> None:
-    init_group()
+def trainer_checks(base: str, plans: dict[str, str], lengths, out_dir: str, plain: dict[str, dict]) -> dict:
     results = {}
     for name, plan in plans.items():
         where = os.path.join(out_dir, f"{base}-{name}")
-        results[name] = {"plain": plain_loop(plan, lengths), "full": run_trainer(base, plan, lengths, where)}
+        results[name] = {"plain": plain[name], "full": run_trainer(base, plan, lengths, where)}
         stop = _step_inside_last_epoch(plan)
         first = run_trainer(base, plan, lengths, where + "-resume", max_steps=stop, save_steps=stop)
         rest = run_trainer(
@@ -267,8 +287,7 @@ def trainer_checks(rank: int, base: str, plans: dict[str, str], lengths, out_dir
             workers=2 if name == "pack" else 0,
         )
         results[name].update(first=first, rest=rest, stop=stop)
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    dist.barrier()
+    return results
 
 
 def _step_inside_last_epoch(plan: str) -> int:
@@ -333,20 +352,18 @@ def refuse_prepare(plan: str, lengths) -> str:
     return "no error"
 
 
-def accelerate_checks(rank: int, plans: dict[str, str], lengths, out_dir: str) -> None:
-    init_group()
+def accelerate_checks(plans: dict[str, str], lengths, out_dir: str, plain: dict[str, dict]) -> dict:
     results = {"refused": refuse_prepare(plans["pack"], lengths)}
     for name, plan in plans.items():
         where = os.path.join(out_dir, f"accelerate-{name}")
         stop = _step_inside_last_epoch(plan)
         results[name] = {
-            "plain": plain_loop(plan, lengths),
+            "plain": plain[name],
             "full": accelerate_loop(plan, lengths, where, workers=2 if name == "pack" else 0),
             "first": accelerate_loop(plan, lengths, where, stop_after=stop, workers=2 if name == "pack" else 0),
             "rest": accelerate_loop(plan, lengths, where, resume=True),
         }
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    dist.barrier()
+    return results
 
 
 # -- torchdata StatefulDataLoader ---------------------------------------------------------------
@@ -386,18 +403,50 @@ def stateful_loop(
     return {"seen": seen, "params": params(model)}
 
 
-def stateful_checks(rank: int, plans: dict[str, str], lengths, out_dir: str) -> None:
-    init_group()
+def stateful_checks(plans: dict[str, str], lengths, out_dir: str, plain: dict[str, dict]) -> dict:
     results = {}
     for name, plan in plans.items():
         stop = _step_inside_last_epoch(plan)
         for workers in (0, 2):
             first = stateful_loop(plan, lengths, workers=workers, stop_after=stop)
             rest = stateful_loop(plan, lengths, workers=workers, checkpoint=first.pop("checkpoint"))
-            results[(name, workers)] = {
-                "plain": plain_loop(plan, lengths) if workers == 0 else None,
-                "first": first,
-                "rest": rest,
-            }
+            results[(name, workers)] = {"plain": plain[name] if workers == 0 else None, "first": first, "rest": rest}
+    return results
+
+
+# -- every stack in one spawn -------------------------------------------------------------------
+
+
+def _lightning_checks(plans: dict[str, str], lengths, out_dir: str, plain: dict[str, dict]) -> dict:
+    from _lightning_worker import lightning_checks
+
+    return lightning_checks(plans, lengths, out_dir, plain)
+
+
+# Each stack: the modules it needs, and its checks, in the order `_mixture_training_worker` runs
+# its paths in one process too (Lightning's fits last).
+STACKS = {
+    "torchdata": (("torchdata",), stateful_checks),
+    "accelerate": (("accelerate",), accelerate_checks),
+    "trainer": ((), partial(trainer_checks, "trainer")),
+    "sft": (("trl",), partial(trainer_checks, "sft")),
+    "lightning": (("lightning",), _lightning_checks),
+}
+
+
+def every_stack(rank: int, plans: dict[str, str], lengths, out_dir: str) -> None:
+    """The plain loop once per plan, then each of `STACKS`' checks against it; saves
+    ``{"plain": ..., stack: results | {"missing": module} | {"error": traceback}}``."""
+    init_group()
+    results: dict = {"plain": {name: plain_loop(plan, lengths) for name, plan in plans.items()}}
+    for stack, (modules, checks) in STACKS.items():
+        missing = [module for module in modules if importlib.util.find_spec(module) is None]
+        if missing:
+            results[stack] = {"missing": missing[0]}
+            continue
+        try:
+            results[stack] = checks(plans, lengths, os.path.join(out_dir, stack), results["plain"])
+        except Exception:  # noqa: BLE001 - the stack's tests report it
+            results[stack] = {"error": traceback.format_exc()}
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()

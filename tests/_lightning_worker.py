@@ -1,30 +1,22 @@
-"""What each process of the Lightning test runs (2 real processes, gloo on CPU).
+"""What each process of the Lightning test runs (2 real processes, gloo on CPU), as the last
+stack of `_integration_worker.every_stack`.
 
 Each rank gets ``MASTER_ADDR``/``MASTER_PORT``/``WORLD_SIZE``/``RANK``/``LOCAL_RANK``
 from `_spawn.launch`, so Lightning's DDP strategy finds the processes already
 started (it launches none) and joins the process group the plain loop made. For
-each plan it runs the plain loop, a full Lightning fit, a fit stopped inside epoch
-2 with a checkpoint, and a fit resumed from that checkpoint (2 loader workers for
-the pack plan), logging what every ``training_step`` trained.
+each plan it runs a full Lightning fit, a fit stopped inside epoch 2 with a
+checkpoint, and a fit resumed from that checkpoint (2 loader workers for the pack
+plan), logging what every ``training_step`` trained; the plain loop's run of the
+plan comes in as the reference.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _integration_worker import (
-    LR,
-    _step_inside_last_epoch,
-    init_group,
-    key,
-    make_dataset,
-    make_model,
-    params,
-    plain_loop,
-)
+from _integration_worker import LR, _step_inside_last_epoch, key, make_dataset, make_model, params
 
 from batchplan.formats.opening import open_plan
 from batchplan.runtime import PlanSampler, token_loss_sum
@@ -121,13 +113,12 @@ def run_lightning(
     return {"seen": module.seen, "params": params(module.model), "global_step": trainer.global_step}
 
 
-def lightning_checks(rank: int, plans: dict[str, str], lengths, out_dir: str) -> None:
-    init_group()
+def lightning_checks(plans: dict[str, str], lengths, out_dir: str, plain: dict[str, dict]) -> dict:
     results = {}
     for name, plan in plans.items():
         manual = name == "tokens"
         where = os.path.join(out_dir, f"lightning-{name}")
-        results[name] = {"plain": plain_loop(plan, lengths), "full": run_lightning(plan, lengths, where, manual=manual)}
+        results[name] = {"plain": plain[name], "full": run_lightning(plan, lengths, where, manual=manual)}
         stop = _step_inside_last_epoch(plan)
         first = run_lightning(plan, lengths, where + "-first", manual=manual, max_steps=stop, save_every=stop)
         rest = run_lightning(
@@ -147,8 +138,7 @@ def lightning_checks(rank: int, plans: dict[str, str], lengths, out_dir: str) ->
         plans["pack"], lengths, os.path.join(out_dir, "reload"), manual=False, reload_dataloaders_every_n_epochs=1
     )
     results["replaced_sampler"] = replaced_sampler_error(plans["pack"], lengths, os.path.join(out_dir, "replaced"))
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    dist.barrier()
+    return results
 
 
 def replaced_sampler_error(plan: str, lengths, out: str) -> str:

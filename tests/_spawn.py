@@ -64,11 +64,22 @@ def launch(
 
 def run_ranks(fn, args: tuple, directory, world_size: int = 2, timeout_s: float = 600.0) -> list:
     """`launch` ``fn(rank, *args, str(directory))`` as torchrun would (``MASTER_ADDR``/``PORT``,
-    ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``); return what each rank saved as ``rank{r}.pt``."""
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, and ``OMP_NUM_THREADS=1`` unless
+    set); return what each rank saved as ``rank{r}.pt``.
+
+    Accelerate (under Trainer too) sets torch's threads to the physical cores over
+    ``LOCAL_WORLD_SIZE`` when ``OMP_NUM_THREADS`` is unset: without torchrun's two variables
+    each rank of a tiny model would run 2 threads on 2 shared cores, several times slower."""
     import torch
     from _ddp_plans import free_port
 
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size)}
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+    }
     launch(fn, (*args, str(directory)), world_size, timeout_s=timeout_s, env=env)
     return [torch.load(Path(directory) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
 

@@ -1,13 +1,21 @@
-"""Shared fixtures: hypothesis profiles, deterministic length sets, plan building helpers.
+"""Shared fixtures: hypothesis profiles, deterministic length sets, plan building helpers, the
+integration stacks' one spawn, and how ``pytest -n`` hands tests to its workers.
 
 Hypothesis runs the ``batchplan`` profile (modest example counts, no deadline: the
 first call of a kernel may load it from numba's cache); ``HYPOTHESIS_PROFILE=thorough``
 runs ten times more examples.
+
+Under ``pytest -n N`` without ``--dist``, a worker takes whole units (`unit_of`): the tests of
+one module, of several (`UNITS`: the tests of a fixture that one spawn builds for several
+modules), or one test alone (`ALONE`: tests of minutes). A module's or a spawn's fixture is then
+built on one worker, not on each, and units that hold a ``slow`` test are handed out first, so
+that the many short tests come last and the workers finish together.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -114,8 +122,82 @@ def plans(tmp_path_factory):
     return standard_plans(tmp_path_factory.mktemp("plans"))
 
 
+@pytest.fixture(autouse=True)
+def one_torch_thread_per_worker():
+    """Under ``pytest -n``, torch in a worker computes on one thread: each worker has one core's
+    share, and tiny models only lose to threads that wait for each other (a test that loads
+    Accelerate or Lightning may have set more)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and "PYTEST_XDIST_WORKER" in os.environ:
+        torch.set_num_threads(1)
+
+
 @pytest.fixture
 def no_launcher_environment(monkeypatch):
     """No RANK or WORLD_SIZE from a launcher: samplers take their rank from arguments."""
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+@pytest.fixture(scope="session")
+def integration_runs(tmp_path_factory):
+    """Every integration stack on 2 real processes, in one spawn (`_integration_worker.every_stack`):
+    ``(each rank's results, the plans)``; `_integration_worker.stack_runs` picks one stack's.
+    A module whose tests use it belongs in `UNITS`' "integration stacks"."""
+    pytest.importorskip("datasets")
+    pytest.importorskip("transformers")
+    from _integration_worker import every_stack, run_integration
+
+    return run_integration(every_stack, tmp_path_factory.mktemp("integrations"), timeout_s=1800)
+
+
+# -- how `pytest -n` hands out tests ---------------------------------------------------------------
+
+# Units other than a whole module, by node id prefix. A fixture that one spawn builds for tests of
+# several modules needs them in one unit; otherwise each worker that runs one builds it again.
+UNITS = {
+    "tests/test_integrations_accelerate.py": "integration stacks",  # integration_runs
+    "tests/test_integrations_lightning.py": "integration stacks",
+    "tests/test_integrations_torchdata.py": "integration stacks",
+    "tests/test_integrations_transformers.py": "integration stacks",
+}
+# Tests that are each a unit of their own: minutes each, so that both workers share them.
+ALONE = ("tests/test_docs_integrations.py::test_each_launch_of_the_page_runs_as_written",)
+
+
+def unit_of(nodeid: str) -> str:
+    """The unit a test runs in under ``pytest -n``: one of `UNITS`, itself (`ALONE`), or its module."""
+    if nodeid.startswith(ALONE):
+        return nodeid
+    return next((unit for prefix, unit in UNITS.items() if nodeid.startswith(prefix)), nodeid.split("::")[0])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``-n N`` without ``--dist``: xdist's scope scheduling over `unit_of`, in collection order."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of(nodeid)
+
+    config.option.loadscopereorder = False  # the order of `pytest_collection_modifyitems`, not by size
+    return UnitScheduling(config, log)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """Tells each worker that the controller hands out units (`pytest_collection_modifyitems`)."""
+    node.workerinput["batchplan_units"] = node.config.getoption("dist") == "load"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """On a worker of ``-n N``: units that hold a slow test first (a stable sort: each unit, and
+    the rest, keep their order), so that short tests fill in at the end."""
+    if not getattr(config, "workerinput", {}).get("batchplan_units"):
+        return
+    slow = {unit_of(item.nodeid) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: unit_of(item.nodeid) not in slow)

@@ -7,6 +7,7 @@ same glue runs with the CPU stand-in, and the FlexAttention document mask is che
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,9 @@ def test_tiny_run_reports_every_method_and_the_balance(tmp_path):
     report_path = tmp_path / "gpu.json"
     options = ["--tiny", "--seconds", "1", "--balance-seconds", "2", "--json", str(report_path)]
     command = [sys.executable, "-m", "bench.gpu", *options]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    # One torch thread: a width-64 model gains nothing from two, on cores another test shares.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert "| method | attention kernel | real tokens/s |" in done.stdout

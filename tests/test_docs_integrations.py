@@ -4,9 +4,10 @@ Each ```python block opens with ``# <file>: <command>``; the test writes the fil
 command (``.venv/bin/...`` is this environment's interpreter), and runs each line of each ```sh
 block, in a directory with the repository's ``.venv`` linked in. The page's setup (the blocks
 before its first ``torchrun``: the tokenized data and the two plans) runs once per test process,
-in order; each launch is a test of its own, in a copy of that directory, so that xdist spreads
-them. What the page leaves there does not overwrite the README demo's ``plan.arrow`` and is
-ignored by the repository's .gitignore.
+in order; each launch is a test of its own, in a copy of that directory, and a unit of its own
+under ``pytest -n`` (conftest's ``ALONE``), so that xdist spreads them. What the page leaves
+there does not overwrite the README demo's ``plan.arrow`` and is ignored by the repository's
+.gitignore.
 """
 
 from __future__ import annotations
@@ -43,12 +44,12 @@ def test_the_page_sets_up_then_launches_each_stack_once():
     assert sorted(file for _, file, _ in LAUNCHES) == sorted(LEFT)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def environment() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def set_up(tmp_path_factory, environment) -> Path:
     """A directory after the page's setup, run as written: the data, then the two plans."""
     for module in ("transformers", "trl", "accelerate", "lightning", "torchdata", "datasets"):

@@ -10,21 +10,15 @@ fresh objects train exactly the rest, to the same parameters; and
 from __future__ import annotations
 
 import pytest
-from _integration_worker import (
-    accelerate_checks,
-    assert_resumed,
-    assert_same_params,
-    planned,
-    run_integration,
-)
+from _integration_worker import assert_resumed, assert_same_params, planned, stack_runs
 
 pytest.importorskip("accelerate")
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return run_integration(accelerate_checks, tmp_path_factory.mktemp("accelerate"))
+@pytest.fixture
+def runs(integration_runs):
+    return stack_runs(integration_runs, "accelerate")
 
 
 def test_each_rank_trains_exactly_the_plan_with_the_plain_loops_parameters(runs):

@@ -22,13 +22,7 @@ import sys
 import pytest
 import torch
 from _ddp_plans import sample_lengths, write_test_plan
-from _integration_worker import (
-    assert_resumed,
-    assert_same_params,
-    planned,
-    run_integration,
-)
-from _lightning_worker import lightning_checks
+from _integration_worker import assert_resumed, assert_same_params, planned, stack_runs
 
 from batchplan.errors import ConfigError, PlanMismatchError
 from batchplan.formats.opening import open_plan
@@ -37,11 +31,9 @@ from batchplan.formats.opening import open_plan
 slow = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def lightning_runs(tmp_path_factory):
-    pytest.importorskip("lightning")
-    pytest.importorskip("transformers")
-    return run_integration(lightning_checks, tmp_path_factory.mktemp("lightning"))
+@pytest.fixture
+def lightning_runs(integration_runs):
+    return stack_runs(integration_runs, "lightning")
 
 
 @slow

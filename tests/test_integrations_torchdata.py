@@ -9,19 +9,14 @@ of the uninterrupted plain loop.
 from __future__ import annotations
 
 import pytest
-from _integration_worker import (
-    assert_resumed,
-    planned,
-    run_integration,
-    stateful_checks,
-)
+from _integration_worker import assert_resumed, planned, stack_runs
 
 pytest.importorskip("torchdata")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return run_integration(stateful_checks, tmp_path_factory.mktemp("torchdata"))
+@pytest.fixture
+def runs(integration_runs):
+    return stack_runs(integration_runs, "torchdata")
 
 
 @pytest.mark.slow

@@ -17,8 +17,7 @@ from _integration_worker import (
     assert_same_params,
     integration_plans,
     planned,
-    run_integration,
-    trainer_checks,
+    stack_runs,
 )
 
 from batchplan.formats.opening import open_plan
@@ -26,19 +25,14 @@ from batchplan.formats.opening import open_plan
 pytest.importorskip("transformers")
 
 
-def run(tmp_path_factory, base: str):
-    return run_integration(trainer_checks, tmp_path_factory.mktemp(base), base)
+@pytest.fixture
+def trainer_runs(integration_runs):
+    return stack_runs(integration_runs, "trainer")
 
 
-@pytest.fixture(scope="module")
-def trainer_runs(tmp_path_factory):
-    return run(tmp_path_factory, "trainer")
-
-
-@pytest.fixture(scope="module")
-def sft_runs(tmp_path_factory):
-    pytest.importorskip("trl")
-    return run(tmp_path_factory, "sft")
+@pytest.fixture
+def sft_runs(integration_runs):
+    return stack_runs(integration_runs, "sft")
 
 
 def assert_exact(results, plans):

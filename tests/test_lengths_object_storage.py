@@ -89,10 +89,16 @@ def assert_read_like_local(prefix: str, local: Path) -> None:
     np.testing.assert_array_equal(remote.lengths, copy.lengths)
     np.testing.assert_array_equal(remote.loss_tokens, copy.loss_tokens)
     assert remote.fingerprint() == copy.fingerprint()
-    assert list(remote.files) == [(name.replace(str(local), prefix), rows) for name, rows in copy.files]
-    assert not any(name.endswith("README.txt") for name, _ in remote.files)
+    assert_listed_like_local(remote.files, copy.files, prefix, local)
+
+
+def assert_listed_like_local(files, local_files, prefix: str, local: Path) -> None:
+    """The files (name, rows) read from ``prefix`` are those read from its copy ``local``, in
+    path order, and only the Parquet ones."""
+    assert [tuple(file) for file in files] == [(name.replace(str(local), prefix), rows) for name, rows in local_files]
+    assert not any(name.endswith("README.txt") for name, _ in files)
     # Path order, not string order: a/ comes before a-b/.
-    folders = [name[len(prefix) + 1 :].split("/")[0] for name, _ in remote.files]
+    folders = [name[len(prefix) + 1 :].split("/")[0] for name, _ in files]
     assert folders.index("a") < folders.index("a-b")
 
 
@@ -106,10 +112,14 @@ def test_a_plan_built_from_a_prefix_equals_the_local_one(s3, tmp_path):
 
 @pytest.mark.slow
 def test_a_thousand_objects_read_and_plan_like_local_disk(s3, tmp_path):
+    """1,001 objects, more than one page of a listing: the prefix is read once, by the build.
+    Its plan equals the local one, lengths fingerprint (lengths and loss tokens) included, and
+    lists the same files, rows and order as the local copy."""
     local = write_corpus(tmp_path / "large", num_files=1_000, seed=1)
     print(f"uploaded 1,001 objects in {upload(local, 'large'):.1f} s")
-    assert_read_like_local(f"s3://{BUCKET}/large", local)
     assert_plans_equal(f"s3://{BUCKET}/large", local, tmp_path)
+    remote, copy = (open_plan(tmp_path / name).metadata["dataset"]["files"] for name in ("remote.arrow", "local.arrow"))
+    assert_listed_like_local(remote, copy, f"s3://{BUCKET}/large", local)
 
 
 def test_reading_reports_each_file_as_it_finishes(s3, tmp_path):
