@@ -29,6 +29,9 @@ from batchplan.planning.threads import run_in_parts
 
 __all__ = ["schedule_epoch"]
 
+# Rows whose source `_row_sources` looks up at a time (its int64 lookups: 8 MiB).
+_SOURCE_ROWS = 1 << 20
+
 
 def schedule_epoch(
     entries: Entries,
@@ -192,7 +195,7 @@ def _assemble(
     are used up, and each array is let go as soon as it is used, before the members are made."""
     tokens, loss_tokens = rows.values
     batch_of_row, sizes = rows.order
-    source = None if sources is None else _row_sources(batches.starts[batch_of_row], sizes, *sources)
+    source = None if sources is None else _row_sources(batches.starts, batch_of_row, sizes, *sources)
     where = batches.destinations(batch_of_row, sizes, threads)
     del batch_of_row, sizes, rows.order
     where.offsets = where.offsets.astype(index_dtype(where.count + 1), copy=False)
@@ -219,7 +222,16 @@ def _assemble(
     )
 
 
-def _row_sources(starts, sizes, bounds: NDArray[np.int64], source: NDArray[np.int16]) -> NDArray[np.int16]:
-    """The source of the range of member space each row's first member lies in; -1 when empty."""
-    part = np.searchsorted(bounds, starts, side="right") - 1
-    return np.where(sizes > 0, source[np.clip(part, 0, source.shape[0] - 1)], -1).astype(np.int16)
+def _row_sources(
+    starts, batch_of_row, sizes, bounds: NDArray[np.int64], source: NDArray[np.int16]
+) -> NDArray[np.int16]:
+    """The source of the range of member space each row's first member lies in (``starts``: each
+    micro-batch's first place; ``batch_of_row``: each row's micro-batch); -1 when empty. Rows are
+    looked up `_SOURCE_ROWS` at a time: the lookups' int64 arrays stay small beside the rows'."""
+    out = np.empty(batch_of_row.shape[0], dtype=np.int16)
+    for first in range(0, out.shape[0], _SOURCE_ROWS):
+        rows = slice(first, first + _SOURCE_ROWS)
+        part = np.searchsorted(bounds, starts[batch_of_row[rows]], side="right") - 1
+        np.clip(part, 0, source.shape[0] - 1, out=part)
+        out[rows] = np.where(sizes[rows] > 0, source[part], -1)
+    return out
