@@ -143,30 +143,31 @@ def read_mixture_lengths(
     loss_tokens_column: str | None = None,
 ) -> MixtureLengths:
     """Read every source's lengths (a source's own columns override these) and join them.
-    Sources are read side by side on the cores (`batchplan.config.num_threads`); an error
-    names the first source, in the mixture's order, that has one.
+    Sources are read and fingerprinted side by side on the cores (`batchplan.config.num_threads`);
+    an error names the first source, in the mixture's order, that has one.
 
     Raises:
         DatasetError: naming the source: a missing path, a column missing, an unreadable
             file, a source with no samples whose weight (or epochs) is positive.
     """
 
-    def read(source: MixtureSource) -> SampleLengths | None:
+    def read(source: MixtureSource) -> tuple[SampleLengths | None, str]:
         columns = {
             "length_column": source.length_column or length_column,
             "tokens_column": source.tokens_column or tokens_column,
             "loss_tokens_column": source.loss_tokens_column or loss_tokens_column,
         }
-        return _read_source(source, columns)
+        part = _read_source(source, columns)
+        return part, fingerprint_lengths(np.zeros(0, np.uint16)) if part is None else part.fingerprint()
 
     with ThreadPoolExecutor(max_workers=max(1, min(num_threads(), len(mixture.sources)))) as pool:
-        parts: list[SampleLengths | None] = list(pool.map(read, mixture.sources))  # results (and errors) in order
+        read_parts = list(pool.map(read, mixture.sources))  # results (and errors) in order
+    parts = [part for part, _ in read_parts]
     offset = 0
     described = []
-    for source, part in zip(mixture.sources, parts):
+    for source, (part, fingerprint) in zip(mixture.sources, read_parts):
         rows = 0 if part is None else part.num_samples
         files = () if part is None else part.files
-        fingerprint = fingerprint_lengths(np.zeros(0, np.uint16)) if part is None else part.fingerprint()
         described.append(
             SourceLengths(name=source.name, offset=offset, num_samples=rows, files=files, fingerprint=fingerprint)
         )
