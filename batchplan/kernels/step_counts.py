@@ -7,6 +7,10 @@ to the micro-batch that finishes first on its source's clock among sources not a
 share, within windows where they can (WF2Q). The step's tokens, on which the windows depend,
 are found by iterating from an estimate (at most `_PASSES` times); a last repair moves
 micro-batches while a source misses its window.
+
+A source's prefix sums (its tokens in its first ``n`` micro-batches of the queue) are summed
+only as far as a count looks (`_fill`): about its share of a step, not the whole step, for
+each source.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ def compose_counts(seats, mean, tokens, cursor, ends, due, shares, taken, max_to
     average; ``due``: `due_tokens`'s phases, the step's phase and the run's tokens before it);
     returns the step's tokens."""
     num_sources = shares.shape[0]
-    prefix = np.zeros((num_sources, seats + 1), dtype=np.float64)
+    # prefix[s, n]: the tokens of source s's first n micro-batches, summed up to filled[s]
+    prefix = np.empty((num_sources, seats + 1), dtype=np.float64)
+    filled = np.zeros(num_sources, dtype=np.int64)
     avail = np.zeros(num_sources, dtype=np.int64)
     for source in range(num_sources):
         avail[source] = min(seats, ends[source] - cursor[source])
-        for n in range(avail[source]):
-            prefix[source, n + 1] = prefix[source, n] + tokens[cursor[source] + n]
+        prefix[source, 0] = 0.0
+    sums = (prefix, filled, tokens, cursor)
     estimate = seats * mean
     low = np.zeros(num_sources, dtype=np.int64)
     high = np.zeros(num_sources, dtype=np.int64)
@@ -42,17 +48,17 @@ def compose_counts(seats, mean, tokens, cursor, ends, due, shares, taken, max_to
     for _ in range(_PASSES):
         for source in range(num_sources):
             low[source], high[source] = _window(
-                prefix[source], avail[source], due_tokens(due, source, estimate), max_tokens
+                sums, source, avail[source], due_tokens(due, source, estimate), max_tokens
             )
             count[source] = low[source]
-        _fit(seats, prefix, shares, taken, so_far, avail, low, high, count)
+        _fit(seats, sums, shares, taken, so_far, avail, low, high, count)
         step_tokens = 0.0
         for source in range(num_sources):
             step_tokens += prefix[source, count[source]]
         if step_tokens == estimate:
             break
         estimate = step_tokens
-    return _repair(prefix, avail, due, max_tokens, count, step_tokens)
+    return _repair(sums, avail, due, max_tokens, count, step_tokens)
 
 
 @njit(cache=True, nogil=True)
@@ -75,22 +81,37 @@ def due_tokens(due, source, step_tokens):
 
 
 @njit(cache=True, nogil=True)
-def _window(prefix, avail, target, max_tokens):
-    """``(low, high)``: the counts whose tokens lie within ``max_tokens`` of ``target``."""
+def _fill(sums, source, n):
+    """Sum ``source``'s prefix up to its count ``n`` (``sums``: ``(prefix, filled, tokens,
+    cursor)``, `compose_counts`'), in order: the sums are those of summing the whole queue."""
+    prefix, filled, tokens, cursor = sums
+    for k in range(filled[source], n):
+        prefix[source, k + 1] = prefix[source, k] + tokens[cursor[source] + k]
+    filled[source] = max(filled[source], n)
+
+
+@njit(cache=True, nogil=True)
+def _window(sums, source, avail, target, max_tokens):
+    """``(low, high)``: the counts of ``source`` whose tokens lie within ``max_tokens`` of
+    ``target`` (prefix sums do not decrease: the first count past them ends the search)."""
+    prefix = sums[0]
     low = avail
     for n in range(avail + 1):
-        if prefix[n] >= target - max_tokens:
+        _fill(sums, source, n)
+        if prefix[source, n] >= target - max_tokens:
             low = n
             break
     high = low
     for n in range(low, avail + 1):
-        if prefix[n] <= target + max_tokens:
-            high = n
+        _fill(sums, source, n)
+        if prefix[source, n] > target + max_tokens:
+            break
+        high = n
     return low, high
 
 
 @njit(cache=True, nogil=True)
-def _fit(seats, prefix, shares, taken, so_far, avail, low, high, count):
+def _fit(seats, sums, shares, taken, so_far, avail, low, high, count):
     """Bring the counts to ``seats`` a micro-batch at a time, within windows where it can.
 
     Added: of the sources not ahead of their share of the run (``so_far`` tokens before the
@@ -98,6 +119,7 @@ def _fit(seats, prefix, shares, taken, so_far, avail, low, high, count):
     (its source's tokens after it, over the source's share); taken back: the placed one
     that finishes last. This is worst-case fair weighted fair queueing (WF2Q): each source
     stays within a micro-batch of its share of the run at every step."""
+    prefix = sums[0]
     num_sources = shares.shape[0]
     placed = 0
     now = so_far
@@ -118,6 +140,8 @@ def _fit(seats, prefix, shares, taken, so_far, avail, low, high, count):
                 done = taken[source] + prefix[source, n]
                 if grow and eligible and done > shares[source] * now:
                     continue
+                if grow:
+                    _fill(sums, source, n + 1)
                 clock = max(shares[source], 1e-300)
                 key = -(taken[source] + prefix[source, n + 1]) / clock if grow else done / clock
                 if key > best_key:
@@ -135,10 +159,11 @@ def _fit(seats, prefix, shares, taken, so_far, avail, low, high, count):
 
 
 @njit(cache=True, nogil=True)
-def _repair(prefix, avail, due, max_tokens, count, step_tokens):
+def _repair(sums, avail, due, max_tokens, count, step_tokens):
     """While a source lies more than ``max_tokens`` off what it is due of the step's actual
     tokens, move a micro-batch from the source furthest ahead to the one furthest behind, as
     long as that lowers the largest miss; returns the step's tokens."""
+    prefix = sums[0]
     num_sources = prefix.shape[0]
     worst = _worst_miss(prefix, due, count, step_tokens)
     while worst > max_tokens:
@@ -151,6 +176,7 @@ def _repair(prefix, avail, due, max_tokens, count, step_tokens):
                 behind, most_behind = source, -miss
         if ahead < 0 or behind < 0 or ahead == behind:
             break
+        _fill(sums, behind, count[behind] + 1)
         count[ahead] -= 1
         count[behind] += 1
         moved = step_tokens - (prefix[ahead, count[ahead] + 1] - prefix[ahead, count[ahead]])
