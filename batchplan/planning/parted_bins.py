@@ -207,10 +207,12 @@ class PartedBins:
 
     def destinations(self, extra: NDArray[np.int64], order, sizes, threads: int) -> RowDestinations:
         """Where micro-batches ``order`` (of ``sizes`` entries) go when laid out one after another
-        (as `PackedBins.destinations`, over every part's bins), and where each begins in
-        member space."""
+        (as `PackedBins.destinations`, over every part's bins), and, where parts are parked
+        (their members are laid out in member space: `lay_out`), where each begins there."""
         members = int(self.member_base[-1])
         where = bin_destinations_of(members, self.num_formed, extra, order, sizes, threads)
+        if not any(isinstance(part, ParkedBins) for part in self.parts):
+            return RowDestinations(where, None)
         order = np.asarray(order)
         row_starts = np.empty(order.shape[0], dtype=index_dtype(members + 1))
         formed = order < self.num_formed
@@ -255,7 +257,7 @@ class PartedBins:
             space = new_buffer(where.count, self._dtype)
             targets = [(index, local, space) for index, local in enumerate(self._part_destinations(where))]
         else:
-            assert isinstance(where, RowDestinations)  # what `destinations` makes
+            assert isinstance(where, RowDestinations) and where.row_starts is not None  # `destinations`, parked
             where.take_destination()  # the rows read member space: the per-bin destinations go
             row_starts, bases = where.row_starts, self.member_base
             space = new_buffer(int(bases[-1]), self._dtype)
@@ -287,9 +289,10 @@ class PartedBins:
 
 class RowDestinations(Destinations):
     """`Destinations` over parts' bins, with ``row_starts``: where each micro-batch of the
-    order begins in member space (a micro-batch is one range of it)."""
+    order begins in member space (a micro-batch is one range of it), or None where the
+    members are not laid out in member space."""
 
-    def __init__(self, where: Destinations, row_starts: NDArray[np.integer]) -> None:
+    def __init__(self, where: Destinations, row_starts: NDArray[np.integer] | None) -> None:
         super().__init__(where.offsets, where.take_destination(), where.ranges)
         self.row_starts = row_starts
 
