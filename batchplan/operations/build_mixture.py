@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +73,12 @@ def _prepare(mixture: Mixture, config: PlanConfig, columns: dict[str, Any], prog
     from batchplan.planning.mixture_entries import prepare_mixture_entries
 
     advance = stage(progress, "reading sources", len(mixture.sources))
-    lengths = read_mixture_lengths(mixture, **columns)
+    with ThreadPoolExecutor(max_workers=1) as reader:
+        # Reading releases the GIL: it runs while numba is imported and started (Python, ~0.3 s).
+        reading = reader.submit(read_mixture_lengths, mixture, **columns)
+        start_numba()
+        lengths = reading.result()
     advance(len(mixture.sources))
-    start_numba()
     threads = num_threads()
     prepared = prepare_mixture_entries(
         mixture, lengths.lengths, lengths.offsets, config, loss_tokens=lengths.loss_tokens, threads=threads
