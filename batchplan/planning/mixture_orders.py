@@ -14,6 +14,8 @@ up, `_CHUNK` positions at a time. No loop runs per sample.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -21,7 +23,7 @@ from numpy.typing import NDArray
 
 from batchplan.planning.randomness import PermutedPrefix, permute, source_pass_rng
 
-__all__ = ["Drawn", "SourceResume", "draw_order", "pass_order"]
+__all__ = ["Drawn", "SourceResume", "draw_order", "partial_pass_of", "pass_order"]
 
 _CHUNK = 1 << 20  # prefix sums of a partial pass computed at a time (8 MiB)
 
@@ -59,11 +61,12 @@ def draw_order(
     resume: SourceResume | None = None,
     room: NDArray | None = None,
     along: NDArray | None = None,
+    partial_drawn: Callable[[], tuple[NDArray, NDArray, int]] | None = None,
 ) -> Drawn:
     """What is left of a pass under way (``resume``), whole passes, then the prefix of one more
     nearest the rest; the order is drawn into the start of ``room`` when given, and the
     lengths along it written to the start of ``along`` when given (carried by the shuffles:
-    no gather)."""
+    no gather). ``partial_drawn``: gives that prefix, drawn already (`partial_pass_of`)."""
     count = end - start
     first_pass = 0 if resume is None else resume.pass_index
     if target == 0:
@@ -80,7 +83,9 @@ def draw_order(
         whole_from += 1
     whole, rest = divmod(target, tokens)
     partial, partial_lengths, partial_tokens = np.empty(0, dtype=dtype), np.empty(0, dtype=lengths.dtype), 0
-    if rest:
+    if rest and partial_drawn is not None:
+        partial, partial_lengths, partial_tokens = partial_drawn()
+    elif rest:
         partial, partial_lengths, partial_tokens = _partial_pass(
             name, lengths, start, count, whole_from + whole, rest, seed, dtype, threads
         )
@@ -99,6 +104,30 @@ def draw_order(
         values[head.shape[0] + whole * count :] = partial_lengths
     planned = int(lengths[head].sum(dtype=np.int64)) + whole * tokens + partial_tokens
     return Drawn(order, planned, head.shape[0], whole, first_pass if head.shape[0] else whole_from)
+
+
+def partial_pass_of(
+    name: str,
+    lengths: NDArray,
+    start: int,
+    end: int,
+    tokens: int,
+    target: int,
+    seed: int,
+    dtype: np.dtype,
+    resume: SourceResume | None = None,
+) -> Callable[[], tuple[NDArray, NDArray, int]] | None:
+    """The partial pass `draw_order` draws for the same arguments, as a call that draws it (one
+    thread) and returns ``(its samples, their lengths, its tokens)``, to be drawn ahead of the
+    order (its draws are its own); None where the order takes none, or where a pass under way
+    (``resume``) decides what it takes."""
+    if target == 0 or tokens == 0 or (resume is not None and not resume.left.all()):
+        return None
+    whole, rest = divmod(target, tokens)
+    first_pass = 0 if resume is None else resume.pass_index
+    if not rest:
+        return None
+    return functools.partial(_partial_pass, name, lengths, start, end - start, first_pass + whole, rest, seed, dtype, 1)
 
 
 def _laid(order: NDArray, lengths: NDArray, room: NDArray | None, along: NDArray | None) -> NDArray:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from typing import TypeVar
 
@@ -32,7 +33,7 @@ from numpy.typing import NDArray
 from batchplan.errors import DatasetError
 from batchplan.mixture import Mixture
 from batchplan.plan import index_dtype
-from batchplan.planning.mixture_orders import SourceResume, draw_order, pass_order
+from batchplan.planning.mixture_orders import SourceResume, draw_order, partial_pass_of, pass_order
 from batchplan.planning.randomness import PermutedPrefix, source_pass_rng
 
 __all__ = [
@@ -164,49 +165,68 @@ def draw_sources(
     the orders holds one at a time. With ``out`` (at least `count_uses`' most, of the
     orders' dtype), the orders are drawn into it one after another (each a view of it); with
     ``along`` (as many, of the lengths' dtype), the lengths along them are written into it
-    the same way, carried by the shuffles."""
+    the same way, carried by the shuffles. The next source's partial pass is drawn on a thread
+    of its own while a source's order is drawn (`partial_pass_of`: the same draws)."""
     bounds, source_tokens, targets = _sized(mixture, lengths, offsets)
     dtype = index_dtype(int(lengths.shape[0]))
+    wheres = [(resume or {}).get(source.name) for source in mixture.sources]
+    partials = [
+        partial_pass_of(source.name, lengths, start, end, tokens, target, seed, dtype, where)
+        for source, (start, end), tokens, target, where in zip(mixture.sources, bounds, source_tokens, targets, wheres)
+    ]
     at = 0
-    for source, (start, end), tokens, target in zip(mixture.sources, bounds, source_tokens, targets):
-        if target > 0 and tokens == 0:
-            raise DatasetError(
-                f"source {source.name!r}: has {end - start:,} samples and 0 tokens but is asked for {target:,} "
-                f"tokens; give it samples with tokens, or set its {'epochs' if mixture.by_epochs else 'weight'} to 0"
+    with ThreadPoolExecutor(max_workers=1) as ahead:
+        drawing = [None if draw is None else ahead.submit(draw) for draw in partials[:1]]
+        for index, (source, (start, end), tokens, target) in enumerate(
+            zip(mixture.sources, bounds, source_tokens, targets)
+        ):
+            drawing += [None if draw is None else ahead.submit(draw) for draw in partials[index + 1 : index + 2]]
+            partial, drawing[index] = drawing[index], None  # its prefix goes into the order: not kept here
+            if target > 0 and tokens == 0:
+                raise DatasetError(
+                    f"source {source.name!r}: has {end - start:,} samples and 0 tokens but is asked for {target:,} "
+                    f"tokens; give it samples with tokens, or set its "
+                    f"{'epochs' if mixture.by_epochs else 'weight'} to 0"
+                )
+            where = wheres[index]
+            drawn = draw_order(
+                source.name,
+                lengths,
+                start,
+                end,
+                tokens,
+                target,
+                seed,
+                dtype,
+                threads,
+                where,
+                None if out is None else out[at:],
+                None if along is None else along[at:],
+                None if partial is None else partial.result,
             )
-        where = (resume or {}).get(source.name)
-        room = None if out is None else out[at:]
-        drawn = draw_order(
-            source.name,
-            lengths,
-            start,
-            end,
-            tokens,
-            target,
-            seed,
-            dtype,
-            threads,
-            where,
-            room,
-            None if along is None else along[at:],
-        )
-        at += drawn.order.shape[0]
-        yield SourceSelection(
-            name=source.name,
-            offset=start,
-            num_samples=end - start,
-            weight=0.0,  # `with_shares`, once every source's planned tokens are known
-            target_tokens=target,
-            planned_tokens=drawn.planned,
-            passes=drawn.planned / tokens if tokens else 0.0,
-            order=drawn.order,
-            head=drawn.head,
-            num_uses=int(drawn.order.shape[0]),
-            whole_passes=drawn.whole,
-            pass_index=drawn.pass_index,
-            left=where.left if where is not None and drawn.head else None,
-        )
-        del drawn  # before the next source's order is drawn
+            del partial
+            at += drawn.order.shape[0]
+            yield _selection(source.name, start, end, tokens, target, drawn, where)
+            del drawn  # before the next source's order is drawn
+
+
+def _selection(name: str, start: int, end: int, tokens: int, target: int, drawn, where) -> SourceSelection:
+    """A source's selection from its drawn order (`mixture_orders.Drawn`), before the weights are known."""
+    return SourceSelection(
+        name=name,
+        offset=start,
+        num_samples=end - start,
+        weight=0.0,  # `with_shares`, once every source's planned tokens are known
+        target_tokens=target,
+        planned_tokens=drawn.planned,
+        passes=drawn.planned / tokens if tokens else 0.0,
+        order=drawn.order,
+        head=drawn.head,
+        num_uses=int(drawn.order.shape[0]),
+        whole_passes=drawn.whole,
+        pass_index=drawn.pass_index,
+        left=where.left if where is not None and drawn.head else None,
+    )
 
 
 def count_uses(
