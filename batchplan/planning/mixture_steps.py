@@ -76,27 +76,9 @@ def compose_epoch(
     np.cumsum([part.num_batches for part in parts], out=base[1:])
     sources = sorted({part.source for part in parts})
     segments = sorted({part.segment for part in parts})
-    # shape (segments, sources): each source's queue, segment after segment
-    pieces = [
-        [
-            [
-                base[index] + part.order
-                for index, part in enumerate(parts)
-                if part.source == source and part.segment == segment
-            ]
-            for source in sources
-        ]
-        for segment in segments
-    ]
-    sizes = np.array([[sum(piece.shape[0] for piece in queue) for queue in row] for row in pieces], dtype=np.int64)
+    queue, tokens, sizes = _queues(parts, base, sources, segments, batches.tokens())
     source_offsets = np.zeros(len(sources) + 1, dtype=np.int64)
     np.cumsum(sizes.sum(axis=0), out=source_offsets[1:])
-    queue = np.concatenate(
-        [np.zeros(0, dtype=np.int64)]
-        + [piece for column in range(len(sources)) for row in pieces for piece in row[column]]
-    )
-    del pieces
-    tokens = batches.tokens().astype(np.int64, copy=False)[queue]
     source_tokens = np.array(
         [tokens[a:b].sum() for a, b in zip(source_offsets[:-1], source_offsets[1:])], dtype=np.float64
     )
@@ -117,12 +99,37 @@ def compose_epoch(
     part_source = np.array([part.source for part in parts], dtype=np.int64)
     return Composed(
         batches,
-        queue[order].astype(index_dtype(queue.shape[0])),
+        queue[order],
         steps[: num_steps + 1].copy(),
         base,
         part_source,
         sizing,
     )
+
+
+def _queues(
+    parts: list, base: NDArray[np.int64], sources: list[int], segments: list[int], formed_tokens: NDArray
+) -> tuple[NDArray[np.integer], NDArray[np.int64], NDArray[np.int64]]:
+    """``(queue, tokens, sizes)``: every source's queue, one after another (the micro-batch ids
+    of its parts, segment after segment, each part's in its order; `index_dtype` of the ids),
+    the tokens of each (int64), and the micro-batches of each (segment, source). Each part's
+    tokens are gathered from its own (``formed_tokens[base[k]:base[k + 1]]``: in cache)."""
+    by_queue: dict[tuple[int, int], list[int]] = {}
+    for index, part in enumerate(parts):
+        by_queue.setdefault((part.source, part.segment), []).append(index)
+    sizes = np.zeros((len(segments), len(sources)), dtype=np.int64)
+    queue = np.empty(int(base[-1]), dtype=index_dtype(int(base[-1])))
+    tokens = np.empty(int(base[-1]), dtype=np.int64)
+    at = 0
+    for column, source in enumerate(sources):
+        for row, segment in enumerate(segments):
+            for index in by_queue.get((source, segment), []):
+                order, first = parts[index].order, int(base[index])
+                np.add(order, first, out=queue[at : at + order.shape[0]], casting="unsafe")  # ids fit
+                tokens[at : at + order.shape[0]] = formed_tokens[first : int(base[index + 1])][order]
+                sizes[row, column] += order.shape[0]
+                at += order.shape[0]
+    return queue, tokens, sizes
 
 
 def _joined(parts: list, num_entries: int, values, dtype) -> EpochBatches:
