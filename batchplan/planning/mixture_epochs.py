@@ -24,6 +24,7 @@ sources, the build peaks as one dataset of as many samples does (docs/benchmarks
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -43,12 +44,16 @@ from batchplan.planning.randomness import (
     STREAM_ENTRY_ORDER,
     STREAM_MICRO_BATCH_ORDER,
     STREAM_SEQLEN_WARMUP,
+    KeyStream,
     epoch_rng,
 )
 from batchplan.planning.schedule import schedule_epoch
 from batchplan.planning.threads import threads_for
 
 __all__ = ["MixtureEntries", "Part", "plan_mixture_epoch", "prepare_mixture_entries", "sizing_lengths"]
+
+
+_NO_ORDER = np.zeros(0, dtype=np.int64)
 
 
 class Part(NamedTuple):
@@ -127,12 +132,35 @@ def form_parts(mixture: MixtureEntries, config: PlanConfig, epoch: int, threads:
             warmup.part_stage, warmup.part_chunk, warmup.part_bounds[:-1], warmup.part_bounds[1:]
         ):
             parts.append(form(chunks[position], int(first), int(last), stage_rng, stage_rng, int(stage)))
+    segment = 0 if warmup is None else warmup.num_stages
+    spans = []
     for position, chunk in enumerate(chunks):
         first = int(mixture.chunk_bounds[chunk]) + (0 if warmup is None else int(warmup.region[position]))
         last = int(mixture.chunk_bounds[chunk + 1])
         if last > first:
-            parts.append(form(chunk, first, last, rng, order_rng, 0 if warmup is None else warmup.num_stages))
-    return parts
+            spans.append((chunk, first, last))
+    if config.mode == "pack" and threads > 1 and len(spans) > 1:
+        return parts + _formed_side_by_side(mixture, config, spans, rng, order_rng, segment, park, threads)
+    return parts + [form(chunk, first, last, rng, order_rng, segment) for chunk, first, last in spans]
+
+
+def _formed_side_by_side(
+    mixture: MixtureEntries, config: PlanConfig, spans, rng, order_rng, segment: int, park: bool, threads: int
+) -> list[Part]:
+    """Packed parts of ``spans`` (``(chunk, first, last)`` each) formed on ``threads`` threads, a
+    part each: the parts `_form` makes one after another. Packing draws from ``rng`` only the
+    keys of its shuffle within lengths (`KeyStream`): each part's generator starts where
+    ``rng`` stands at its turn, and ``rng`` moves past its keys; each part's order is drawn
+    from ``order_rng`` in the parts' order."""
+    starts = [np.random.Generator(KeyStream.draw_later(rng, last - first).bit_generator) for _, first, last in spans]
+
+    def unshuffled(span: tuple[int, int, int], part_rng: np.random.Generator) -> Part:
+        chunk, first, last = span
+        return _form(mixture, config, chunk, first, last, part_rng, None, segment, park=park, threads=1)
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        formed = pool.map(unshuffled, spans, starts)
+        return [part._replace(order=order_rng.permutation(part.num_batches)) for part in formed]
 
 
 def _form(
@@ -149,7 +177,8 @@ def _form(
     threads: int,
 ) -> Part:
     """Entries ``first:last`` (of ``chunk``) formed into micro-batches with ``rng`` and
-    shuffled with ``order_rng``; packed, their bins (parked in a large epoch)."""
+    shuffled with ``order_rng`` (None: not yet, an empty order); packed, their bins (parked in
+    a large epoch)."""
     formed = form_micro_batches(mixture.entries.length[first:last], config, rng, threads_for(last - first, threads))
     kept: EpochBatches | PackedBins | ParkedBins = formed
     if isinstance(formed.layout, PackedBins):  # packed: the bins, parked in a large epoch
@@ -161,7 +190,7 @@ def _form(
         formed.packing,
         first,
         last - first,
-        order_rng.permutation(formed.count),
+        _NO_ORDER if order_rng is None else order_rng.permutation(formed.count),
         chunk,
         segment,
     )
