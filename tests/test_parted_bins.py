@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from batchplan import PlanConfig
+from batchplan.kernels.segments import gather_rows
 from batchplan.planning import bins as bins_module
 from batchplan.planning.epoch_batches import EpochBatches
 from batchplan.planning.forming import concatenate_parts, form_micro_batches
@@ -87,3 +88,27 @@ def test_parted_bins_hold_and_lay_out_what_the_parts_laid_out_one_after_another_
         pieces = [laid.between(first, first + step) for first in range(0, laid.count, step)]
     read = np.concatenate([np.zeros(0, dtype=np.int64), *pieces])
     assert read.tolist() == want.tolist()
+
+
+@given(st.data())
+def test_gather_rows_copies_each_rows_range_of_member_space(data):
+    """`gather_rows` against a slow reference: every member of a range, row by row, read at
+    its row's start in member space (rows in any order there)."""
+    sizes = data.draw(st.lists(st.integers(0, 6), min_size=1, max_size=30), label="sizes")
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    total = int(offsets[-1])
+    placed = data.draw(st.permutations(range(len(sizes))), label="placement")
+    row_starts = np.zeros(len(sizes), dtype=np.int64)
+    cursor = 0
+    for row in placed:  # rows laid in member space in another order
+        row_starts[row] = cursor
+        cursor += sizes[row]
+    space = np.array(data.draw(st.permutations(range(total))), dtype=np.int32) * 3
+    start = data.draw(st.integers(0, total), label="start")
+    stop = data.draw(st.integers(start, total), label="stop")
+    want = [int(space[row_starts[row] + k]) for row in range(len(sizes)) for k in range(sizes[row])][start:stop]
+    first = int(np.searchsorted(offsets, start, side="right")) - 1
+    last = int(np.searchsorted(offsets, stop, side="left"))
+    out = np.full(stop - start, -1, dtype=np.int32)
+    gather_rows(space, offsets, row_starts, max(first, 0), last, start, out)
+    assert out.tolist() == want

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["lay_out_segments", "range_sums", "scatter_segments", "segment_destinations"]
+__all__ = ["gather_rows", "lay_out_segments", "range_sums", "scatter_segments", "segment_destinations"]
 
 
 @njit(cache=True, nogil=True)
@@ -80,3 +80,16 @@ def range_sums(values, starts, ends, out):
         for i in range(starts[k], ends[k]):
             out[k] += values[i]
     return out
+
+
+@njit(cache=True, nogil=True)
+def gather_rows(space, offsets, row_starts, first_row, last_row, start, out):
+    """Members ``start:start + len(out)`` in row order, of rows ``first_row:last_row`` (those
+    the range meets), into ``out``: row ``r`` holds members ``offsets[r]:offsets[r + 1]``,
+    which are ``space[row_starts[r]:]`` (as many); a row is one copy of a range of ``space``."""
+    stop = start + out.shape[0]
+    for row in range(first_row, last_row):
+        low, high = max(offsets[row], start), min(offsets[row + 1], stop)
+        at = row_starts[row] - offsets[row]
+        for member in range(low, high):
+            out[member - start] = space[at + member]

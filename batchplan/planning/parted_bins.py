@@ -7,17 +7,17 @@ are never laid out to be scheduled) and has the methods of a
 bins one part after another, member space the parts' member spaces one after another, and
 entry ids global (part ``p``'s entry ``i`` is ``entry_base[p] + i``).
 
-The final layout writes every part's members in row order, a part at a time (each part's
-bins used up as it goes), into one array: the epoch holds one index per entry, as one packed
-dataset holds each slot's place, and a writer reads a rank's rows as a slice of it. Each
-part may write values of its own in place of its entry ids (``values``: a mixture's samples).
+The final layout writes every part's members into member space, a part at a time, the
+largest first, each part's bins used up as it goes: a part's writes stay in its own range, so
+only what is written is resident beside the bins not yet used (the epoch holds one index per
+entry, as one packed dataset holds each slot's place), and rows are read from there
+(`RowMembers`: a row is one range of member space, copied out by
+`batchplan.kernels.segments.gather_rows`). Each part may write values of its own in place of
+its entry ids (``values``: a mixture's samples).
 
 Epochs of at least `batchplan.planning.bins.PARK_FROM_ENTRIES` entries park every part
 (`ParkedBins`: the bin of each slot let go, 4 bytes per entry) while they are composed and
-scheduled, and pack a part's histogram again when its bins are needed (the same bins). They
-write their members into member space instead, the largest part first, where a part's writes
-stay in its own range (only what is written is resident, beside one part's bins and values),
-and read rows from there (`RowMembers`: a row is one range of member space).
+scheduled, and pack a part's histogram again when its bins are needed (the same bins).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from collections.abc import Callable
 import numpy as np
 from numpy.typing import NDArray
 
+from batchplan.kernels.segments import gather_rows
 from batchplan.plan import Members, index_dtype
 from batchplan.planning.bins import (
     PARK_FROM_ENTRIES,
@@ -43,8 +44,8 @@ from batchplan.planning.threads import threads_for
 
 __all__ = ["ParkedBins", "PartedBins", "RowMembers", "release_free_heap"]
 
-# Rows whose members `RowMembers` gathers at a time (the gather's int64 positions stay a few
-# tens of MiB).
+# Rows whose start in member space `PartedBins.destinations` finds at a time (its lookups stay
+# a few MiB).
 _ROWS_AT_ONCE = 1 << 18
 
 
@@ -207,17 +208,21 @@ class PartedBins:
 
     def destinations(self, extra: NDArray[np.int64], order, sizes, threads: int) -> RowDestinations:
         """Where micro-batches ``order`` (of ``sizes`` entries) go when laid out one after another
-        (as `PackedBins.destinations`, over every part's bins), and, where parts are parked
-        (their members are laid out in member space: `lay_out`), where each begins there."""
+        (their offsets, as `PackedBins.destinations`' over every part's bins), and where each
+        begins in member space (`_ROWS_AT_ONCE` at a time): what `lay_out` reads (it writes
+        the members in member space: no bin has a destination of its own)."""
         members = int(self.member_base[-1])
-        where = bin_destinations_of(members, self.num_formed, extra, order, sizes, threads)
-        if not any(isinstance(part, ParkedBins) for part in self.parts):
-            return RowDestinations(where, None)
+        index = index_dtype(members + 3)  # `bin_destinations_of`'s
+        offsets = np.zeros(np.shape(order)[0] + 1, dtype=index)
+        np.cumsum(sizes, out=offsets[1:])
+        where = Destinations(offsets, np.zeros(0, dtype=index), _no_pieces())
         order = np.asarray(order)
         row_starts = np.empty(order.shape[0], dtype=index_dtype(members + 1))
-        formed = order < self.num_formed
-        row_starts[formed] = self.offsets[order[formed]]
-        row_starts[~formed] = extra[order[~formed] - self.num_formed, 0]
+        for first in range(0, order.shape[0], _ROWS_AT_ONCE):
+            rows, starts = order[first : first + _ROWS_AT_ONCE], row_starts[first : first + _ROWS_AT_ONCE]
+            formed = rows < self.num_formed
+            starts[formed] = self.offsets[rows[formed]]
+            starts[~formed] = extra[rows[~formed] - self.num_formed, 0]
         return RowDestinations(where, row_starts)
 
     def _part_destinations(self, where: Destinations) -> list[Destinations]:
@@ -237,7 +242,7 @@ class PartedBins:
 
     def gather(self, extra, order, sizes, threads: int, scratch) -> tuple[NDArray[np.int64], NDArray]:
         """`EpochBatches.gather`, leaving the bins as they are."""
-        where = self.destinations(extra, order, sizes, threads)
+        where = bin_destinations_of(int(self.member_base[-1]), self.num_formed, extra, order, sizes, threads)
         members = new_buffer(where.count, self._dtype)
         written = 0
         for index, (part_where, base) in enumerate(zip(self._part_destinations(where), self.entry_base)):
@@ -247,40 +252,35 @@ class PartedBins:
         return where.offsets, members
 
     def lay_out(self, where: Destinations, threads: int) -> Members:
-        """The members at ``where``, every part's members (or ``values``) written a part at a
-        time, each part's bins used up as it goes: in row order (`Members`), or, parked, into
-        member space, largest part first, read in row order from there (`RowMembers`: while
-        member space is filled, it holds one part's bins and values besides what is written)."""
-        row_starts = None
-        targets: list[tuple[int, Destinations | None, NDArray]]  # (part, where in out, out)
-        if not any(isinstance(part, ParkedBins) for part in self.parts):
-            space = new_buffer(where.count, self._dtype)
-            targets = [(index, local, space) for index, local in enumerate(self._part_destinations(where))]
-        else:
-            assert isinstance(where, RowDestinations) and where.row_starts is not None  # `destinations`, parked
-            where.take_destination()  # the rows read member space: the per-bin destinations go
-            row_starts, bases = where.row_starts, self.member_base
-            space = new_buffer(int(bases[-1]), self._dtype)
-            largest = sorted(range(len(self.parts)), key=lambda index: -int(self.parts[index].lengths.shape[0]))
-            targets = [(index, None, space[int(bases[index]) : int(bases[index + 1])]) for index in largest]
+        """The members at ``where`` (`destinations`): every part's members (or ``values``)
+        written into member space, a part at a time, largest first, each part's bins used up as
+        it goes, and read in row order from there (`RowMembers`: while member space is filled,
+        it holds the bins not yet used and one part's values besides what is written)."""
+        assert isinstance(where, RowDestinations)  # what `destinations` makes
+        where.take_destination()  # the rows read member space: the per-bin destinations go
+        bases = self.member_base
+        space = new_buffer(int(bases[-1]), self._dtype)
+        largest = sorted(range(len(self.parts)), key=lambda index: -int(self.parts[index].lengths.shape[0]))
         parts: list[PackedBins | ParkedBins | None] = list(self.parts)
         self.parts = []
         del self.offsets
-        written = sum(self._write_part(parts, index, local, out, threads) for index, local, out in targets)
+        written = sum(
+            self._write_part(parts, index, space[int(bases[index]) : int(bases[index + 1])], threads)
+            for index in largest
+        )
         release_free_heap()
         check_written(written, space)
-        return Members(space) if row_starts is None else RowMembers(space, where.offsets, row_starts)
+        return RowMembers(space, where.offsets, where.row_starts)
 
-    def _write_part(self, parts, index: int, local: Destinations | None, out: NDArray, threads: int) -> int:
-        """Part ``index``'s members (or values) written into ``out`` at ``local`` (None: where
-        its bins lie in member space), its bins used up and let go; how many were written."""
+    def _write_part(self, parts, index: int, out: NDArray, threads: int) -> int:
+        """Part ``index``'s members (or values) written into ``out`` where its bins lie (its range
+        of member space), its bins used up and let go; how many were written."""
         release_free_heap()  # what the part before freed: heaps keep what is below mmap's threshold
         part, parts[index] = parts[index], None
         live = part.restore() if isinstance(part, ParkedBins) else part
         del part
         part_threads = threads_for(live.lengths.shape[0], threads)
-        if local is None:
-            local = Destinations(np.zeros(1, dtype=np.int64), live.offsets[:-1].astype(np.int64), _no_pieces())
+        local = Destinations(np.zeros(1, dtype=np.int64), live.offsets[:-1].astype(np.int64), _no_pieces())
         placed = live.placed(local, part_threads, self.entry_base[index])
         del live, local
         values = None if self.values is None else self.values[index](part_threads)
@@ -289,10 +289,9 @@ class PartedBins:
 
 class RowDestinations(Destinations):
     """`Destinations` over parts' bins, with ``row_starts``: where each micro-batch of the
-    order begins in member space (a micro-batch is one range of it), or None where the
-    members are not laid out in member space."""
+    order begins in member space (a micro-batch is one range of it)."""
 
-    def __init__(self, where: Destinations, row_starts: NDArray[np.integer] | None) -> None:
+    def __init__(self, where: Destinations, row_starts: NDArray[np.integer]) -> None:
         super().__init__(where.offsets, where.take_destination(), where.ranges)
         self.row_starts = row_starts
 
@@ -325,16 +324,7 @@ class RowMembers(Members):
         at = np.array([start, stop], dtype=self._offsets.dtype)
         first = int(np.searchsorted(self._offsets, at[0], side="right")) - 1  # the row holding member start
         last = int(np.searchsorted(self._offsets, at[1], side="left"))  # rows first..last - 1 hold start..stop - 1
-        for row in range(first, last, _ROWS_AT_ONCE):
-            rows = slice(row, min(row + _ROWS_AT_ONCE, last))
-            begins = self._offsets[rows].astype(np.int64)
-            ends = self._offsets[rows.start + 1 : rows.stop + 1].astype(np.int64)
-            low, high = max(int(begins[0]), start), min(int(ends[-1]), stop)
-            counts = np.minimum(ends, high) - np.maximum(begins, low)
-            # shape (high - low,): each member's position in member space
-            positions = np.repeat(self._row_starts[rows].astype(np.int64) - begins, counts)
-            positions += np.arange(low, high, dtype=np.int64)
-            out[low - start : high - start] = self._space[positions]
+        gather_rows(self._space, self._offsets, self._row_starts, first, last, start, out)
         return out
 
     def all(self) -> NDArray:
