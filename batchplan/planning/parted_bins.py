@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from numpy.typing import NDArray
@@ -253,21 +254,29 @@ class PartedBins:
 
     def lay_out(self, where: Destinations, threads: int) -> Members:
         """The members at ``where`` (`destinations`): every part's members (or ``values``)
-        written into member space, a part at a time, largest first, each part's bins used up as
-        it goes, and read in row order from there (`RowMembers`: while member space is filled,
-        it holds the bins not yet used and one part's values besides what is written)."""
+        written into member space, largest part first, each part's bins used up as it goes, and
+        read in row order from there (`RowMembers`: while member space is filled, it holds the
+        bins not yet used and the values of the parts being written besides what is written).
+        Parts write ranges of their own: kept bins are written on ``threads`` threads, a part
+        each; parked ones a part at a time (each is packed again: one part's bins at once)."""
         assert isinstance(where, RowDestinations)  # what `destinations` makes
         where.take_destination()  # the rows read member space: the per-bin destinations go
         bases = self.member_base
         space = new_buffer(int(bases[-1]), self._dtype)
         largest = sorted(range(len(self.parts)), key=lambda index: -int(self.parts[index].lengths.shape[0]))
+        side_by_side = threads > 1 and not any(isinstance(part, ParkedBins) for part in self.parts)
         parts: list[PackedBins | ParkedBins | None] = list(self.parts)
         self.parts = []
         del self.offsets
-        written = sum(
-            self._write_part(parts, index, space[int(bases[index]) : int(bases[index + 1])], threads)
-            for index in largest
-        )
+
+        def write(index: int, part_threads: int) -> int:
+            return self._write_part(parts, index, space[int(bases[index]) : int(bases[index + 1])], part_threads)
+
+        if side_by_side:
+            with ThreadPoolExecutor(max_workers=threads) as pool:
+                written = sum(pool.map(write, largest, [1] * len(largest)))
+        else:
+            written = sum(write(index, threads) for index in largest)
         release_free_heap()
         check_written(written, space)
         return RowMembers(space, where.offsets, where.row_starts)
