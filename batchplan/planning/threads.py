@@ -21,13 +21,15 @@ def threads_for(items: int, threads: int) -> int:
 
 
 def run_in_parts(kernel: Callable[..., Any], threads: int, *args: Any) -> list[Any]:
-    """``kernel(*args, part, threads)`` for every part, on ``threads`` threads; their results
-    in part order. One thread calls ``kernel(*args, 0, 1)``."""
+    """``kernel(*args, part, threads)`` for every part, on ``threads`` threads (the calling
+    thread runs part 0: one thread fewer to start); their results in part order. One thread
+    calls ``kernel(*args, 0, 1)``."""
     if threads <= 1:
         return [kernel(*args, 0, 1)]
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        futures = [pool.submit(kernel, *args, part, threads) for part in range(threads)]
-        return [future.result() for future in futures]
+    with ThreadPoolExecutor(max_workers=threads - 1) as pool:
+        futures = [pool.submit(kernel, *args, part, threads) for part in range(1, threads)]
+        first = kernel(*args, 0, threads)
+        return [first] + [future.result() for future in futures]
 
 
 def epoch_threads(count: int, cores: int) -> tuple[int, list[int]]:
