@@ -139,7 +139,9 @@ def form_parts(mixture: MixtureEntries, config: PlanConfig, epoch: int, threads:
         last = int(mixture.chunk_bounds[chunk + 1])
         if last > first:
             spans.append((chunk, first, last))
-    if config.mode == "pack" and threads > 1 and len(spans) > 1:
+    # Side by side, a part a thread, where the epoch keeps its bins; a parked epoch forms its
+    # parts one at a time, so that only one part's bins are held before they are parked.
+    if config.mode == "pack" and threads > 1 and len(spans) > 1 and not park:
         return parts + _formed_side_by_side(mixture, config, spans, rng, order_rng, segment, park, threads)
     return parts + [form(chunk, first, last, rng, order_rng, segment) for chunk, first, last in spans]
 
