@@ -96,6 +96,17 @@ def test_a_large_mixtures_paths_plan_the_same_plan(sources, tmp_path, monkeypatc
     assert _build(sources, mixture, case, tmp_path / "at_scale.arrow").read_bytes() == want
 
 
+@pytest.mark.parametrize("case", ["pack", "epochs-token-steps", "warmup", "pad"])
+def test_a_mixtures_plan_does_not_depend_on_the_number_of_threads(sources, tmp_path, monkeypatch, case):
+    """A packed epoch's parts are formed side by side on the build's threads and written into
+    member space a part a thread; one thread or several, the same bytes."""
+    files = []
+    for threads in ("1", "2", "3"):
+        monkeypatch.setenv("BATCHPLAN_THREADS", threads)
+        files.append(_build(sources, "phases.json", case, tmp_path / f"plan-{threads}.arrow").read_bytes())
+    assert files[0] == files[1] == files[2]
+
+
 def test_a_large_mixtures_plan_directory_is_the_default_ones(sources, tmp_path, monkeypatch):
     def epoch_files(directory: Path) -> list[bytes]:
         return [path.read_bytes() for path in sorted(directory.glob("epoch-*.arrow"))]
