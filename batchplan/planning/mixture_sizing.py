@@ -176,12 +176,16 @@ def draw_sources(
     ]
     at = 0
     with ThreadPoolExecutor(max_workers=1) as ahead:
-        drawing = [None if draw is None else ahead.submit(draw) for draw in partials[:1]]
+
+        def draw_ahead(index: int):
+            draw = partials[index] if index < len(partials) else None
+            return None if draw is None else ahead.submit(draw)
+
+        coming = draw_ahead(0)
         for index, (source, (start, end), tokens, target) in enumerate(
             zip(mixture.sources, bounds, source_tokens, targets)
         ):
-            drawing += [None if draw is None else ahead.submit(draw) for draw in partials[index + 1 : index + 2]]
-            partial, drawing[index] = drawing[index], None  # its prefix goes into the order: not kept here
+            partial, coming = coming, draw_ahead(index + 1)
             if target > 0 and tokens == 0:
                 raise DatasetError(
                     f"source {source.name!r}: has {end - start:,} samples and 0 tokens but is asked for {target:,} "
