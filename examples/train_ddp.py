@@ -1,7 +1,7 @@
 """Train a tiny GPT with DDP on CPU, replaying a batchplan plan exactly.
 
-    .venv/bin/torchrun --nproc_per_node 2 examples/train_ddp.py --max-steps 40           # ~30 s on 2 cores
-    .venv/bin/torchrun --nproc_per_node 2 examples/train_ddp.py --max-steps 80 --resume  # continue from step 40
+    .venv/bin/torchrun --nproc_per_node 2 examples/train_ddp.py --max-steps 20           # ~12 s on 2 cores
+    .venv/bin/torchrun --nproc_per_node 2 examples/train_ddp.py --max-steps 40 --resume  # continue from step 20
 
 Token ids are random, with the real lengths of data/sharegpt_dialogues_cl100k.parquet
 (9,457 conversations, median 977 tokens, longest 199,994: split into 2,048-token

@@ -40,8 +40,8 @@ def test_every_script_and_command_of_the_page_runs_as_written(tmp_path):
             (tmp_path / file).write_text(content)
         done = run_documented(command, tmp_path, env)
         outputs.append(done.stdout)
-    assert "resumed from example-checkpoint.pt at step 40" in outputs[-1]
-    assert re.search(r"^step   80 ", outputs[-1], re.M)
+    assert "resumed from example-checkpoint.pt at step 20" in outputs[-1]
+    assert re.search(r"^step   40 ", outputs[-1], re.M)
     linked = (".venv", "data", "examples")
     left = [p.name + ("/" if p.is_dir() else "") for p in tmp_path.iterdir() if p.name not in linked]
     done = subprocess.run(
