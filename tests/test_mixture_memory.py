@@ -30,7 +30,7 @@ from batchplan.planning import mixture_entries, mixture_epochs, parted_bins
 from batchplan.planning.epoch_batches import EpochBatches
 from batchplan.planning.forming import form_micro_batches
 from batchplan.planning.mixture_entries import prepare_mixture_entries
-from batchplan.planning.mixture_sizing import SourceResume, select_sources
+from batchplan.planning.mixture_sizing import SourceResume, draw_sources, select_sources
 from batchplan.planning.parted_bins import ParkedBins, PartedBins, RowMembers
 from batchplan.planning.randomness import PermutedPrefix, permute
 
@@ -180,7 +180,11 @@ def test_a_selection_draws_any_pass_of_its_order_again():
             ),
             tokens=tokens,
         )
-        for selection in select_sources(mixture, lengths, offsets, seed=9, resume=resume):
+        drawn = [
+            *select_sources(mixture, lengths, offsets, seed=9, resume=resume),
+            *draw_sources(mixture, lengths, offsets, seed=9, resume=resume, shuffled=False),
+        ]
+        for selection in drawn:
             order, count = selection.order, selection.num_samples
             assert selection.num_uses == order.shape[0] > 0
             cuts = [0, selection.head] + list(range(selection.head + count, order.shape[0], count)) + [order.shape[0]]

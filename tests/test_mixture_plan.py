@@ -222,6 +222,44 @@ def test_demo_mixture_repeats_in_order_and_uses_what_was_planned(demo_plan):
         assert uses.per_step[:, index].sum() == source["planned_tokens"]
 
 
+@pytest.mark.parametrize("mode", ["pack", "pad"])
+def test_a_one_epoch_runs_passes_are_each_shuffled_and_each_differently(tmp_path, mode):
+    """A one-epoch run takes its whole passes in sample order (`mixture_sizing`); forming
+    shuffles each. With every sample of a source the same length, only that shuffle decides
+    which samples share a micro-batch: not neighbours in the source, and not the same
+    micro-batches in the next pass."""
+    rng = np.random.default_rng(5)
+    pq.write_table(pa.table({"length": np.full(400, 100, dtype=np.int32)}), tmp_path / "same.parquet")
+    pq.write_table(pa.table({"length": rng.integers(50, 900, 3000).astype(np.int32)}), tmp_path / "other.parquet")
+    spec = {
+        "sources": [
+            {"name": "same", "paths": ["same.parquet"], "weight": 0.1},
+            {"name": "other", "paths": ["other.parquet"], "weight": 0.9},
+        ],
+        "tokens": 1_000_000,  # 100,000 tokens of `same`: two and a half passes
+    }
+    (tmp_path / "mix.json").write_text(json.dumps(spec))
+    config = PlanConfig(max_tokens=1024, world_size=2, micro_batches=2, mode=mode)
+    build_mixture_plan_file(tmp_path / "mix.json", tmp_path / "plan.arrow", config)
+    plan = open_plan(tmp_path / "plan.arrow")
+    rows = sorted(
+        (row["step"], rank, row["micro"], tuple(sorted(row["samples"])))
+        for rank in range(plan.world_size)
+        for row in plan.read_rank(0, rank).to_pylist()
+        if row["samples"] and row["samples"][0] < 400
+    )
+    seen = np.zeros(400, dtype=np.int64)
+    by_pass: list[list[tuple[int, ...]]] = [[], [], []]
+    for *_, samples in rows:
+        by_pass[seen[samples[0]]].append(samples)  # a micro-batch holds one pass of one source
+        seen[list(samples)] += 1
+    assert [sum(map(len, batches)) for batches in by_pass[:2]] == [400, 400]
+    neighbours = sum(int(np.sum(np.diff(samples) == 1)) for batches in by_pass for samples in batches)
+    pairs = sum(len(samples) - 1 for batches in by_pass for samples in batches)
+    assert neighbours < 0.2 * pairs  # in sample order, all would be
+    assert len(set(by_pass[0]) & set(by_pass[1])) < 0.2 * len(by_pass[1])
+
+
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     num_sources=st.integers(2, 20),

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from batchplan.errors import DatasetError
 from batchplan.formats.mixture_file import read_mixture, read_mixture_lengths
 from batchplan.mixture import Mixture, MixtureSource
-from batchplan.planning.mixture_sizing import select_sources
+from batchplan.planning.mixture_sizing import draw_sources, select_sources, with_shares
 
 DATA = Path(__file__).resolve().parent.parent / "data"
 MAX_PASSES = 40  # keeps the examples fast: at most this many passes of any source
@@ -105,6 +105,22 @@ def test_epochs_give_whole_passes_then_a_part_of_one(case):
 def test_samples_repeat_in_order_within_each_source(case):
     mixture, lengths, offsets = case
     check_repetition_order(offsets, select_sources(mixture, lengths, offsets, seed=11))
+
+
+@given(mixtures(), st.integers(0, 2**32))
+def test_unshuffled_whole_passes_are_in_sample_order_and_the_rest_is_as_shuffled(case, seed):
+    """``shuffled=False`` (a one-epoch run without a warmup) changes only the whole passes:
+    each is the source's samples in order; the sizes and the partial pass are the same."""
+    mixture, lengths, offsets = case
+    shuffled = select_sources(mixture, lengths, offsets, seed=seed)
+    in_order = with_shares(mixture, tuple(draw_sources(mixture, lengths, offsets, seed=seed, shuffled=False)))
+    for one, other in zip(shuffled, in_order):
+        assert dataclasses.replace(one, order=None, shuffled=False) == dataclasses.replace(other, order=None)
+        whole = slice(other.head, other.head + other.num_samples * other.whole_passes)
+        samples = list(range(other.offset, other.offset + other.num_samples))
+        assert other.order[whole].tolist() == samples * other.whole_passes
+        np.testing.assert_array_equal(one.order[: whole.start], other.order[: whole.start])  # the head
+        np.testing.assert_array_equal(one.order[whole.stop :], other.order[whole.stop :])  # the partial pass
 
 
 @given(mixtures(), st.integers(0, 2**32))

@@ -245,8 +245,24 @@ def _draw_uses(mixture, lengths, offsets, config: PlanConfig, loss_tokens, threa
     out = None if about >= DRAW_AGAIN_FROM_USES and one_each else new_buffer(most, sample_dtype)
     along = new_buffer(most, lengths.dtype)
     carried = along if sized is lengths else None
+    # One epoch without a warmup: each whole pass is one chunk, which forming shuffles anyway
+    # (packing within lengths, padding all of it), so it is taken in sample order. Several
+    # epochs cut passes where their tokens reach a share, and a warmup takes a chunk's first
+    # uses: there the passes' own seeded orders choose which samples go where.
+    shuffled = config.epochs > 1 or config.has_seqlen_warmup
+    drawn = draw_sources(
+        mixture,
+        sized,
+        offsets,
+        seed=config.seed,
+        threads=threads,
+        resume=resume,
+        out=out,
+        along=carried,
+        shuffled=shuffled,
+    )
     return _Gathered.of(
-        draw_sources(mixture, sized, offsets, seed=config.seed, threads=threads, resume=resume, out=out, along=carried),
+        drawn,
         out,
         lengths if carried is None else None,
         along,

@@ -9,6 +9,10 @@ again from the seed alone (`pass_order`). Cost: one permutation per whole pass
 gather); a partial pass is shuffled only as far as its prefix reaches
 (`batchplan.planning.randomness.PermutedPrefix`), and only the prefix's lengths are looked
 up, `_CHUNK` positions at a time. No loop runs per sample.
+
+Where every whole pass is shuffled again after sizing anyway (a run of one epoch without a
+warmup: forming shuffles each pass's chunk, `batchplan.planning.mixture_entries`), whole
+passes are taken in sample order (`draw_order`'s ``shuffled``): a copy, not a permutation.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from numpy.typing import NDArray
 
 from batchplan.planning.randomness import PermutedPrefix, permute, source_pass_rng
 
-__all__ = ["Drawn", "SourceResume", "draw_order", "partial_pass_of", "pass_order"]
+__all__ = ["Drawn", "SourceResume", "draw_order", "in_sample_order", "partial_pass_of", "pass_order"]
 
 _CHUNK = 1 << 20  # prefix sums of a partial pass computed at a time (8 MiB)
 
@@ -62,11 +66,13 @@ def draw_order(
     room: NDArray | None = None,
     along: NDArray | None = None,
     partial_drawn: Callable[[], tuple[NDArray, NDArray, int]] | None = None,
+    shuffled: bool = True,
 ) -> Drawn:
     """What is left of a pass under way (``resume``), whole passes, then the prefix of one more
     nearest the rest; the order is drawn into the start of ``room`` when given, and the
     lengths along it written to the start of ``along`` when given (carried by the shuffles:
-    no gather). ``partial_drawn``: gives that prefix, drawn already (`partial_pass_of`)."""
+    no gather). ``partial_drawn``: gives that prefix, drawn already (`partial_pass_of`).
+    ``shuffled`` False: whole passes in sample order (`in_sample_order`)."""
     count = end - start
     first_pass = 0 if resume is None else resume.pass_index
     if target == 0:
@@ -95,6 +101,11 @@ def draw_order(
     _laid(head, lengths, order, values)
     for index in range(whole):
         at = head.shape[0] + index * count
+        if not shuffled:
+            in_sample_order(order[at : at + count], start)
+            if values is not None:
+                values[at : at + count] = lengths[start:end]
+            continue
         carried = {} if values is None else {"values": lengths[start:end], "carried": values[at : at + count]}
         permute(
             source_pass_rng(seed, name, whole_from + index), order[at : at + count], start, **carried, threads=threads
@@ -138,6 +149,15 @@ def _laid(order: NDArray, lengths: NDArray, room: NDArray | None, along: NDArray
         return order
     room[: order.shape[0]] = order
     return room[: order.shape[0]]
+
+
+def in_sample_order(out: NDArray, start: int) -> NDArray:
+    """``out`` filled with ``start, start + 1, ...``: a whole pass in sample order, written
+    `_CHUNK` positions at a time (no temporary as long as the pass)."""
+    for first in range(0, out.shape[0], _CHUNK):
+        last = min(out.shape[0], first + _CHUNK)
+        out[first:last] = np.arange(start + first, start + last, dtype=out.dtype)
+    return out
 
 
 def pass_order(name: str, start: int, count: int, index: int, seed: int, dtype: np.dtype, threads: int) -> NDArray:

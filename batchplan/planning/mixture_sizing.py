@@ -11,11 +11,13 @@ order is a prefix of the same sequence of passes whatever the other sources are,
 a source no sample is used a (k+1)-th time before every sample was used k times.
 
 Each order is drawn by `batchplan.planning.mixture_orders` (its cost is there). Memory: the
-orders (4 bytes per selected sample below 2^31 samples, else 8) plus, for a partial pass,
-one permutation of its source. `draw_sources` hands the sources over one at a time, drawing
-their orders (and lengths) into the caller's arrays if given; a caller that keeps only what
-it gathers along the orders holds one at a time, and a selection draws any pass of its
-order again from the seed (`SourceSelection.draw`).
+orders (4 bytes per selected sample below 2^31 samples, else 8) plus, for each partial pass
+being drawn (one per thread), one permutation of its source. `draw_sources` hands the
+sources over one at a time, drawing their orders (and lengths) into the caller's arrays if
+given; a caller that keeps only what it gathers along the orders holds one at a time, and a
+selection draws any pass of its order again from the seed (`SourceSelection.draw`). A caller
+that shuffles every whole pass again takes them in sample order (`draw_sources`'
+``shuffled``): no permutation to draw.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from numpy.typing import NDArray
 from batchplan.errors import DatasetError
 from batchplan.mixture import Mixture
 from batchplan.plan import index_dtype
-from batchplan.planning.mixture_orders import SourceResume, draw_order, partial_pass_of, pass_order
+from batchplan.planning.mixture_orders import SourceResume, draw_order, in_sample_order, partial_pass_of, pass_order
 from batchplan.planning.randomness import PermutedPrefix, source_pass_rng
 
 __all__ = [
@@ -73,6 +75,8 @@ class SourceSelection:
         pass_index: the pass the order begins with (the head's, or the first whole pass).
         left: the head's pass: the samples it had not used yet (`SourceResume.left`); None
             without a head.
+        shuffled: whether whole passes are permutations; False: in sample order
+            (`draw_sources`' ``shuffled``).
     """
 
     name: str
@@ -88,6 +92,7 @@ class SourceSelection:
     whole_passes: int = 0
     pass_index: int = 0
     left: NDArray[np.bool_] | None = None
+    shuffled: bool = True
 
     def without_order(self) -> SourceSelection:
         """The same selection without its order (4 bytes per use, let go once copied)."""
@@ -111,6 +116,8 @@ class SourceSelection:
         if first < self.head or at + last - first > count:
             raise ValueError(f"positions {first:,}:{last:,} of {self.name!r}'s order are not inside one pass")
         pass_index = self.pass_index + (1 if self.head else 0) + index
+        if not self.shuffled and index < self.whole_passes:
+            return in_sample_order(np.empty(last - first, dtype=dtype), self.offset + at)
         if last - first == count:
             return pass_order(self.name, self.offset, count, pass_index, seed, dtype, threads)
         order = np.empty(count, dtype=dtype)
@@ -158,6 +165,7 @@ def draw_sources(
     resume: dict[str, SourceResume] | None = None,
     out: NDArray[np.integer] | None = None,
     along: NDArray[np.integer] | None = None,
+    shuffled: bool = True,
 ) -> Iterator[SourceSelection]:
     """`select_sources`, one source at a time in the mixture's order, before the weights are
     known (``weight`` 0: `with_shares` sets them once every source is drawn). Each order is
@@ -165,8 +173,11 @@ def draw_sources(
     the orders holds one at a time. With ``out`` (at least `count_uses`' most, of the
     orders' dtype), the orders are drawn into it one after another (each a view of it); with
     ``along`` (as many, of the lengths' dtype), the lengths along them are written into it
-    the same way, carried by the shuffles. The next source's partial pass is drawn on a thread
-    of its own while a source's order is drawn (`partial_pass_of`: the same draws)."""
+    the same way, carried by the shuffles. The partial passes of the next ``threads`` sources
+    are drawn on threads of their own while a source's order is drawn (`partial_pass_of`: the
+    same draws; each holds a permutation of its source while it is drawn). With
+    ``shuffled`` False, whole passes are in sample order: for a caller that shuffles each
+    whole pass again (`batchplan.planning.mixture_orders`)."""
     bounds, source_tokens, targets = _sized(mixture, lengths, offsets)
     dtype = index_dtype(int(lengths.shape[0]))
     wheres = [(resume or {}).get(source.name) for source in mixture.sources]
@@ -174,18 +185,15 @@ def draw_sources(
         partial_pass_of(source.name, lengths, start, end, tokens, target, seed, dtype, where)
         for source, (start, end), tokens, target, where in zip(mixture.sources, bounds, source_tokens, targets, wheres)
     ]
-    at = 0
-    with ThreadPoolExecutor(max_workers=1) as ahead:
-
-        def draw_ahead(index: int):
-            draw = partials[index] if index < len(partials) else None
-            return None if draw is None else ahead.submit(draw)
-
-        coming = draw_ahead(0)
+    at, window = 0, max(1, threads)
+    with ThreadPoolExecutor(max_workers=window) as ahead:
+        coming = {index: ahead.submit(draw) for index, draw in enumerate(partials[:window]) if draw is not None}
         for index, (source, (start, end), tokens, target) in enumerate(
             zip(mixture.sources, bounds, source_tokens, targets)
         ):
-            partial, coming = coming, draw_ahead(index + 1)
+            if index + window < len(partials) and partials[index + window] is not None:
+                coming[index + window] = ahead.submit(partials[index + window])
+            partial = coming.pop(index, None)
             if target > 0 and tokens == 0:
                 raise DatasetError(
                     f"source {source.name!r}: has {end - start:,} samples and 0 tokens but is asked for {target:,} "
@@ -207,14 +215,17 @@ def draw_sources(
                 None if out is None else out[at:],
                 None if along is None else along[at:],
                 None if partial is None else partial.result,
+                shuffled,
             )
             del partial
             at += drawn.order.shape[0]
-            yield _selection(source.name, start, end, tokens, target, drawn, where)
+            yield _selection(source.name, start, end, tokens, target, drawn, where, shuffled)
             del drawn  # before the next source's order is drawn
 
 
-def _selection(name: str, start: int, end: int, tokens: int, target: int, drawn, where) -> SourceSelection:
+def _selection(
+    name: str, start: int, end: int, tokens: int, target: int, drawn, where, shuffled: bool = True
+) -> SourceSelection:
     """A source's selection from its drawn order (`mixture_orders.Drawn`), before the weights are known."""
     return SourceSelection(
         name=name,
@@ -230,6 +241,7 @@ def _selection(name: str, start: int, end: int, tokens: int, target: int, drawn,
         whole_passes=drawn.whole,
         pass_index=drawn.pass_index,
         left=where.left if where is not None and drawn.head else None,
+        shuffled=shuffled,
     )
 
 
