@@ -91,7 +91,7 @@ def test_packed_micro_batches_agree_with_laid_out_ones(case, seed):
         for batches in (lazy, eager):
             for got, expected in zip(batches.gather(order, sizes, 2, scratch=scratch), want):
                 assert got.tolist() == expected.tolist()
-    # Laid out once, using the micro-batches up (as the planner does): the same.
+    # Laid out once, emptying the micro-batches (as the planner does): the same.
     for batches in (lazy, eager):
         where = batches.destinations(order, sizes, 2)
         laid = batches.lay_out(where, 2)
@@ -99,7 +99,7 @@ def test_packed_micro_batches_agree_with_laid_out_ones(case, seed):
         members = laid.all()
         assert (where.offsets.tolist(), members.tolist()) == (want[0].tolist(), want[1].tolist())
         assert np.concatenate([members[:0], *windows]).tolist() == members.tolist()
-        assert not hasattr(batches, "layout") and members.dtype == want[1].dtype  # the layout was let go
+        assert not hasattr(batches, "layout") and members.dtype == want[1].dtype  # the layout was freed
 
 
 def test_gather_refuses_a_bin_laid_out_whole_and_in_pieces():
@@ -198,10 +198,10 @@ def test_members_laid_out_a_window_at_a_time_are_the_members(monkeypatch, tmp_pa
         {"loss": True},
     ],
 )
-def test_parked_bins_plan_the_same_plan(monkeypatch, tmp_path, options):
+def test_compressed_bins_plan_the_same_plan(monkeypatch, tmp_path, options):
     """A large epoch keeps the bin of each slot run-length encoded while it is scheduled and
-    decodes it to lay its members out (`PackedBins.park`): the plan is byte for byte the one
-    made keeping the bins (here every epoch parks), with cost balance, drop_last, a ramp-up
+    decodes it to lay its members out (`PackedBins.compress`): the plan is byte for byte the one
+    made keeping the bins (here every epoch compresses), with cost balance, drop_last, a ramp-up
     and a loss-tokens column."""
     rng = np.random.default_rng(5)
     lengths = rng.integers(1, 900, 8_000).astype(np.uint16)
@@ -211,13 +211,13 @@ def test_parked_bins_plan_the_same_plan(monkeypatch, tmp_path, options):
     write_plan(build_plan(lengths, config, loss_tokens=loss), tmp_path / "kept.arrow")
     decoded = []
     decode = bins.SlotRuns.decode
-    monkeypatch.setattr(bins, "PARK_FROM_ENTRIES", 0)
+    monkeypatch.setattr(bins, "COMPRESS_FROM_ENTRIES", 0)
 
     def counted(*args, **kwargs):
         decoded.append(1)
         return decode(*args, **kwargs)
 
     monkeypatch.setattr(bins.SlotRuns, "decode", counted)
-    write_plan(build_plan(lengths, config, loss_tokens=loss), tmp_path / "parked.arrow")
+    write_plan(build_plan(lengths, config, loss_tokens=loss), tmp_path / "compressed.arrow")
     assert len(decoded) == config.epochs  # once per epoch, to lay the members out
-    assert (tmp_path / "kept.arrow").read_bytes() == (tmp_path / "parked.arrow").read_bytes()
+    assert (tmp_path / "kept.arrow").read_bytes() == (tmp_path / "compressed.arrow").read_bytes()

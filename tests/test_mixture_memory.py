@@ -1,7 +1,7 @@
 """A large mixture's build holds less and plans the same plan: where its run has
 `DRAW_AGAIN_FROM_USES` uses or more, each part's samples are drawn again from their seeds when
-its members are laid out (no sample per use held), and where an epoch has `PARK_FROM_ENTRIES`
-entries or more, every part's bins are parked while the epoch is composed and scheduled and
+its members are laid out (no sample per use held), and where an epoch has `COMPRESS_FROM_ENTRIES`
+entries or more, every part's bins are compressed while the epoch is composed and scheduled and
 packed again to be laid out (`batchplan.planning.parted_bins`). Here both thresholds are set
 to 1, so that small mixtures take those paths: the plan files are byte for byte those of the
 default build, in every configuration the mixture's paths branch on (pack and pad, a
@@ -31,7 +31,7 @@ from batchplan.planning.epoch_batches import EpochBatches
 from batchplan.planning.forming import form_micro_batches
 from batchplan.planning.mixture_entries import prepare_mixture_entries
 from batchplan.planning.mixture_sizing import SourceResume, draw_sources, select_sources
-from batchplan.planning.parted_bins import ParkedBins, PartedBins, RowMembers
+from batchplan.planning.parted_bins import CompressedBins, PartedBins, RowMembers
 from batchplan.planning.randomness import PermutedPrefix, permute
 
 SOURCES = {"s0": (3000, 0.3), "s1": (700, 0.2), "s2": (12_000, 0.4), "s3": (90, 0.1)}
@@ -74,10 +74,10 @@ def sources(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def at_scale(monkeypatch):
-    """The paths of a large mixture for any mixture: samples drawn again, parts parked."""
+    """The paths of a large mixture for any mixture: samples drawn again, parts compressed."""
     monkeypatch.setattr(mixture_entries, "DRAW_AGAIN_FROM_USES", 1)
-    monkeypatch.setattr(mixture_epochs, "PARK_FROM_ENTRIES", 1)
-    monkeypatch.setattr(parted_bins, "PARK_FROM_ENTRIES", 1)
+    monkeypatch.setattr(mixture_epochs, "COMPRESS_FROM_ENTRIES", 1)
+    monkeypatch.setattr(parted_bins, "COMPRESS_FROM_ENTRIES", 1)
 
 
 def _build(sources: Path, mixture: str, case: str, output: Path, **options) -> Path:
@@ -91,8 +91,8 @@ def _build(sources: Path, mixture: str, case: str, output: Path, **options) -> P
 def test_a_large_mixtures_paths_plan_the_same_plan(sources, tmp_path, monkeypatch, mixture, case):
     want = _build(sources, mixture, case, tmp_path / "default.arrow").read_bytes()
     monkeypatch.setattr(mixture_entries, "DRAW_AGAIN_FROM_USES", 1)
-    monkeypatch.setattr(mixture_epochs, "PARK_FROM_ENTRIES", 1)
-    monkeypatch.setattr(parted_bins, "PARK_FROM_ENTRIES", 1)
+    monkeypatch.setattr(mixture_epochs, "COMPRESS_FROM_ENTRIES", 1)
+    monkeypatch.setattr(parted_bins, "COMPRESS_FROM_ENTRIES", 1)
     assert _build(sources, mixture, case, tmp_path / "at_scale.arrow").read_bytes() == want
 
 
@@ -113,8 +113,8 @@ def test_a_large_mixtures_plan_directory_is_the_default_ones(sources, tmp_path, 
 
     want = epoch_files(_build(sources, "phases.json", "epochs-token-steps", tmp_path / "default", layout="directory"))
     monkeypatch.setattr(mixture_entries, "DRAW_AGAIN_FROM_USES", 1)
-    monkeypatch.setattr(mixture_epochs, "PARK_FROM_ENTRIES", 1)
-    monkeypatch.setattr(parted_bins, "PARK_FROM_ENTRIES", 1)
+    monkeypatch.setattr(mixture_epochs, "COMPRESS_FROM_ENTRIES", 1)
+    monkeypatch.setattr(parted_bins, "COMPRESS_FROM_ENTRIES", 1)
     got = epoch_files(_build(sources, "phases.json", "epochs-token-steps", tmp_path / "at_scale", layout="directory"))
     assert len(want) == 3 and got == want
 
@@ -154,8 +154,8 @@ def test_a_replanned_continuation_at_scale_is_the_default_one(sources, tmp_path,
     want = tmp_path / "default.arrow"
     replan_mixture_file(parent, want, sources / "phases.json", from_step=from_step)
     monkeypatch.setattr(mixture_entries, "DRAW_AGAIN_FROM_USES", 1)
-    monkeypatch.setattr(mixture_epochs, "PARK_FROM_ENTRIES", 1)
-    monkeypatch.setattr(parted_bins, "PARK_FROM_ENTRIES", 1)
+    monkeypatch.setattr(mixture_epochs, "COMPRESS_FROM_ENTRIES", 1)
+    monkeypatch.setattr(parted_bins, "COMPRESS_FROM_ENTRIES", 1)
     got = tmp_path / "at_scale.arrow"
     replan_mixture_file(parent, got, sources / "phases.json", from_step=from_step)
     assert got.read_bytes() == want.read_bytes()
@@ -212,8 +212,8 @@ def test_a_permuted_prefix_is_the_permutations_prefix(count, threads):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_parked_parts_hold_and_lay_out_what_the_parts_hold(seed):
-    """`PartedBins` of parked parts (`ParkedBins`, packed again when needed) against the same
+def test_compressed_parts_hold_and_lay_out_what_the_parts_hold(seed):
+    """`PartedBins` of compressed parts (`CompressedBins`, packed again when needed) against the same
     parts kept: tokens, sums, ranges, a gather, and the members laid out (into member space,
     read back in row order, `RowMembers`), a few at a time and all at once; with values in
     place of entry ids too."""
@@ -228,24 +228,24 @@ def test_parked_parts_hold_and_lay_out_what_the_parts_hold(seed):
 
     values = [lambda threads, part=part: np.arange(part.shape[0], dtype=np.int32) * 5 for part in parts]
     kept = EpochBatches.of_bins(PartedBins(formed(), bases[:-1].tolist(), int(bases[-1]), values=values))
-    parked = EpochBatches.of_bins(
-        PartedBins([ParkedBins(layout) for layout in formed()], bases[:-1].tolist(), int(bases[-1]), values=values)
+    compressed = EpochBatches.of_bins(
+        PartedBins([CompressedBins(layout) for layout in formed()], bases[:-1].tolist(), int(bases[-1]), values=values)
     )
     split = int(np.flatnonzero(np.diff(kept.layout.offsets) >= 2)[0])
     start, end = int(kept.starts[split]), int(kept.ends[split])
-    for batches in (kept, parked):
+    for batches in (kept, compressed):
         batches.extend(np.array([[start, start + 1], [start + 1, end]]), np.array([0, 0]))
-    np.testing.assert_array_equal(parked.tokens(), kept.tokens())
+    np.testing.assert_array_equal(compressed.tokens(), kept.tokens())
     sums = np.arange(int(bases[-1]), dtype=np.int64) % 7
-    np.testing.assert_array_equal(parked.entry_sums(sums), kept.entry_sums(sums))
-    np.testing.assert_array_equal(parked.length_sums(lambda x: x * x), kept.length_sums(lambda x: x * x))
+    np.testing.assert_array_equal(compressed.entry_sums(sums), kept.entry_sums(sums))
+    np.testing.assert_array_equal(compressed.length_sums(lambda x: x * x), kept.length_sums(lambda x: x * x))
     some = rng.integers(0, kept.count, 5)
-    assert [m.tolist() for m, _ in parked.ranges(some)] == [m.tolist() for m, _ in kept.ranges(some)]
+    assert [m.tolist() for m, _ in compressed.ranges(some)] == [m.tolist() for m, _ in kept.ranges(some)]
     order = np.array([k for k in rng.permutation(kept.count) if k != split], dtype=np.int64)
     sizes = (kept.ends - kept.starts)[order].astype(np.int64)
-    assert [a.tolist() for a in parked.gather(order, sizes)] == [a.tolist() for a in kept.gather(order, sizes)]
+    assert [a.tolist() for a in compressed.gather(order, sizes)] == [a.tolist() for a in kept.gather(order, sizes)]
     want = kept.lay_out(kept.destinations(order, sizes)).all()
-    got = parked.lay_out(parked.destinations(order, sizes))
+    got = compressed.lay_out(compressed.destinations(order, sizes))
     assert isinstance(got, RowMembers)
     assert [got.between(first, first + 37).tolist() for first in range(0, got.count, 37)] == [
         want[first : first + 37].tolist() for first in range(0, got.count, 37)

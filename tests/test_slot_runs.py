@@ -1,4 +1,4 @@
-"""The bin of each slot, run-length encoded (`batchplan.kernels.slot_runs`, `PackedBins.park`):
+"""The bin of each slot, run-length encoded (`batchplan.kernels.slot_runs`, `PackedBins.compress`):
 decoding gives back exactly what was encoded, in as many parts as encoded it, and the runs are
 those of a plain loop over each part's share."""
 

@@ -1,5 +1,5 @@
 """The bin of each slot, run-length encoded: what a large epoch keeps of its packing while it
-is scheduled (`batchplan.planning.bins.PackedBins.park`).
+is scheduled (`batchplan.planning.bins.PackedBins.compress`).
 
 Best fit decreasing places slots longest first, and the slots of one length mostly go into
 the same bin several at a time: on lognormal lengths (median 300, cap 8,192) a run of slots

@@ -225,14 +225,14 @@ class EpochCoverage:
                 for column, values in zip(self.pieces, found):
                     column.append(values)
         columns = []
-        for column in self.pieces:  # each column joined, and its parts let go, in turn
+        for column in self.pieces:  # each column joined, and its parts freed, in turn
             columns.append(np.concatenate(column, dtype=np.int64))
             column.clear()
         samples, starts, lengths, positions = columns
         del columns
         order = np.lexsort((positions, starts, samples))
         del positions
-        samples = samples[order]  # each column sorted, and the unsorted one let go, in turn
+        samples = samples[order]  # each column sorted, and the unsorted one freed, in turn
         starts = starts[order]
         lengths = lengths[order]
         return samples, starts, lengths

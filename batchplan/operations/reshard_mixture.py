@@ -93,7 +93,7 @@ def mixture_consumed(
     for rows in [*earlier, before]:
         counted = rows.sample if rows.start is None else rows.sample[rows.start == 0]  # a split sample: once
         uses += np.bincount(counted, minlength=plan.num_samples)
-    for earlier_epoch in range(epoch):  # what drop_last dropped at their ends was used up too
+    for earlier_epoch in range(epoch):  # what drop_last dropped at their ends was consumed too
         uses += np.bincount(dropped_uses(plan.metadata, earlier_epoch), minlength=plan.num_samples)
     base, more = _uses_as_base_and_bitmap(plan, uses, sources, from_step)
     record = {"steps": steps, "source_tokens": tokens.tolist(), "uses_base": base, "uses_more": encode_bitmap(more)}

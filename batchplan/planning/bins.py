@@ -8,7 +8,7 @@ the bin of each slot and the entries' lengths, and laying members out
 (`batchplan.kernels.bin_layout`) turns the bins into each slot's place, undoes the
 shuffle on the places, and writes every entry to its place in one pass over the entries.
 The planner's final layout does the first two in place (`PackedBins.lay_out`): the bins are
-used up, and the epoch keeps the places (one index per entry), from which a writer lays the
+overwritten, and the epoch keeps the places (one index per entry), from which a writer lays the
 members out a window at a time (`PendingMembers`): the peak holds one index per entry once,
 and a window of members.
 """
@@ -33,7 +33,7 @@ from batchplan.planning.threads import run_in_parts
 
 __all__ = [
     "MEMBERS_AT_ONCE",
-    "PARK_FROM_ENTRIES",
+    "COMPRESS_FROM_ENTRIES",
     "PackedBins",
     "PendingMembers",
     "Placed",
@@ -61,23 +61,23 @@ class PackedBins:
         self.offsets: NDArray[np.integer] = offsets
         self.tokens: NDArray[np.integer] = tokens
         self.capacity = capacity
-        self._runs: SlotRuns | None = None  # the bin of each slot while parked (`park`)
+        self._runs: SlotRuns | None = None  # the bin of each slot while compressed (`compress`)
 
     @property
     def slot_bin(self) -> NDArray[np.integer]:
-        """The bin of each slot (decoded again after `park`)."""
+        """The bin of each slot (decoded again after `compress`)."""
         if self._runs is not None:
             self._slot_bin, self._runs = self._runs.decode(), None
         if self._slot_bin is None:
-            raise ValueError("the bins were used up")
+            raise ValueError("the bins were overwritten")
         return self._slot_bin
 
-    def park(self, threads: int = 1) -> None:
+    def compress(self, threads: int = 1) -> None:
         """Keep the bin of each slot run-length encoded (`SlotRuns`: 0.7 bytes per slot
-        against 4) until it is needed again: large epochs (`PARK_FROM_ENTRIES`) park it
+        against 4) until it is needed again: large epochs (`COMPRESS_FROM_ENTRIES`) compress it
         while they are scheduled, so the schedule's arrays never share the peak with it.
         A smaller epoch keeps it as it is (encoding and decoding cost two passes)."""
-        if self._slot_bin is not None and self.lengths.shape[0] >= PARK_FROM_ENTRIES:
+        if self._slot_bin is not None and self.lengths.shape[0] >= COMPRESS_FROM_ENTRIES:
             self._runs, self._slot_bin = SlotRuns.encode(self._slot_bin, threads), None
 
     @property
@@ -96,12 +96,12 @@ class PackedBins:
     def ends(self) -> NDArray[np.integer]:
         return self.offsets[1:]
 
-    def members(self, use_up: bool = False) -> tuple[NDArray[np.integer], NDArray[np.int32]]:
-        """The whole member space, bin after bin: ``(members, lengths)``; with ``use_up``, the
+    def members(self, in_place: bool = False) -> tuple[NDArray[np.integer], NDArray[np.int32]]:
+        """The whole member space, bin after bin: ``(members, lengths)``; with ``in_place``, the
         places are written over the bins' slots (the bins are not used again)."""
         slot_bin = self.slot_bin
-        places = slot_bin if use_up else self._new_places()
-        if use_up:
+        places = slot_bin if in_place else self._new_places()
+        if in_place:
             self._slot_bin = None
         places = self._places(slot_bin, self.offsets[:-1].astype(np.int64), _no_pieces(), places)
         del slot_bin
@@ -125,8 +125,8 @@ class PackedBins:
         """Members of a few ranges of member space, each inside one bin."""
         return [members for members, _ in self.ranges(starts, ends)]
 
-    def release_lengths(self) -> None:
-        """Nothing to let go: the lengths read are the entries' own."""
+    def free_lengths(self) -> None:
+        """Nothing to free: the lengths read are the entries' own."""
 
     def range_lengths(self, starts: NDArray[np.int64], ends: NDArray[np.int64]) -> list[NDArray[np.int32]]:
         """Member lengths of a few ranges of member space, each inside one bin (no entry is looked up)."""
@@ -194,13 +194,13 @@ class PackedBins:
 
     def lay_out(self, where: Destinations, threads: int) -> PendingMembers:
         """The members at ``where``, to be laid out a window at a time (`PendingMembers`),
-        using the bins up: each slot's place is written over its bin, the bins' arrays (and
-        ``where``'s per-bin one) are let go, and the shuffle is undone on the places. The
-        micro-batches must hold no view of the bins (`EpochBatches.lay_out` lets them go first)."""
+        overwriting the bins: each slot's place is written over its bin, the bins' arrays (and
+        ``where``'s per-bin one) are freed, and the shuffle is undone on the places. The
+        micro-batches must hold no view of the bins (`EpochBatches.lay_out` frees them first)."""
         return PendingMembers([self.placed(where, threads)], where.count)
 
     def placed(self, where: Destinations, threads: int, base: int = 0) -> Placed:
-        """Each slot's place at ``where``, the bins used up (`lay_out`); entry ``i`` is ``base + i``."""
+        """Each slot's place at ``where``, the bins overwritten (`lay_out`); entry ``i`` is ``base + i``."""
         slot_bin = self.slot_bin
         self._slot_bin = None
         del self.tokens
@@ -263,7 +263,7 @@ class PendingMembers(Members):
         first, window = self._window
         if not (first <= start and stop <= first + window.shape[0]):
             self._window = first, window = start, self._lay_out(start, max(stop, start + members_at_once(self._count)))
-        if stop == self._count:  # read to the end: the window is let go (a reader may hold this view)
+        if stop == self._count:  # read to the end: the window is freed (a reader may hold this view)
             self._window = (0, window[:0])
         return window[start - first : stop - first]
 
@@ -296,10 +296,10 @@ class Placed:
         self.lengths, self.places, self.cursors, self.base = lengths, places, cursors, base
 
 
-# Epochs of at least this many entries park the bin of each slot while they are scheduled
-# (`PackedBins.park`): 2^27 (512 MiB of int32), where memory, not the two passes that encode
+# Epochs of at least this many entries compress the bin of each slot while they are scheduled
+# (`PackedBins.compress`): 2^27 (512 MiB of int32), where memory, not the two passes that encode
 # and decode it, is what runs out.
-PARK_FROM_ENTRIES = 1 << 27
+COMPRESS_FROM_ENTRIES = 1 << 27
 
 # Members laid out per pass of `PendingMembers`: at least 2^26 (256 MiB of int32; 10^7 members in
 # one pass, as fast as all at once; 10^8 in 2), and a tenth of the epoch's members where that is

@@ -7,7 +7,7 @@ allocations, so scattered writes fault in 2 MiB at a time instead of 4 KiB, whic
 much of these passes' cost. Pages that are never written (a bound on the number of
 bins that is not reached) are never resident.
 
-Where memory peaks, arrays are let go as soon as they are used rather than kept as
+Where memory peaks, arrays are freed as soon as they are used rather than kept as
 scratch: an epoch's final layout writes each slot's place over best fit's bins, and the
 members are made only once every other per-entry array is gone
 (`batchplan.planning.bins`). A caller's dead array may still serve as scratch

@@ -33,14 +33,14 @@ class LaidOut:
 
     def __init__(self, members: NDArray[np.integer], lengths: NDArray[np.int32], starts, ends) -> None:
         self.members = members
-        self._lengths: NDArray[np.int32] | None = lengths  # None once let go
+        self._lengths: NDArray[np.int32] | None = lengths  # None once freed
         self.starts, self.ends = starts, ends
 
     @property
     def lengths(self) -> NDArray[np.int32]:
-        """The members' lengths, until `release_lengths`."""
+        """The members' lengths, until `free_lengths`."""
         if self._lengths is None:
-            raise ValueError("the lengths were let go")
+            raise ValueError("the lengths were freed")
         return self._lengths
 
     @property
@@ -59,7 +59,7 @@ class LaidOut:
     def range_members(self, starts: NDArray[np.int64], ends: NDArray[np.int64]) -> list[NDArray]:
         return [self.members[s:e] for s, e in zip(starts, ends)]
 
-    def release_lengths(self) -> None:
+    def free_lengths(self) -> None:
         self._lengths = None
 
     def bounds(self, extra: NDArray[np.int64]) -> tuple[NDArray[np.integer], NDArray[np.integer]]:
@@ -90,7 +90,7 @@ class LaidOut:
         return Destinations(offsets, destination, (starts, ends))
 
     def lay_out(self, where: Destinations, threads: int) -> Members:
-        """The members laid out at ``where``, using these up (the lengths are let go first)."""
+        """The members laid out at ``where``; this layout is empty afterwards (the lengths are freed first)."""
         members = self.members
         del self.members
         self._lengths = self.starts = self.ends = None
@@ -122,7 +122,7 @@ class EpochBatches:
     micro-batches continue on that layout.
 
     An epoch's plan lays the members out once, with `lay_out`, which uses the micro-batches
-    up; `release_lengths` lets laid-out lengths go once what is needed of them is known.
+    up; `free_lengths` lets laid-out lengths go once what is needed of them is known.
     """
 
     def __init__(self, layout: LaidOut | PackedBins | PartedBins) -> None:
@@ -183,7 +183,7 @@ class EpochBatches:
     def _laid_out(self) -> LaidOut:
         if not isinstance(self.layout, LaidOut):
             starts, ends = self.layout.starts, self.layout.ends
-            self.layout = LaidOut(*self.layout.members(use_up=True), starts, ends)
+            self.layout = LaidOut(*self.layout.members(in_place=True), starts, ends)
         return self.layout
 
     @property
@@ -237,18 +237,18 @@ class EpochBatches:
         parts = self.layout.range_members(*self.bounds(which))
         return np.concatenate([np.zeros(0, dtype=np.int64), *parts]).astype(np.int64)
 
-    def park(self, threads: int = 1) -> None:
+    def compress(self, threads: int = 1) -> None:
         """Packed bins of a large epoch keep the bin of each slot encoded until it is needed
-        again (`batchplan.planning.bins.PackedBins.park`); otherwise nothing changes."""
+        again (`batchplan.planning.bins.PackedBins.compress`); otherwise nothing changes."""
         if not isinstance(self.layout, LaidOut):
-            self.layout.park(threads)
+            self.layout.compress(threads)
 
-    def release_lengths(self) -> None:
-        """Let go of the entries' lengths held beside the members (laid-out micro-batches):
+    def free_lengths(self) -> None:
+        """Free the entries' lengths held beside the members (laid-out micro-batches):
         what follows needs only what is cached (`tokens`) or asked for before. Packed bins
         hold none (they read the entries' own lengths)."""
         self.tokens()
-        self.layout.release_lengths()
+        self.layout.free_lengths()
 
     def longest(self) -> NDArray[np.int64]:
         """Pad mode: length of each micro-batch's first entry, its longest (windows are
@@ -282,8 +282,8 @@ class EpochBatches:
         return self.layout.destinations(self._added, order, sizes, threads)
 
     def lay_out(self, where: Destinations, threads: int = 1) -> Members:
-        """The members at ``where`` (`destinations`), as `gather` lays them out, using these
-        micro-batches up: they let go of every array before the members are made (only
+        """The members at ``where`` (`destinations`), as `gather` lays them out; these
+        micro-batches are empty afterwards: they free every array before the members are made (only
         ``packing`` is left), so that the peak holds the members (packed bins: the places
         they are laid out from, a window at a time, `batchplan.planning.bins.PendingMembers`)
         and what laying them out needs, nothing of the micro-batches as formed."""

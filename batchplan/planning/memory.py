@@ -28,7 +28,7 @@ measured peak: small builds err high (1e5 samples: 0.19 GiB measured, 0.26 GiB e
 do pack 1e8 (1 epoch, 8,192: 1.24 GiB measured, 1.60 GiB estimated; 2 epochs in a directory:
 +35 %) and split at 512 (+30 % at 3e7, 2 epochs); pack 512 at 3e7 (1.14 GiB measured, 1.01 GiB
 estimated), pad with 2 epochs on 2 threads and split at 8,192 (-12 %) err low. Epochs of at
-least 2^27 entries park their bins while they are scheduled (`batchplan.planning.bins`), which
+least 2^27 entries compress their bins while they are scheduled (`batchplan.planning.bins`), which
 the form does not know: there it errs high (one epoch of 1e9: 7.2 GiB measured, 13.7 GiB
 estimated). It is an estimate: other length distributions, library versions and the allocator
 move it; docs/reliability.md has the table.

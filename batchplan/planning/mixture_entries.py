@@ -48,8 +48,8 @@ __all__ = ["DRAW_AGAIN_FROM_USES", "MixtureEntries", "prepare_mixture_entries", 
 
 # Runs of about this many uses or more hold no sample per use (4 bytes each) while they are
 # planned (`MixtureEntries.uses` is None): each part's samples are drawn again from their seeds
-# when its members are laid out, one more permutation per pass. 2^27, where epochs park their
-# bins (`batchplan.planning.bins.PARK_FROM_ENTRIES`): memory, not that time, is what runs out.
+# when its members are laid out, one more permutation per pass. 2^27, where epochs compress their
+# bins (`batchplan.planning.bins.COMPRESS_FROM_ENTRIES`): memory, not that time, is what runs out.
 DRAW_AGAIN_FROM_USES = 1 << 27
 
 

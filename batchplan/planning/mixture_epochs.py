@@ -16,7 +16,7 @@ under ``drop_last`` dropped when incomplete (`batchplan.planning.mixture_epoch_e
 sequence-length warmup, epoch 0's first tokens are pieces (`batchplan.planning.mixture_warmup`),
 formed stage by stage and composed first.
 
-Memory: an epoch of `batchplan.planning.bins.PARK_FROM_ENTRIES` entries parks each part's
+Memory: an epoch of `batchplan.planning.bins.COMPRESS_FROM_ENTRIES` entries compresses each part's
 bins as soon as they are formed (`batchplan.planning.parted_bins`): at 10^9 uses over 50
 sources, the build peaks as one dataset of as many samples does (docs/benchmarks.md).
 """
@@ -33,13 +33,13 @@ from numpy.typing import NDArray
 from batchplan.config import PlanConfig
 from batchplan.errors import DatasetError
 from batchplan.plan import EpochPlan, PackingBound, index_dtype
-from batchplan.planning.bins import PARK_FROM_ENTRIES, PackedBins
+from batchplan.planning.bins import COMPRESS_FROM_ENTRIES, PackedBins
 from batchplan.planning.epoch_batches import EpochBatches
 from batchplan.planning.forming import form_micro_batches
 from batchplan.planning.mixture_entries import MixtureEntries, prepare_mixture_entries, sizing_lengths
 from batchplan.planning.mixture_epoch_end import drop_incomplete_end
 from batchplan.planning.mixture_steps import compose_epoch
-from batchplan.planning.parted_bins import ParkedBins, release_free_heap
+from batchplan.planning.parted_bins import CompressedBins, release_free_heap
 from batchplan.planning.randomness import (
     STREAM_ENTRY_ORDER,
     STREAM_MICRO_BATCH_ORDER,
@@ -58,12 +58,12 @@ _NO_ORDER = np.zeros(0, dtype=np.int64)
 
 class Part(NamedTuple):
     """A chunk's micro-batches (or a warmup stage's pieces of one): its source, its formed
-    micro-batches over its ``entries`` entries from ``first`` on (packed: their bins, parked
+    micro-batches over its ``entries`` entries from ``first`` on (packed: their bins, compressed
     in a large epoch), how many and their packing, their seeded order, the chunk, and the
     segment it is composed in (a warmup stage, or after the warmup: `mixture_steps`)."""
 
     source: int
-    formed: EpochBatches | PackedBins | ParkedBins
+    formed: EpochBatches | PackedBins | CompressedBins
     num_batches: int
     packing: PackingBound | None
     first: int
@@ -121,9 +121,9 @@ def form_parts(mixture: MixtureEntries, config: PlanConfig, epoch: int, threads:
     rng = epoch_rng(config.seed, epoch, STREAM_ENTRY_ORDER)
     order_rng = epoch_rng(config.seed, epoch, STREAM_MICRO_BATCH_ORDER)
     chunks = range(int(mixture.epoch_chunks[epoch]), int(mixture.epoch_chunks[epoch + 1]))
-    # A large epoch parks each part's bins as soon as they are formed: they never add up.
-    park = int(mixture.chunk_bounds[chunks.stop] - mixture.chunk_bounds[chunks.start]) >= PARK_FROM_ENTRIES
-    form = functools.partial(_form, mixture, config, park=park, threads=threads)
+    # A large epoch compresses each part's bins as soon as they are formed: they never add up.
+    compress = int(mixture.chunk_bounds[chunks.stop] - mixture.chunk_bounds[chunks.start]) >= COMPRESS_FROM_ENTRIES
+    form = functools.partial(_form, mixture, config, compress=compress, threads=threads)
     warmup = mixture.warmup if epoch == 0 else None
     parts = []
     if warmup is not None:
@@ -139,15 +139,15 @@ def form_parts(mixture: MixtureEntries, config: PlanConfig, epoch: int, threads:
         last = int(mixture.chunk_bounds[chunk + 1])
         if last > first:
             spans.append((chunk, first, last))
-    # Side by side, a part a thread, where the epoch keeps its bins; a parked epoch forms its
-    # parts one at a time, so that only one part's bins are held before they are parked.
-    if config.mode == "pack" and threads > 1 and len(spans) > 1 and not park:
-        return parts + _formed_side_by_side(mixture, config, spans, rng, order_rng, segment, park, threads)
+    # Side by side, a part a thread, where the epoch keeps its bins; a compressed epoch forms its
+    # parts one at a time, so that only one part's bins are held before they are compressed.
+    if config.mode == "pack" and threads > 1 and len(spans) > 1 and not compress:
+        return parts + _formed_side_by_side(mixture, config, spans, rng, order_rng, segment, compress, threads)
     return parts + [form(chunk, first, last, rng, order_rng, segment) for chunk, first, last in spans]
 
 
 def _formed_side_by_side(
-    mixture: MixtureEntries, config: PlanConfig, spans, rng, order_rng, segment: int, park: bool, threads: int
+    mixture: MixtureEntries, config: PlanConfig, spans, rng, order_rng, segment: int, compress: bool, threads: int
 ) -> list[Part]:
     """Packed parts of ``spans`` (``(chunk, first, last)`` each) formed on ``threads`` threads, a
     part each: the parts `_form` makes one after another. Packing draws from ``rng`` only the
@@ -158,7 +158,7 @@ def _formed_side_by_side(
 
     def unshuffled(span: tuple[int, int, int], part_rng: np.random.Generator) -> Part:
         chunk, first, last = span
-        return _form(mixture, config, chunk, first, last, part_rng, None, segment, park=park, threads=1)
+        return _form(mixture, config, chunk, first, last, part_rng, None, segment, compress=compress, threads=1)
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
         formed = pool.map(unshuffled, spans, starts)
@@ -175,16 +175,16 @@ def _form(
     order_rng,
     segment: int,
     *,
-    park: bool,
+    compress: bool,
     threads: int,
 ) -> Part:
     """Entries ``first:last`` (of ``chunk``) formed into micro-batches with ``rng`` and
-    shuffled with ``order_rng`` (None: not yet, an empty order); packed, their bins (parked in
+    shuffled with ``order_rng`` (None: not yet, an empty order); packed, their bins (compressed in
     a large epoch)."""
     formed = form_micro_batches(mixture.entries.length[first:last], config, rng, threads_for(last - first, threads))
-    kept: EpochBatches | PackedBins | ParkedBins = formed
-    if isinstance(formed.layout, PackedBins):  # packed: the bins, parked in a large epoch
-        kept = ParkedBins(formed.layout) if park else formed.layout
+    kept: EpochBatches | PackedBins | CompressedBins = formed
+    if isinstance(formed.layout, PackedBins):  # packed: the bins, compressed in a large epoch
+        kept = CompressedBins(formed.layout) if compress else formed.layout
     part = Part(
         int(mixture.chunk_source[chunk]),
         kept,
@@ -197,6 +197,6 @@ def _form(
         segment,
     )
     del formed, kept
-    if park:
+    if compress:
         release_free_heap()  # the bins' slots, freed among what the parts keep
     return part

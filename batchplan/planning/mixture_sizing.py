@@ -95,7 +95,7 @@ class SourceSelection:
     shuffled: bool = True
 
     def without_order(self) -> SourceSelection:
-        """The same selection without its order (4 bytes per use, let go once copied)."""
+        """The same selection without its order (4 bytes per use, freed once copied)."""
         return dataclasses.replace(self, order=None)
 
     def draw(self, first: int, last: int, seed: int, dtype: np.dtype, threads: int = 1) -> NDArray:
@@ -191,8 +191,9 @@ def draw_sources(
         for index, (source, (start, end), tokens, target) in enumerate(
             zip(mixture.sources, bounds, source_tokens, targets)
         ):
-            if index + window < len(partials) and partials[index + window] is not None:
-                coming[index + window] = ahead.submit(partials[index + window])
+            draw = partials[index + window] if index + window < len(partials) else None
+            if draw is not None:
+                coming[index + window] = ahead.submit(draw)
             partial = coming.pop(index, None)
             if target > 0 and tokens == 0:
                 raise DatasetError(

@@ -8,15 +8,15 @@ bins one part after another, member space the parts' member spaces one after ano
 entry ids global (part ``p``'s entry ``i`` is ``entry_base[p] + i``).
 
 The final layout writes every part's members into member space, a part at a time, the
-largest first, each part's bins used up as it goes: a part's writes stay in its own range, so
+largest first, each part's bins overwritten as it goes: a part's writes stay in its own range, so
 only what is written is resident beside the bins not yet used (the epoch holds one index per
 entry, as one packed dataset holds each slot's place), and rows are read from there
 (`RowMembers`: a row is one range of member space, copied out by
 `batchplan.kernels.segments.gather_rows`). Each part may write values of its own in place of
 its entry ids (``values``: a mixture's samples).
 
-Epochs of at least `batchplan.planning.bins.PARK_FROM_ENTRIES` entries park every part
-(`ParkedBins`: the bin of each slot let go, 4 bytes per entry) while they are composed and
+Epochs of at least `batchplan.planning.bins.COMPRESS_FROM_ENTRIES` entries compress every part
+(`CompressedBins`: the bin of each slot freed, 4 bytes per entry) while they are composed and
 scheduled, and pack a part's histogram again when its bins are needed (the same bins).
 """
 
@@ -32,7 +32,7 @@ from numpy.typing import NDArray
 from batchplan.kernels.segments import gather_rows
 from batchplan.plan import Members, index_dtype
 from batchplan.planning.bins import (
-    PARK_FROM_ENTRIES,
+    COMPRESS_FROM_ENTRIES,
     PackedBins,
     bin_destinations_of,
     left_to_right_sum,
@@ -43,14 +43,14 @@ from batchplan.planning.cutting_stock import pack_histogram
 from batchplan.planning.destinations import Destinations, check_written
 from batchplan.planning.threads import threads_for
 
-__all__ = ["ParkedBins", "PartedBins", "RowMembers", "release_free_heap"]
+__all__ = ["CompressedBins", "PartedBins", "RowMembers", "release_free_heap"]
 
 # Rows whose start in member space `PartedBins.destinations` finds at a time (its lookups stay
 # a few MiB).
 _ROWS_AT_ONCE = 1 << 18
 
 
-class ParkedBins:
+class CompressedBins:
     """A part's packed bins without the bin of each slot (`PackedBins` less one index per
     entry): what packing its histogram again needs (`restore`), and what the epoch reads of
     its bins without their slots (offsets, tokens, lengths)."""
@@ -80,7 +80,7 @@ class PartedBins:
     """Parts' packed bins as one layout (the module docstring).
 
     Args:
-        parts: each part's bins over its own entries ``0..n_p - 1`` (parked or not).
+        parts: each part's bins over its own entries ``0..n_p - 1`` (compressed or not).
         entry_base: the global id of each part's first entry.
         num_entries: the global entries' count (sets the dtype of member ids).
         values: per part, what its members are laid out as in place of their entry ids
@@ -91,7 +91,7 @@ class PartedBins:
 
     def __init__(
         self,
-        parts: list[PackedBins | ParkedBins],
+        parts: list[PackedBins | CompressedBins],
         entry_base: list[int],
         num_entries: int,
         *,
@@ -128,22 +128,22 @@ class PartedBins:
         return self.offsets[1:]
 
     def _live(self, index: int) -> PackedBins:
-        """Part ``index``'s bins, packed again if parked (then not kept: parked it stays)."""
+        """Part ``index``'s bins, packed again if compressed (then not kept: compressed it stays)."""
         part = self.parts[index]
-        return part.restore() if isinstance(part, ParkedBins) else part
+        return part.restore() if isinstance(part, CompressedBins) else part
 
     def formed_tokens(self) -> NDArray[np.integer]:
         dtype = np.result_type(*[part.tokens.dtype for part in self.parts])
         return np.concatenate([part.tokens for part in self.parts], dtype=dtype)
 
-    def members(self, use_up: bool = False) -> tuple[NDArray[np.integer], NDArray[np.int32]]:
+    def members(self, in_place: bool = False) -> tuple[NDArray[np.integer], NDArray[np.int32]]:
         """The whole member space, part after part: ``(members, lengths)``."""
         members, lengths = [], []
         for index, base in enumerate(self.entry_base):
-            part_members, part_lengths = self._live(index).members(use_up=use_up)
+            part_members, part_lengths = self._live(index).members(in_place=in_place)
             members.append(np.add(part_members, base, dtype=self._dtype))
             lengths.append(part_lengths)
-        if use_up:
+        if in_place:
             self.parts = []
         return np.concatenate(members), np.concatenate(lengths)
 
@@ -178,14 +178,14 @@ class PartedBins:
             base = self.member_base[index]
             yield int(index), which, starts[which] - base, ends[which] - base
 
-    def release_lengths(self) -> None:
-        """Nothing to let go: the lengths read are the entries' own."""
+    def free_lengths(self) -> None:
+        """Nothing to free: the lengths read are the entries' own."""
 
-    def park(self, threads: int = 1) -> None:
-        """Epochs of at least `PARK_FROM_ENTRIES` entries park every part (`ParkedBins`); what
+    def compress(self, threads: int = 1) -> None:
+        """Epochs of at least `COMPRESS_FROM_ENTRIES` entries compress every part (`CompressedBins`); what
         forming the parts freed goes back (`release_free_heap`) before the epoch is scheduled."""
-        if self.member_base[-1] >= PARK_FROM_ENTRIES:
-            self.parts = [part if isinstance(part, ParkedBins) else ParkedBins(part) for part in self.parts]
+        if self.member_base[-1] >= COMPRESS_FROM_ENTRIES:
+            self.parts = [part if isinstance(part, CompressedBins) else CompressedBins(part) for part in self.parts]
         release_free_heap()
 
     def length_sums(self, value: Callable, extra: NDArray[np.int64]) -> NDArray[np.float64]:
@@ -254,18 +254,18 @@ class PartedBins:
 
     def lay_out(self, where: Destinations, threads: int) -> Members:
         """The members at ``where`` (`destinations`): every part's members (or ``values``)
-        written into member space, largest part first, each part's bins used up as it goes, and
+        written into member space, largest part first, each part's bins overwritten as it goes, and
         read in row order from there (`RowMembers`: while member space is filled, it holds the
         bins not yet used and the values of the parts being written besides what is written).
         Parts write ranges of their own: kept bins are written on ``threads`` threads, a part
-        each; parked ones a part at a time (each is packed again: one part's bins at once)."""
+        each; compressed ones a part at a time (each is packed again: one part's bins at once)."""
         assert isinstance(where, RowDestinations)  # what `destinations` makes
         where.take_destination()  # the rows read member space: the per-bin destinations go
         bases = self.member_base
         space = new_buffer(int(bases[-1]), self._dtype)
         largest = sorted(range(len(self.parts)), key=lambda index: -int(self.parts[index].lengths.shape[0]))
-        side_by_side = threads > 1 and not any(isinstance(part, ParkedBins) for part in self.parts)
-        parts: list[PackedBins | ParkedBins | None] = list(self.parts)
+        side_by_side = threads > 1 and not any(isinstance(part, CompressedBins) for part in self.parts)
+        parts: list[PackedBins | CompressedBins | None] = list(self.parts)
         self.parts = []
         del self.offsets
 
@@ -283,10 +283,10 @@ class PartedBins:
 
     def _write_part(self, parts, index: int, out: NDArray, threads: int) -> int:
         """Part ``index``'s members (or values) written into ``out`` where its bins lie (its range
-        of member space), its bins used up and let go; how many were written."""
+        of member space), its bins overwritten and freed; how many were written."""
         release_free_heap()  # what the part before freed: heaps keep what is below mmap's threshold
         part, parts[index] = parts[index], None
-        live = part.restore() if isinstance(part, ParkedBins) else part
+        live = part.restore() if isinstance(part, CompressedBins) else part
         del part
         part_threads = threads_for(live.lengths.shape[0], threads)
         local = Destinations(np.zeros(1, dtype=np.int64), live.offsets[:-1].astype(np.int64), _no_pieces())

@@ -86,7 +86,7 @@ def permute(
 
     Items go to random groups of ~16,000, then are shuffled inside each group
     (`shuffle_by_group`): every swap stays in cache, ~4x faster than ``rng.permutation``
-    at 10^7 items. The groups (2 bytes per item) are let go once the items are grouped,
+    at 10^7 items. The groups (2 bytes per item) are freed once the items are grouped,
     and the swaps' keys are drawn a few groups at a time (`KeyStream`): at most the
     output, ``carried`` and the groups are held. The same result on any number of
     ``threads``.

@@ -83,11 +83,11 @@ def schedule_epoch(
     compute = None if coefficient is None else _costs_of(batches, config, coefficient, costs)
     # What is needed of the entries' lengths is known now (tokens, longest): let them go.
     longest = batches.longest() if config.mode == "pad" else None
-    batches.release_lengths()
+    batches.free_lengths()
     # With a loss-tokens column, each micro-batch's loss tokens are summed now, so that large
-    # packed epochs can park their bins until the members are laid out (`EpochBatches.park`).
+    # packed epochs can compress their bins until the members are laid out (`EpochBatches.compress`).
     loss = None if entries.loss_tokens is None else batches.entry_sums(entries.loss_tokens)  # None: length - 1 each
-    batches.park(threads)
+    batches.compress(threads)
     kept = min(num_full, -(-ordered // config.world_size) * config.world_size)  # whole rounds
     # Each scheduled micro-batch's values, gathered once and written where balancing puts them.
     at = Scheduled.take(schedule, batches, compute, config, kept, num_full, epoch, threads)
@@ -192,7 +192,7 @@ def _assemble(
     config: PlanConfig, epoch: int, batches: EpochBatches, rows: EpochRows, dropped, threads: int, sources
 ) -> EpochPlan:
     """The epoch's plan: the rows, and the members laid out in row order. The micro-batches
-    are used up, and each array is let go as soon as it is used, before the members are made."""
+    are emptied, and each array is freed as soon as it is used, before the members are made."""
     tokens, loss_tokens = rows.values
     batch_of_row, sizes = rows.order
     source = None if sources is None else _row_sources(batches.starts, batch_of_row, sizes, *sources)

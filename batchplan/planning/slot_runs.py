@@ -1,5 +1,5 @@
-"""A parked epoch's bins: the bin of each slot, run-length encoded (`batchplan.kernels.slot_runs`)
-while the epoch is scheduled (`batchplan.planning.bins.PackedBins.park`)."""
+"""A compressed epoch's bins: the bin of each slot, run-length encoded (`batchplan.kernels.slot_runs`)
+while the epoch is scheduled (`batchplan.planning.bins.PackedBins.compress`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from batchplan.planning.buffers import new_buffer
 
 __all__ = ["SLOT_RUN_PARTS", "SlotRuns"]
 
-# Parts a parked epoch's runs are kept in (`SlotRuns`): each freed once decoded, so decoding
+# Parts a compressed epoch's runs are kept in (`SlotRuns`): each freed once decoded, so decoding
 # holds the bins and an eighth of the runs (~0.09 bytes per slot), not all of them (0.7).
 SLOT_RUN_PARTS = 8
 
@@ -43,7 +43,7 @@ class SlotRuns:
         return cls(parts, int(slot_bin.shape[0]), slot_bin.dtype, threads)
 
     def decode(self) -> NDArray[np.integer]:
-        """The bin of each slot, in a new array (the runs are used up)."""
+        """The bin of each slot, in a new array (the runs are freed)."""
         slot_bin = new_buffer(self.count, self.dtype)
         num_parts = len(self.parts)
 
