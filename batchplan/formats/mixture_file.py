@@ -94,14 +94,17 @@ class SourceLengths:
         num_samples: its rows.
         files: the files read, in sample order, with their row counts.
         fingerprint: `batchplan.formats.lengths.fingerprint_lengths` of its lengths (and
-            loss tokens, when it has a column of them).
+            loss tokens, when it has a column of them); None until computed
+            (`MixtureLengths.fingerprinted`).
+        has_loss_tokens: whether it has a column of loss tokens.
     """
 
     name: str
     offset: int
     num_samples: int
     files: tuple[tuple[str, int], ...]
-    fingerprint: str
+    fingerprint: str | None
+    has_loss_tokens: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,8 +132,22 @@ class MixtureLengths:
         starts = [source.offset for source in self.sources] + [self.num_samples]
         return np.asarray(starts, dtype=np.int64)
 
+    def fingerprinted(self) -> MixtureLengths:
+        """These lengths with every source's fingerprint computed (hashing releases the GIL:
+        a build runs it beside sizing, which reads the same arrays)."""
+        sources = []
+        for source in self.sources:
+            if source.fingerprint is None:
+                part = slice(source.offset, source.offset + source.num_samples)
+                loss = self.loss_tokens[part] if source.has_loss_tokens and self.loss_tokens is not None else None
+                source = dataclasses.replace(source, fingerprint=fingerprint_lengths(self.lengths[part], loss))
+            sources.append(source)
+        return dataclasses.replace(self, sources=tuple(sources))
+
     def fingerprint(self) -> str:
         """SHA-256 (hex, 32 chars) of the sources' names, rows and fingerprints, in order."""
+        if any(source.fingerprint is None for source in self.sources):
+            raise ValueError("the sources' fingerprints are not computed yet: call `fingerprinted` first")
         rows = [[source.name, source.num_samples, source.fingerprint] for source in self.sources]
         return hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).hexdigest()[:32]
 
@@ -141,23 +158,27 @@ def read_mixture_lengths(
     length_column: str = "length",
     tokens_column: str = "input_ids",
     loss_tokens_column: str | None = None,
+    fingerprints: bool = True,
 ) -> MixtureLengths:
     """Read every source's lengths (a source's own columns override these) and join them.
     Sources are read and fingerprinted side by side on the cores (`batchplan.config.num_threads`);
-    an error names the first source, in the mixture's order, that has one.
+    an error names the first source, in the mixture's order, that has one. ``fingerprints``
+    False: none is computed yet (`MixtureLengths.fingerprinted` computes them).
 
     Raises:
         DatasetError: naming the source: a missing path, a column missing, an unreadable
             file, a source with no samples whose weight (or epochs) is positive.
     """
 
-    def read(source: MixtureSource) -> tuple[SampleLengths | None, str]:
+    def read(source: MixtureSource) -> tuple[SampleLengths | None, str | None]:
         columns = {
             "length_column": source.length_column or length_column,
             "tokens_column": source.tokens_column or tokens_column,
             "loss_tokens_column": source.loss_tokens_column or loss_tokens_column,
         }
         part = _read_source(source, columns)
+        if not fingerprints:
+            return part, None
         return part, fingerprint_lengths(np.zeros(0, np.uint16)) if part is None else part.fingerprint()
 
     with ThreadPoolExecutor(max_workers=max(1, min(num_threads(), len(mixture.sources)))) as pool:
@@ -168,9 +189,8 @@ def read_mixture_lengths(
     for source, (part, fingerprint) in zip(mixture.sources, read_parts):
         rows = 0 if part is None else part.num_samples
         files = () if part is None else part.files
-        described.append(
-            SourceLengths(name=source.name, offset=offset, num_samples=rows, files=files, fingerprint=fingerprint)
-        )
+        has_loss = part is not None and part.loss_tokens is not None
+        described.append(SourceLengths(source.name, offset, rows, files, fingerprint, has_loss))
         offset += rows
     present = [part for part in parts if part is not None]
     lengths = np.concatenate([part.lengths for part in present])

@@ -75,14 +75,17 @@ def _prepare(mixture: Mixture, config: PlanConfig, columns: dict[str, Any], prog
     advance = stage(progress, "reading sources", len(mixture.sources))
     with ThreadPoolExecutor(max_workers=1) as reader:
         # Reading releases the GIL: it runs while numba is imported and started (Python, ~0.3 s).
-        reading = reader.submit(read_mixture_lengths, mixture, **columns)
+        reading = reader.submit(read_mixture_lengths, mixture, **columns, fingerprints=False)
         start_numba()
         lengths = reading.result()
-    advance(len(mixture.sources))
-    threads = num_threads()
-    prepared = prepare_mixture_entries(
-        mixture, lengths.lengths, lengths.offsets, config, loss_tokens=lengths.loss_tokens, threads=threads
-    )
+        advance(len(mixture.sources))
+        # The sources' fingerprints are hashed (BLAKE2b releases the GIL) while they are sized.
+        hashing = reader.submit(lengths.fingerprinted)
+        threads = num_threads()
+        prepared = prepare_mixture_entries(
+            mixture, lengths.lengths, lengths.offsets, config, loss_tokens=lengths.loss_tokens, threads=threads
+        )
+        lengths = hashing.result()
     # The sources' lengths are in the entries now: only what describes them is kept.
     num_samples, fingerprint, sources = lengths.num_samples, lengths.fingerprint(), lengths.sources
     del lengths
