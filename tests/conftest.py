@@ -153,38 +153,6 @@ def integration_runs(tmp_path_factory):
 
 # -- how `pytest -n` hands out tests ---------------------------------------------------------------
 
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_configure(config):
-    """Under ``pytest -n N`` (N >= 2), before the workers start: numba's cache filled by
-    `_warm_kernels`, its parts side by side, so that the workers load kernels instead of each
-    compiling the same ones at once (a fresh checkout; a warm cache costs each part a few
-    seconds). A part that fails is reported, and the tests then compile what they need."""
-    import subprocess
-
-    workers = config.getoption("numprocesses", None) or 0
-    if hasattr(config, "workerinput") or not isinstance(workers, int) or workers < 2:
-        return
-    from _warm_kernels import PARTS
-
-    script = Path(__file__).with_name("_warm_kernels.py")
-    parts = min(workers, len(PARTS))
-    runs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(part), str(parts)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for part in range(parts)
-    ]
-    for part, run in enumerate(runs):
-        _, errors = run.communicate()
-        if run.returncode != 0:
-            tail = errors.strip().splitlines()[-1:] or ["(no output)"]
-            print(f"tests/_warm_kernels.py part {part} exited {run.returncode}: {tail[0]}", file=sys.stderr)
-
-
 # Units other than a whole module, by node id prefix. A fixture that one spawn builds for tests of
 # several modules needs them in one unit; otherwise each worker that runs one builds it again.
 UNITS = {
