@@ -143,3 +143,21 @@ def documented_steps(page: Path, *, fragments: bool = False) -> list[tuple[str, 
         assert header, f"a python block of {page.name} {what}:\n{body[:200]}"
         out.append((header["command"], header["file"], body))
     return out
+
+
+def not_ignored(directory: Path, linked: tuple[str, ...] = (".venv",)) -> list[str]:
+    """What a documented run left in ``directory`` (folders end in /; the ``linked`` names
+    aside) that the repository's .gitignore does not ignore: a page's output must not show up
+    in ``git status`` of a user who ran it in the repository root."""
+    import subprocess
+
+    left = sorted(path.name + ("/" if path.is_dir() else "") for path in directory.iterdir() if path.name not in linked)
+    done = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--stdin"],
+        cwd=Path(__file__).resolve().parent.parent,
+        input="\n".join(left),
+        capture_output=True,
+        text=True,
+    )
+    ignored = set(done.stdout.splitlines())
+    return [name for name in left if name not in ignored]

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _spawn import documented_steps, run_documented
+from _spawn import documented_steps, not_ignored, run_documented
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "integrations.md"
@@ -74,18 +73,4 @@ def test_each_launch_of_the_page_runs_as_written(set_up, environment, tmp_path, 
     for path in LEFT[file]:
         assert (directory / path).exists(), f"{command} did not write {path}"
     assert not (directory / "plan.arrow").exists()  # the README demo's plan is left alone
-    left = sorted(path.name + ("/" if path.is_dir() else "") for path in directory.iterdir() if path.name != ".venv")
-    assert not_ignored(left) == [], "the page leaves files that .gitignore does not ignore"
-
-
-def not_ignored(names: list[str]) -> list[str]:
-    """The names (relative to the repository root; folders end in /) that .gitignore does not ignore."""
-    done = subprocess.run(
-        ["git", "check-ignore", "--no-index", "--stdin"],
-        cwd=ROOT,
-        input="\n".join(names),
-        capture_output=True,
-        text=True,
-    )
-    ignored = set(done.stdout.splitlines())
-    return [name for name in names if name not in ignored]
+    assert not_ignored(directory) == [], "the page leaves files that .gitignore does not ignore"
