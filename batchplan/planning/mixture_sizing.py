@@ -35,7 +35,7 @@ from numpy.typing import NDArray
 from batchplan.errors import DatasetError
 from batchplan.mixture import Mixture
 from batchplan.plan import index_dtype
-from batchplan.planning.mixture_orders import SourceResume, draw_order, in_sample_order, partial_pass_of, pass_order
+from batchplan.planning.mixture_orders import SourceResume, draw_order, partial_pass_of, pass_order
 from batchplan.planning.randomness import PermutedPrefix, source_pass_rng
 
 __all__ = [
@@ -117,7 +117,7 @@ class SourceSelection:
             raise ValueError(f"positions {first:,}:{last:,} of {self.name!r}'s order are not inside one pass")
         pass_index = self.pass_index + (1 if self.head else 0) + index
         if not self.shuffled and index < self.whole_passes:
-            return in_sample_order(np.empty(last - first, dtype=dtype), self.offset + at)
+            return np.arange(self.offset + at, self.offset + at + last - first, dtype=dtype)
         if last - first == count:
             return pass_order(self.name, self.offset, count, pass_index, seed, dtype, threads)
         order = np.empty(count, dtype=dtype)
