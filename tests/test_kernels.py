@@ -28,7 +28,7 @@ from batchplan.kernels.pack import (
 )
 from batchplan.kernels.pad import cut_padded
 from batchplan.kernels.segments import lay_out_segments, range_sums
-from batchplan.kernels.shuffle import count_groups
+from batchplan.kernels.shuffle import count_groups, scatter_groups
 from batchplan.kernels.steps import ramp_steps, steps_by_tokens
 from batchplan.planning import randomness
 from batchplan.planning.randomness import KeyStream, shuffle_by_group, unshuffle_by_group
@@ -589,6 +589,28 @@ def test_key_stream_reads_back_the_draws(drawn_before, count, first, size, jumps
     assert np.concatenate([np.zeros(0, dtype=np.uint32), *(k for _, k in chunks)]).tolist() == keys[first:].tolist()
     with pytest.raises(ValueError, match="asked of a stream"):
         next(stream.chunks(0, count + 1))
+
+
+@given(st.lists(st.integers(0, 9), max_size=80), st.lists(st.integers(0, 10), max_size=4), st.integers(1, 3))
+@example([3, 1, 3, 0, 1], [2], 2)
+def test_groups_written_a_range_at_a_time_land_where_one_call_writes_them(groups, cuts, parts):
+    """`scatter_groups` over ranges of groups, in parts, the cursors kept between calls: each
+    call writes its groups' items where one call for every group writes them (in item order
+    within a group), and no position of a group not yet written."""
+    groups = np.array(groups, dtype=np.uint16)
+    counts = np.zeros((parts, 10), dtype=np.int64)
+    for part in range(parts):
+        count_groups(groups, counts, part, parts)
+    start = np.concatenate([[0], np.cumsum(counts.sum(axis=0))])
+    cursors = start[:-1] + np.cumsum(counts, axis=0) - counts
+    want = np.argsort(groups, kind="stable") + 5
+    items = np.full(groups.shape[0], -1, dtype=np.int64)
+    bounds = [0, *sorted(set(cuts)), 10]
+    for low, high in zip(bounds[:-1], bounds[1:]):
+        for part in range(parts):
+            scatter_groups(groups, cursors, items, 5, None, None, low, high, part, parts)
+        assert items[: start[high]].tolist() == want[: start[high]].tolist()
+        assert (items[start[high] :] == -1).all()
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

@@ -57,8 +57,10 @@ def count_groups(groups, counts, part, parts):
 
 
 @njit(cache=True, nogil=True)
-def scatter_groups(groups, cursors, items, first, values, carried, part, parts):
-    """Write this part's share of the items, ``first +`` their indices, to their groups.
+def scatter_groups(groups, cursors, items, first, values, carried, low_group, high_group, part, parts):
+    """Write this part's share of the items of groups ``low_group:high_group``, ``first +``
+    their indices, to their groups (the other items are skipped: a later call with the same
+    cursors writes them where one call for all groups would).
 
     Args:
         groups: as for `count_groups`.
@@ -75,6 +77,8 @@ def scatter_groups(groups, cursors, items, first, values, carried, part, parts):
     cursor = cursors[part]
     for item in range(begin, end):
         group = groups[item]
+        if group < low_group or group >= high_group:
+            continue
         items[cursor[group]] = first + item
         if carried is not None:
             carried[cursor[group]] = values[item]

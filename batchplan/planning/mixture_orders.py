@@ -6,9 +6,9 @@ Pass ``p`` of a source is a permutation of its samples drawn from
 ``p``), so a source's order does not depend on the other sources, and a pass can be drawn
 again from the seed alone (`pass_order`). Cost: one permutation per whole pass
 (`batchplan.planning.randomness.permute`), the lengths carried along by its shuffles (no
-gather); a partial pass is shuffled only as far as its prefix reaches
-(`batchplan.planning.randomness.PermutedPrefix`), and only the prefix's lengths are looked
-up, `_CHUNK` positions at a time. No loop runs per sample.
+gather); a partial pass is written and shuffled only as far as its prefix reaches
+(`batchplan.planning.randomness.PermutedPrefix`), its lengths carried along too. No loop
+runs per sample.
 
 Where every whole pass is shuffled again after sizing anyway (a run of one epoch without a
 warmup: forming shuffles each pass's chunk, `batchplan.planning.mixture_entries`), whole
@@ -93,7 +93,7 @@ def draw_order(
         partial, partial_lengths, partial_tokens = partial_drawn()
     elif rest:
         partial, partial_lengths, partial_tokens = _partial_pass(
-            name, lengths, start, count, whole_from + whole, rest, seed, dtype, threads
+            name, lengths, start, count, tokens, whole_from + whole, rest, seed, dtype, threads
         )
     size = head.shape[0] + whole * count + partial.shape[0]
     order = np.empty(size, dtype=dtype) if room is None else room[:size]
@@ -138,7 +138,8 @@ def partial_pass_of(
     first_pass = 0 if resume is None else resume.pass_index
     if not rest:
         return None
-    return functools.partial(_partial_pass, name, lengths, start, end - start, first_pass + whole, rest, seed, dtype, 1)
+    args = (name, lengths, start, end - start, tokens, first_pass + whole, rest, seed, dtype, 1)
+    return functools.partial(_partial_pass, *args)
 
 
 def _laid(order: NDArray, lengths: NDArray, room: NDArray | None, along: NDArray | None) -> NDArray:
@@ -172,26 +173,36 @@ def _partial_pass(
     lengths: NDArray,
     start: int,
     count: int,
+    tokens: int,
     index: int,
     rest: int,
     seed: int,
     dtype: np.dtype,
     threads: int,
 ) -> tuple[NDArray, NDArray, int]:
-    """The prefix of pass ``index`` whose tokens are nearest ``rest`` (`_nearest_prefix`):
-    ``(its samples, their lengths, its tokens)``. The pass is shuffled only as far as the
-    prefix reaches (`PermutedPrefix`), and only the prefix's lengths are looked up."""
-    order = np.empty(count, dtype=dtype)
-    drawn = PermutedPrefix(source_pass_rng(seed, name, index), order, start, threads=threads)
-    done, along = 0, []
+    """The prefix of pass ``index`` whose tokens are nearest ``rest`` (`_nearest_prefix`) of a
+    source of ``count`` samples and ``tokens`` tokens: ``(its samples, their lengths, its
+    tokens)``. The pass is written and shuffled only as far as the prefix reaches
+    (`PermutedPrefix`, asked first for the positions that hold ``rest`` tokens at the
+    source's mean length), its lengths carried along (no gather)."""
+    order, along = np.empty(count, dtype=dtype), np.empty(count, dtype=lengths.dtype)
+    drawn = PermutedPrefix(
+        source_pass_rng(seed, name, index),
+        order,
+        start,
+        values=lengths[start : start + count],
+        carried=along,
+        threads=threads,
+    )
+    drawn.extend(-(-rest * count // tokens))
+    done = 0
     for first in range(0, count, _CHUNK):
         drawn.extend(first + _CHUNK)
-        along.append(lengths[order[first : first + _CHUNK]])
-        found = _nearest(along[-1], done, rest)
+        found = _nearest(along[first : first + _CHUNK], done, rest)
         if found is not None:
-            size, tokens = first + found[0], found[1]
-            return order[:size].copy(), np.concatenate(along)[:size], tokens
-        done += int(along[-1].sum(dtype=np.int64))
+            size = first + found[0]
+            return order[:size].copy(), along[:size].copy(), found[1]
+        done += int(along[first : first + _CHUNK].sum(dtype=np.int64))
     raise AssertionError(f"a prefix of {rest:,} tokens is asked of a pass of {done:,}")
 
 

@@ -103,41 +103,61 @@ def _grouped(rng: np.random.Generator, out, first: int, values, carried, threads
     """`permute`'s first draws: each item's group, and the keys of the shuffles (drawn later);
     ``out`` (and ``carried``) written group by group. Returns ``(keys, start)``: group ``g``
     is positions ``start[g]:start[g + 1]``."""
-    count = out.shape[0]
+    groups, num_groups, keys = _draw_groups(rng, out.shape[0])
+    start, cursors, parts = _group_cursors(groups, num_groups, threads)
+    run_in_parts(scatter_groups, parts, groups, cursors, out, first, values, carried, 0, num_groups)
+    return keys, start
+
+
+def _draw_groups(rng: np.random.Generator, count: int):
+    """`permute`'s draws: ``(groups, num_groups, keys)``, each of ``count`` items' random
+    group (uint16), and the shuffles' keys (a `KeyStream`, drawn later)."""
     num_groups = 1 << min(max(count >> 14, 1).bit_length() - 1, 16)  # a power of two, <= 2^16
     groups = rng.integers(0, num_groups, size=count, dtype=np.uint16)
-    keys = KeyStream.draw_later(rng, count)
-    start, cursors, parts = _group_cursors(groups, num_groups, threads)
-    run_in_parts(scatter_groups, parts, groups, cursors, out, first, values, carried)
-    return keys, start
+    return groups, num_groups, KeyStream.draw_later(rng, count)
 
 
 class PermutedPrefix:
     """`permute`'s result, made final a prefix at a time: what draws a prefix of a
     permutation whose length is known only from its values (a source's partial pass).
 
-    Made, every item is in its group (as `permute` places it); `extend` shuffles the groups
-    up to a position, in order, one thread: positions before `ready` hold what `permute`
-    writes there, and groups past the prefix asked for are never shuffled.
+    Made, each item's group is drawn (2 bytes an item, held until every group is written).
+    `extend` writes the groups a position needs (their items where `permute` places them:
+    one read of every item's group per call that writes, each such call writing at least
+    as many groups as were written before it) and shuffles them, in order: positions before
+    `ready` hold what `permute` writes there. Groups past the prefix asked for are never
+    written nor shuffled.
     """
 
     def __init__(self, rng: np.random.Generator, out, first: int = 0, *, values=None, carried=None, threads: int = 1):
         threads = 1 if out.shape[0] < THREADED_FROM else threads
-        self.out, self.carried = out, carried
-        self._keys, self._start = _grouped(rng, out, first, values, carried, threads)
-        self._groups = 0  # groups shuffled
+        self.out, self.carried, self._scattered = out, carried, (out, first, values, carried)
+        self._groups, num_groups, self._keys = _draw_groups(rng, out.shape[0])
+        self._start, self._cursors, self._parts = _group_cursors(self._groups, num_groups, threads)
+        self._written = 0  # groups written
+        self._shuffled = 0  # groups shuffled
         self.ready = 0  # positions final
 
     def extend(self, position: int) -> int:
         """Make the positions before ``position`` final (and the rest of the group it ends
         in); returns `ready`, the positions now final."""
         last_group = int(np.searchsorted(self._start, min(position, self.out.shape[0]), side="left"))
-        if last_group > self._groups:
-            begin, end = int(self._start[self._groups]), int(self._start[last_group])
+        if last_group > self._written:
+            self._write(max(last_group, min(2 * self._written, self._start.shape[0] - 1)))
+        if last_group > self._shuffled:
+            begin, end = int(self._start[self._shuffled]), int(self._start[last_group])
             (keys,) = self._keys.spans([begin, end])
-            shuffle_group_range(self._start, self._groups, last_group, keys, begin, self.out, self.carried)
-            self._groups, self.ready = last_group, end
+            shuffle_group_range(self._start, self._shuffled, last_group, keys, begin, self.out, self.carried)
+            self._shuffled, self.ready = last_group, end
         return self.ready
+
+    def _write(self, last_group: int) -> None:
+        """Write the items of groups `_written`:``last_group`` where `permute` writes them."""
+        groups, written = self._groups, self._written
+        run_in_parts(scatter_groups, self._parts, groups, self._cursors, *self._scattered, written, last_group)
+        self._written = last_group
+        if last_group == self._start.shape[0] - 1:
+            self._groups = groups[:0]  # every item written: free the groups
 
 
 def _shuffle_part(keys: KeyStream, start, items, carried, bounds: list[int], part: int, parts: int) -> None:
@@ -215,7 +235,7 @@ def shuffle_by_group(
     if (values is None) != (carried is None) or (values is not None and values.shape[0] != count):
         raise ValueError("give values and carried together, one value per item")
     start, cursors, parts = _group_cursors(groups, num_groups, threads)
-    run_in_parts(scatter_groups, parts, groups, cursors, items, first, values, carried)
+    run_in_parts(scatter_groups, parts, groups, cursors, items, first, values, carried, 0, num_groups)
     run_in_parts(shuffle_groups, parts, start, keys, items, carried)
     return start
 
