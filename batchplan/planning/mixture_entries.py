@@ -76,7 +76,8 @@ class MixtureEntries:
             them looks nothing up.
         uses: with ``members_are_samples``, the global sample index of every use (entry),
             or None where the run has `DRAW_AGAIN_FROM_USES` uses or more: each chunk's are
-            then drawn again from the seed when its part is laid out.
+            then drawn again from the seed when its part is laid out. Whole passes in sample
+            order are not written there (`chunk_samples` gives them as ranges).
         warmup: epoch 0's sequence-length warmup (`batchplan.planning.mixture_warmup`): its
             pieces are entries after every chunk's; None without one.
     """
@@ -106,12 +107,13 @@ class MixtureEntries:
 
     def chunk_samples(self, chunk: int, seed: int, threads: int = 1) -> NDArray[np.integer]:
         """With ``members_are_samples``: the global sample index of each use of ``chunk`` (a
-        view of ``uses``, or drawn again from ``seed``, the build's: one permutation)."""
+        range for a whole pass in sample order, a view of ``uses``, or drawn again from
+        ``seed``, the build's: one permutation)."""
         first, last = int(self.chunk_bounds[chunk]), int(self.chunk_bounds[chunk + 1])
-        if self.uses is not None:
-            return self.uses[first:last]
         selection = self.selections[int(self.chunk_source[chunk])]
         at = int(self.chunk_start[chunk])
+        if self.uses is not None and not selection.in_sample_order(at):
+            return self.uses[first:last]
         return selection.draw(at, at + last - first, seed, index_dtype(self.num_samples), threads)
 
 
@@ -250,6 +252,10 @@ def _draw_uses(mixture, lengths, offsets, config: PlanConfig, loss_tokens, threa
     # epochs cut passes where their tokens reach a share, and a warmup takes a chunk's first
     # uses: there the passes' own seeded orders choose which samples go where.
     shuffled = config.epochs > 1 or config.has_seqlen_warmup
+    # Where every use will be one packed entry (members are samples) and nothing is gathered
+    # through the orders, those passes are read as ranges (`MixtureEntries.chunk_samples`):
+    # not written into the orders (4 bytes a use).
+    ranges_read = one_each and loss_tokens is None and carried is not None
     drawn = draw_sources(
         mixture,
         sized,
@@ -260,6 +266,7 @@ def _draw_uses(mixture, lengths, offsets, config: PlanConfig, loss_tokens, threa
         out=out,
         along=carried,
         shuffled=shuffled,
+        in_order_written=shuffled or not ranges_read,
     )
     return _Gathered.of(
         drawn,

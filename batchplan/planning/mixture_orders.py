@@ -67,12 +67,15 @@ def draw_order(
     along: NDArray | None = None,
     partial_drawn: Callable[[], tuple[NDArray, NDArray, int]] | None = None,
     shuffled: bool = True,
+    in_order_written: bool = True,
 ) -> Drawn:
     """What is left of a pass under way (``resume``), whole passes, then the prefix of one more
     nearest the rest; the order is drawn into the start of ``room`` when given, and the
     lengths along it written to the start of ``along`` when given (carried by the shuffles:
     no gather). ``partial_drawn``: gives that prefix, drawn already (`partial_pass_of`).
-    ``shuffled`` False: whole passes in sample order (`in_sample_order`)."""
+    ``shuffled`` False: whole passes in sample order (`in_sample_order`), left unwritten in
+    ``room`` with ``in_order_written`` False (their lengths are written to ``along``): for a
+    caller that reads them as ranges (`batchplan.planning.mixture_sizing.SourceSelection.draw`)."""
     count = end - start
     first_pass = 0 if resume is None else resume.pass_index
     if target == 0:
@@ -102,7 +105,8 @@ def draw_order(
     for index in range(whole):
         at = head.shape[0] + index * count
         if not shuffled:
-            in_sample_order(order[at : at + count], start)
+            if in_order_written:
+                in_sample_order(order[at : at + count], start)
             if values is not None:
                 values[at : at + count] = lengths[start:end]
             continue

@@ -94,6 +94,10 @@ class SourceSelection:
     left: NDArray[np.bool_] | None = None
     shuffled: bool = True
 
+    def in_sample_order(self, position: int) -> bool:
+        """Whether ``position`` of the order is in a whole pass taken in sample order."""
+        return not self.shuffled and self.head <= position < self.head + self.whole_passes * self.num_samples
+
     def without_order(self) -> SourceSelection:
         """The same selection without its order (4 bytes per use, freed once copied)."""
         return dataclasses.replace(self, order=None)
@@ -166,6 +170,7 @@ def draw_sources(
     out: NDArray[np.integer] | None = None,
     along: NDArray[np.integer] | None = None,
     shuffled: bool = True,
+    in_order_written: bool = True,
 ) -> Iterator[SourceSelection]:
     """`select_sources`, one source at a time in the mixture's order, before the weights are
     known (``weight`` 0: `with_shares` sets them once every source is drawn). Each order is
@@ -177,7 +182,9 @@ def draw_sources(
     are drawn on threads of their own while a source's order is drawn (`partial_pass_of`: the
     same draws; each holds a permutation of its source while it is drawn). With
     ``shuffled`` False, whole passes are in sample order: for a caller that shuffles each
-    whole pass again (`batchplan.planning.mixture_orders`)."""
+    whole pass again (`batchplan.planning.mixture_orders`); with ``in_order_written`` False
+    too, those passes are not written into ``out`` (each order holds nothing there: read
+    them through `SourceSelection.draw`, a range each)."""
     bounds, source_tokens, targets = _sized(mixture, lengths, offsets)
     dtype = index_dtype(int(lengths.shape[0]))
     wheres = [(resume or {}).get(source.name) for source in mixture.sources]
@@ -217,6 +224,7 @@ def draw_sources(
                 None if along is None else along[at:],
                 None if partial is None else partial.result,
                 shuffled,
+                in_order_written,
             )
             del partial
             at += drawn.order.shape[0]
