@@ -56,6 +56,10 @@ def count_groups(groups, counts, part, parts):
         counts[part, groups[item]] += 1
 
 
+# Items looked at a time when only some groups are written (`scatter_groups`).
+_BLOCK = 4096
+
+
 @njit(cache=True, nogil=True)
 def scatter_groups(groups, cursors, items, first, values, carried, low_group, high_group, part, parts):
     """Write this part's share of the items of groups ``low_group:high_group``, ``first +``
@@ -72,17 +76,35 @@ def scatter_groups(groups, cursors, items, first, values, carried, low_group, hi
         values, carried: optional; ``carried[i]`` is filled with ``values[item]`` of the
             item written at position ``i`` (read in order, instead of a gather through
             ``items`` afterwards: a cache miss per item).
+        low_group, high_group: the groups written.
     """
     begin, end = share(groups.shape[0], part, parts)
     cursor = cursors[part]
-    for item in range(begin, end):
-        group = groups[item]
-        if group < low_group or group >= high_group:
-            continue
-        items[cursor[group]] = first + item
-        if carried is not None:
-            carried[cursor[group]] = values[item]
-        cursor[group] += 1
+    if low_group <= 0 and high_group >= cursor.shape[0]:
+        for item in range(begin, end):
+            _place(groups[item], item, cursor, items, first, values, carried)
+        return
+    # Some groups: each block's items in them are listed first, without a branch per item
+    # (where the groups asked for hold some of the items, a branch is mispredicted often
+    # and costs more than the write), then written.
+    found = np.empty(_BLOCK, dtype=np.int64)
+    for block in range(begin, end, _BLOCK):
+        count = 0
+        for item in range(block, min(end, block + _BLOCK)):
+            group = groups[item]
+            found[count] = item
+            count += (group >= low_group) & (group < high_group)
+        for k in range(count):
+            _place(groups[found[k]], found[k], cursor, items, first, values, carried)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _place(group, item, cursor, items, first, values, carried):
+    """Write ``first + item`` (and its value) at its group's cursor, and advance the cursor."""
+    items[cursor[group]] = first + item
+    if carried is not None:
+        carried[cursor[group]] = values[item]
+    cursor[group] += 1
 
 
 @njit(cache=True, nogil=True)
