@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from batchplan.kernels.step_counts import compose_counts, due_tokens
+from batchplan.kernels.step_counts import compose_counts, due_tokens, prefix_room
 from batchplan.kernels.steps import ramp_target
 
 __all__ = ["compose_segments", "compose_steps"]
@@ -105,15 +105,13 @@ def compose_segments(
     taken = np.zeros(num_sources, dtype=np.float64)  # tokens of each source so far
     count = np.zeros(num_sources, dtype=np.int64)
     rounds, done = int(sizing[0]), sizing[1]
-    remaining = 0.0
-    for i in range(total):
-        remaining += tokens[i]
+    remaining = float(tokens.sum())  # int64: exact
     cumulative = np.zeros(total + 1 if limits.shape[0] > 1 else 1, dtype=np.float64)
     for i in range(cumulative.shape[0] - 1):
         cumulative[i + 1] = cumulative[i] + tokens[i]
     position, steps, phase, segment = 0, 0, -1, 0
     step_offsets[0] = 0
-    clock = shares.copy()
+    clock, room = shares.copy(), prefix_room(num_sources, world_size * max(rounds, int(sizing[5]), 1))
     while position < total:
         phase = _enter_phase(
             phase, done, remaining, phase_starts, phase_weights, tokens, cursor, source_offsets, taken, clock
@@ -139,6 +137,7 @@ def compose_segments(
                 left,
                 ahead,
                 count,
+                room,
             )
             if segment + 1 == limits.shape[0]:
                 break
@@ -152,7 +151,7 @@ def compose_segments(
             for source in range(num_sources):
                 count[source] = ends[source] - cursor[source]
         else:
-            compose_counts(seats, ahead / left, tokens, cursor, ends, due, clock, taken, max_tokens, count)
+            compose_counts(seats, ahead / left, tokens, cursor, ends, due, clock, taken, max_tokens, count, room)
         position, step_tokens = _take(count, cursor, tokens, taken, out, position)
         done += step_tokens
         remaining -= step_tokens
@@ -231,10 +230,11 @@ def _enter_phase(phase, done, remaining, phase_starts, phase_weights, tokens, cu
 
 @njit(cache=True, nogil=True)
 def _step_rounds(
-    rounds, done, sizing, tokens, cursor, ends, due, shares, taken, world_size, max_tokens, left, remaining, count
+    rounds, done, sizing, tokens, cursor, ends, due, shares, taken, world_size, max_tokens, left, remaining, count, room
 ):
     """Rounds of the next step: fixed, or those whose composed tokens come nearest the goal
-    (``left`` micro-batches of ``remaining`` tokens to take, each source's before its ``ends``)."""
+    (``left`` micro-batches of ``remaining`` tokens to take, each source's before its ``ends``;
+    ``room``: `compose_counts`')."""
     if rounds > 0:
         return rounds
     max_rounds = int(sizing[5])
@@ -252,7 +252,7 @@ def _step_rounds(
             off = abs(remaining - goal)
         else:
             mean = remaining / left
-            composed = compose_counts(seats, mean, tokens, cursor, ends, due, shares, taken, max_tokens, count)
+            composed = compose_counts(seats, mean, tokens, cursor, ends, due, shares, taken, max_tokens, count, room)
             off = abs(composed - goal)
         if off < best_off:
             best, best_off = candidate, off

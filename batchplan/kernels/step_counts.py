@@ -18,20 +18,21 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["compose_counts", "due_tokens"]
+__all__ = ["compose_counts", "due_tokens", "prefix_room"]
 
 _PASSES = 4
 
 
 @njit(cache=True, nogil=True)
-def compose_counts(seats, mean, tokens, cursor, ends, due, shares, taken, max_tokens, count):
+def compose_counts(seats, mean, tokens, cursor, ends, due, shares, taken, max_tokens, count, room):
     """Counts per source (``count``) for a step of ``seats`` micro-batches, each source's from
     its ``cursor`` and before its ``ends`` (``mean``: the tokens of a micro-batch left, on
     average; ``due``: `due_tokens`'s phases, the step's phase and the run's tokens before it);
-    returns the step's tokens."""
+    returns the step's tokens. ``room``: float64, (sources, at least ``seats + 1``), the
+    prefix sums' (`prefix_room`; its values are not read), one array for every step."""
     num_sources = shares.shape[0]
     # prefix[s, n]: the tokens of source s's first n micro-batches, summed up to filled[s]
-    prefix = np.empty((num_sources, seats + 1), dtype=np.float64)
+    prefix = room if room.shape[1] > seats else np.empty((num_sources, seats + 1), dtype=np.float64)
     filled = np.zeros(num_sources, dtype=np.int64)
     avail = np.zeros(num_sources, dtype=np.int64)
     for source in range(num_sources):
@@ -59,6 +60,13 @@ def compose_counts(seats, mean, tokens, cursor, ends, due, shares, taken, max_to
             break
         estimate = step_tokens
     return _repair(sums, avail, due, max_tokens, count, step_tokens)
+
+
+@njit(cache=True, nogil=True)
+def prefix_room(num_sources, seats):
+    """`compose_counts`' ``room`` for steps of up to ``seats`` micro-batches (a step of more
+    makes its own)."""
+    return np.empty((num_sources, seats + 1), dtype=np.float64)
 
 
 @njit(cache=True, nogil=True)

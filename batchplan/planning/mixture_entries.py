@@ -11,13 +11,12 @@ An epoch's entries are its uses, source after source, pass after pass (a sample 
 is two entries); `make_entries` applies the build's policies to them (drop, truncate, split).
 
 Memory: the run's lengths along its uses (2 bytes per use) and, below `DRAW_AGAIN_FROM_USES`
-uses, each use's sample (4 bytes), both drawn straight into one array each (sizing writes
-each source's passes there; with one epoch nothing is copied). Where every use is one packed
-entry, the epochs' members are laid out as the samples themselves, so writing looks nothing
-up (`MixtureEntries.members_are_samples`); a run of `DRAW_AGAIN_FROM_USES` uses or more then
-holds no sample at all, drawing each part's again when it is laid out. A build with
-``drop_last`` or a sequence-length warmup keeps each use's sample (its drops and pieces name
-samples).
+uses, each use's sample (4 bytes), both drawn straight into one array each (with one epoch
+nothing is copied). Where every use is one packed entry, the epochs' members are laid out as
+the samples themselves (`MixtureEntries.members_are_samples`): a whole pass in sample order is
+then a range, never written, and a run of `DRAW_AGAIN_FROM_USES` uses or more holds no sample
+at all, drawing each part's again when it is laid out. A build with ``drop_last`` or a
+sequence-length warmup keeps each use's sample (its drops and pieces name samples).
 """
 
 from __future__ import annotations
@@ -252,9 +251,8 @@ def _draw_uses(mixture, lengths, offsets, config: PlanConfig, loss_tokens, threa
     # epochs cut passes where their tokens reach a share, and a warmup takes a chunk's first
     # uses: there the passes' own seeded orders choose which samples go where.
     shuffled = config.epochs > 1 or config.has_seqlen_warmup
-    # Where every use will be one packed entry (members are samples) and nothing is gathered
-    # through the orders, those passes are read as ranges (`MixtureEntries.chunk_samples`):
-    # not written into the orders (4 bytes a use).
+    # Where each use will be one packed entry and nothing is gathered through the orders, those
+    # passes are read as ranges (`MixtureEntries.chunk_samples`): not written (4 bytes a use).
     ranges_read = one_each and loss_tokens is None and carried is not None
     drawn = draw_sources(
         mixture,
