@@ -49,7 +49,7 @@ def compose(sizes, tokens, shares, world_size, max_tokens, rounds):
         shares[None, :],
         shares,
         world_size,
-        max_tokens,
+        float(max_tokens),  # the planner's type: one compiled version
         sizing,
         out,
         steps,

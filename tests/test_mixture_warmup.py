@@ -230,7 +230,7 @@ def test_a_segment_joins_only_where_what_the_earlier_ones_left_fits_in_a_step(
         shares[None, :],
         shares,
         world_size,
-        max_tokens,
+        float(max_tokens),  # the planner's type: one compiled version
         step_sizing(config, 0, float(tokens.mean())),
         out,
         steps,
@@ -277,7 +277,7 @@ def test_the_last_composed_step_holds_at_most_the_carry_bound(num_sources, world
         shares[None, :],
         shares,
         world_size,
-        max_tokens,
+        float(max_tokens),
         step_sizing(config, before, float(tokens.mean())),
         out,
         steps,

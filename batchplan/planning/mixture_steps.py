@@ -85,6 +85,7 @@ def compose_epoch(
     shares = source_tokens / max(float(source_tokens.sum()), 1.0)
     starts, weights = phases
     asked = weights[:, sources] / np.maximum(weights[:, sources].sum(axis=1, keepdims=True), 1e-300)
+    asked = np.ascontiguousarray(asked)  # columns taken are Fortran-ordered: one compiled version
     sizing = step_sizing(config, tokens_before, float(tokens.mean()) if tokens.shape[0] else 0.0)
     order = np.empty(queue.shape[0], dtype=np.int64)
     steps = np.empty(queue.shape[0] + 1, dtype=np.int64)
