@@ -8,7 +8,8 @@ default build, in every configuration the mixture's paths branch on (pack and pa
 loss-tokens column, spans and drops, several epochs, phases, compute balance, a ramp-up,
 drop_last, a sequence-length warmup, a plan directory, a re-planned continuation). The draws
 they rest on are checked on their own: a selection's order drawn again
-(`SourceSelection.draw`), and a permutation's prefix (`PermutedPrefix`)."""
+(`SourceSelection.draw`), a permutation's prefix (`PermutedPrefix`), and whole passes in
+sample order read as ranges, never written (`MixtureEntries.chunk_samples`)."""
 
 from __future__ import annotations
 
@@ -251,3 +252,36 @@ def test_compressed_parts_hold_and_lay_out_what_the_parts_hold(seed):
         want[first : first + 37].tolist() for first in range(0, got.count, 37)
     ]
     assert got.all().tolist() == want.tolist()
+
+
+def test_a_one_epoch_packed_mixture_reads_its_whole_passes_as_ranges_never_written(sources, monkeypatch):
+    """Where every use is one packed entry (one epoch, no warmup, every length within the
+    cap), a whole pass in sample order is not written into the uses' samples (a buffer of
+    sentinels keeps them there) and `chunk_samples` gives it as the source's range; a partial
+    pass is written, and is the prefix of its pass drawn again (`SourceSelection.draw`)."""
+
+    def sentinels(shape, dtype):
+        return np.full(shape, np.iinfo(dtype).max, dtype=dtype)
+
+    monkeypatch.setattr(mixture_entries, "new_buffer", sentinels)
+    mixture = read_mixture(sources / "mixture.json")
+    read = read_mixture_lengths(mixture)
+    config = PlanConfig(max_tokens=2048, world_size=4, micro_batches=2)
+    prepared = prepare_mixture_entries(mixture, read.lengths, read.offsets, config)
+    assert prepared.members_are_samples and prepared.uses is not None
+    ranges = 0
+    for chunk, source in enumerate(prepared.chunk_source):
+        selection = prepared.selections[source]
+        first, last = int(prepared.chunk_bounds[chunk]), int(prepared.chunk_bounds[chunk + 1])
+        at = int(prepared.chunk_start[chunk])
+        got = prepared.chunk_samples(chunk, config.seed)
+        held = prepared.uses[first:last]
+        if selection.in_sample_order(at):
+            ranges += 1
+            assert got.tolist() == list(range(selection.offset, selection.offset + selection.num_samples))
+            assert (held == np.iinfo(held.dtype).max).all()
+        else:
+            assert (
+                got.tolist() == held.tolist() == selection.draw(at, at + last - first, config.seed, got.dtype).tolist()
+            )
+    assert ranges >= 2
