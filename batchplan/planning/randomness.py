@@ -131,7 +131,8 @@ class PermutedPrefix:
 
     def __init__(self, rng: np.random.Generator, out, first: int = 0, *, values=None, carried=None, threads: int = 1):
         threads = 1 if out.shape[0] < THREADED_FROM else threads
-        self.out, self.carried, self._scattered = out, carried, (out, first, values, carried)
+        self.out, self.carried = out, carried
+        self._into = (out, first, values, carried)  # `scatter_groups`' items, first, values, carried
         self._groups, num_groups, self._keys = _draw_groups(rng, out.shape[0])
         self._start, self._cursors, self._parts = _group_cursors(self._groups, num_groups, threads)
         self._written = 0  # groups written
@@ -154,7 +155,7 @@ class PermutedPrefix:
     def _write(self, last_group: int) -> None:
         """Write the items of groups `_written`:``last_group`` where `permute` writes them."""
         groups, written = self._groups, self._written
-        run_in_parts(scatter_groups, self._parts, groups, self._cursors, *self._scattered, written, last_group)
+        run_in_parts(scatter_groups, self._parts, groups, self._cursors, *self._into, written, last_group)
         self._written = last_group
         if last_group == self._start.shape[0] - 1:
             self._groups = groups[:0]  # every item written: free the groups
