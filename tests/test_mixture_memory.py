@@ -276,7 +276,7 @@ def test_a_one_epoch_packed_mixture_reads_its_whole_passes_as_ranges_never_writt
         at = int(prepared.chunk_start[chunk])
         got = prepared.chunk_samples(chunk, config.seed)
         held = prepared.uses[first:last]
-        if selection.in_sample_order(at):
+        if selection.is_range(at):
             ranges += 1
             assert got.tolist() == list(range(selection.offset, selection.offset + selection.num_samples))
             assert (held == np.iinfo(held.dtype).max).all()

@@ -111,7 +111,7 @@ class MixtureEntries:
         first, last = int(self.chunk_bounds[chunk]), int(self.chunk_bounds[chunk + 1])
         selection = self.selections[int(self.chunk_source[chunk])]
         at = int(self.chunk_start[chunk])
-        if self.uses is not None and not selection.in_sample_order(at):
+        if self.uses is not None and not selection.is_range(at):
             return self.uses[first:last]
         return selection.draw(at, at + last - first, seed, index_dtype(self.num_samples), threads)
 
@@ -264,7 +264,7 @@ def _draw_uses(mixture, lengths, offsets, config: PlanConfig, loss_tokens, threa
         out=out,
         along=carried,
         shuffled=shuffled,
-        in_order_written=shuffled or not ranges_read,
+        in_order_written=not ranges_read,
     )
     return _Gathered.of(
         drawn,

@@ -94,8 +94,9 @@ class SourceSelection:
     left: NDArray[np.bool_] | None = None
     shuffled: bool = True
 
-    def in_sample_order(self, position: int) -> bool:
-        """Whether ``position`` of the order is in a whole pass taken in sample order."""
+    def is_range(self, position: int) -> bool:
+        """Whether ``position`` of the order is in a whole pass taken in sample order (a range
+        of the source's samples)."""
         return not self.shuffled and self.head <= position < self.head + self.whole_passes * self.num_samples
 
     def without_order(self) -> SourceSelection:
@@ -120,7 +121,7 @@ class SourceSelection:
         if first < self.head or at + last - first > count:
             raise ValueError(f"positions {first:,}:{last:,} of {self.name!r}'s order are not inside one pass")
         pass_index = self.pass_index + (1 if self.head else 0) + index
-        if not self.shuffled and index < self.whole_passes:
+        if self.is_range(first):
             return np.arange(self.offset + at, self.offset + at + last - first, dtype=dtype)
         if last - first == count:
             return pass_order(self.name, self.offset, count, pass_index, seed, dtype, threads)
