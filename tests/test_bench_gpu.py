@@ -27,7 +27,7 @@ gpu = pytest.importorskip("bench.gpu")
 @pytest.mark.slow
 def test_tiny_run_reports_every_method_and_the_balance(tmp_path):
     report_path = tmp_path / "gpu.json"
-    options = ["--tiny", "--seconds", "1", "--balance-seconds", "2", "--json", str(report_path)]
+    options = ["--tiny", "--seconds", "0.3", "--balance-seconds", "1", "--json", str(report_path)]
     command = [sys.executable, "-m", "bench.gpu", *options]
     # One torch thread: a width-64 model gains nothing from two, on cores another test shares.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

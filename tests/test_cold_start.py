@@ -83,37 +83,56 @@ def test_the_compiling_module_does_not_import_numba():
     assert "numba" not in loaded_after("import batchplan.kernels.compiling")
 
 
-@pytest.mark.slow
-def test_a_first_build_on_a_terminal_says_kernels_compile_and_the_next_build_does_not(tmp_path):
-    # An empty numba cache of its own: the first build compiles every kernel it uses (~10-30 s).
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache"), "TTY_COMPATIBLE": "1"}
-    plans, shown = [], []
-    for name in ("first.arrow", "second.arrow"):
-        options = ["-o", str(tmp_path / name), "--max-tokens", "4096", "--world-size", "2"]
-        command = [sys.executable, "-m", "batchplan_cli.main", "build", str(SQUAD), *options]
-        done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
-        assert done.returncode == 0, done.stderr[-3000:]
-        plans.append((tmp_path / name).read_bytes())
-        shown.append(done.stderr)
-    assert COMPILING in shown[0] and "reading lengths" in shown[1] and COMPILING not in shown[1]
-    assert plans[0] == plans[1]
+def build_command(tmp_path: Path, name: str) -> list[str]:
+    options = ["-o", str(tmp_path / name), "--max-tokens", "4096", "--world-size", "2"]
+    return [sys.executable, "-m", "batchplan_cli.main", "build", str(SQUAD), *options]
 
 
-@pytest.mark.slow
-def test_a_first_build_on_a_pipe_writes_nothing_to_stderr(tmp_path):
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
-    env.pop("TTY_COMPATIBLE", None)
+def build_environment(cache: Path, *, terminal: bool) -> dict[str, str]:
+    """An environment with numba's cache at ``cache`` (empty: the first build compiles every
+    kernel it uses, ~10-30 s), on a terminal as rich sees it or on a pipe."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
     env.pop("FORCE_COLOR", None)
-    command = [
-        sys.executable,
-        "-m",
-        "batchplan_cli.main",
-        "build",
-        str(SQUAD),
-        "-o",
-        str(tmp_path / "plan.arrow"),
-        "--max-tokens",
-        "4096",
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert done.returncode == 0 and done.stderr == "" and done.stdout.startswith("wrote ")
+    env.pop("TTY_COMPATIBLE", None)
+    if terminal:
+        env["TTY_COMPATIBLE"] = "1"
+    return env
+
+
+@pytest.mark.slow
+def test_a_first_build_on_a_pipe_writes_nothing_to_stderr_and_the_next_on_a_terminal_does_not_compile(tmp_path):
+    cache = tmp_path / "numba-cache"
+    first = subprocess.run(
+        build_command(tmp_path, "first.arrow"),
+        capture_output=True,
+        text=True,
+        env=build_environment(cache, terminal=False),
+        cwd=tmp_path,
+    )
+    assert first.returncode == 0 and first.stderr == "" and first.stdout.startswith("wrote ")
+    second = subprocess.run(
+        build_command(tmp_path, "second.arrow"),
+        capture_output=True,
+        text=True,
+        env=build_environment(cache, terminal=True),
+        cwd=tmp_path,
+    )
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "reading lengths" in second.stderr and COMPILING not in second.stderr
+    assert (tmp_path / "first.arrow").read_bytes() == (tmp_path / "second.arrow").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_first_build_on_a_terminal_says_kernels_compile(tmp_path):
+    """The build is stopped once the line shows: what follows is the build above's."""
+    env = build_environment(tmp_path / "numba-cache", terminal=True)
+    build = subprocess.Popen(build_command(tmp_path, "plan.arrow"), stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    shown = b""
+    try:
+        while COMPILING.encode() not in shown and (chunk := os.read(build.stderr.fileno(), 65536)):
+            shown += chunk
+    finally:
+        build.kill()
+        build.wait()
+        build.stderr.close()
+    assert COMPILING.encode() in shown, shown.decode(errors="replace")[-3000:]
