@@ -99,24 +99,17 @@ def build_environment(cache: Path, *, terminal: bool) -> dict[str, str]:
     return env
 
 
+def run_build(tmp_path: Path, name: str, cache: Path, *, terminal: bool) -> subprocess.CompletedProcess:
+    env = build_environment(cache, terminal=terminal)
+    return subprocess.run(build_command(tmp_path, name), capture_output=True, text=True, env=env, cwd=tmp_path)
+
+
 @pytest.mark.slow
 def test_a_first_build_on_a_pipe_writes_nothing_to_stderr_and_the_next_on_a_terminal_does_not_compile(tmp_path):
     cache = tmp_path / "numba-cache"
-    first = subprocess.run(
-        build_command(tmp_path, "first.arrow"),
-        capture_output=True,
-        text=True,
-        env=build_environment(cache, terminal=False),
-        cwd=tmp_path,
-    )
+    first = run_build(tmp_path, "first.arrow", cache, terminal=False)
     assert first.returncode == 0 and first.stderr == "" and first.stdout.startswith("wrote ")
-    second = subprocess.run(
-        build_command(tmp_path, "second.arrow"),
-        capture_output=True,
-        text=True,
-        env=build_environment(cache, terminal=True),
-        cwd=tmp_path,
-    )
+    second = run_build(tmp_path, "second.arrow", cache, terminal=True)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "reading lengths" in second.stderr and COMPILING not in second.stderr
     assert (tmp_path / "first.arrow").read_bytes() == (tmp_path / "second.arrow").read_bytes()
